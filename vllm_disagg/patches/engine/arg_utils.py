@@ -1,6 +1,7 @@
 """Patch: fail at start-up, in one sentence, on two common configuration errors.
 
-Upstream: ``vllm.engine.arg_utils.EngineArgs.create_engine_config``.
+Upstream: ``vllm.engine.arg_utils.EngineArgs.__post_init__`` and
+``EngineArgs.create_engine_config``.
 
 * A model given as a filesystem path that does not exist is passed on to the
   Hugging Face Hub client, which on an offline machine fails after retries
@@ -9,8 +10,9 @@ Upstream: ``vllm.engine.arg_utils.EngineArgs.create_engine_config``.
   support is only rejected inside the engine process while the model loads,
   behind several tracebacks.
 
-The wrapper checks the path before, and the head size after, upstream builds
-the config, and raises :class:`vllm_disagg.errors.ConfigError`.
+The wrappers check the path before upstream's ``__post_init__`` resolves it
+(with ``HF_HUB_OFFLINE=1`` it already asks the Hub client), and the head size
+after upstream builds the config, and raise :class:`vllm_disagg.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from vllm.engine.arg_utils import EngineArgs
 
 from vllm_disagg.errors import ConfigError
 
+_upstream_post_init = EngineArgs.__post_init__
 _upstream_create_engine_config = EngineArgs.create_engine_config
 
 
@@ -69,17 +72,26 @@ def check_cpu_head_size(vllm_config) -> None:
         )
 
 
+@functools.wraps(_upstream_post_init)
+def __post_init__(self):
+    check_model_path(self.model)
+    _upstream_post_init(self)
+
+
 @functools.wraps(_upstream_create_engine_config)
 def create_engine_config(self, *args, **kwargs):
-    check_model_path(self.model)
     vllm_config = _upstream_create_engine_config(self, *args, **kwargs)
     check_cpu_head_size(vllm_config)
     return vllm_config
 
 
 def apply() -> None:
+    EngineArgs.__post_init__ = __post_init__
     EngineArgs.create_engine_config = create_engine_config
 
 
 def is_applied() -> bool:
-    return EngineArgs.create_engine_config is create_engine_config
+    return (
+        EngineArgs.__post_init__ is __post_init__
+        and EngineArgs.create_engine_config is create_engine_config
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from vllm_disagg.logger import init_logger
+from vllm.logger import configure_logging_if_needed
 from vllm.v1.engine.core import EngineCoreProc
 
 logger = init_logger(__name__)
@@ -27,6 +28,9 @@ def run_engine_core(*args, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs):
     import vllm_disagg
     from vllm_disagg.patches import verify_applied
 
+    # Upstream configures logging first thing too; do it before our own line.
+    if logging_config := getattr(kwargs.get("vllm_config"), "logging_config", None):
+        configure_logging_if_needed(logging_config)
     vllm_disagg.register()
     status = verify_applied()
     missing = [name for name, ok in status.items() if not ok]

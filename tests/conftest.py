@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny models built once per session, real `vllm serve` servers.
+
+End-to-end tests are marked ``e2e``; ``pytest -m "not e2e"`` runs the fast set.
+When a test fails, the tail of every server log started for it is attached to
+the report.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_disagg.testing.server import VllmServer, cpu_test_env
+from vllm_disagg.testing.tiny_models import build_all
+
+_live_servers: list[VllmServer] = []
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict:
+    """Paths of the tiny checkpoints: {"tiny-llama": Path, "tiny-mixtral": Path}."""
+    return build_all(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory):
+    """Factory: start_server(model, args, name=..., **env) -> running VllmServer.
+
+    Servers are stopped at the end of the session, or earlier via .stop().
+    """
+    log_dir = tmp_path_factory.mktemp("server-logs")
+    started: list[VllmServer] = []
+
+    def start(model, args=(), *, name: str, **env: str) -> VllmServer:
+        server = VllmServer(
+            model, list(args), log_path=log_dir / f"{name}.log", env=cpu_test_env(**env)
+        )
+        started.append(server)
+        _live_servers.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
+        _live_servers.remove(server)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for server in _live_servers:
+            report.sections.append((f"server log {server.log_path.name}", server.log_tail(120)))

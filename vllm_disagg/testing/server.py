@@ -1,0 +1,173 @@
+"""Start and stop real ``vllm serve`` processes for tests, examples and benchmarks.
+
+:class:`VllmServer` runs the ``vllm`` console script of the current
+environment on a free loopback port, polls ``/health`` until the server is
+ready (or its process dies, or a deadline passes), keeps its output in a log
+file, and on exit stops exactly the process group it started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+DEFAULT_STOP_TIMEOUT_S = 30.0
+
+
+def get_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def vllm_executable() -> str:
+    """The ``vllm`` console script next to the running interpreter."""
+    found = shutil.which("vllm", path=os.path.dirname(sys.executable))
+    if found is None:
+        raise RuntimeError(
+            f"no `vllm` console script next to {sys.executable}; install the package"
+        )
+    return found
+
+
+def cpu_test_env(**extra: str) -> dict[str, str]:
+    """Environment for small CPU servers: little KV memory, offline, quiet."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env.update(extra)
+    return env
+
+
+class ServerStartupError(RuntimeError):
+    pass
+
+
+class VllmServer:
+    """One ``vllm serve`` process tree, started in its own process group."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        args: list[str] | None = None,
+        *,
+        log_path: str | os.PathLike,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    ):
+        self.model = str(model)
+        self.port = port or get_free_port()
+        self.args = list(args or [])
+        self.log_path = Path(log_path)
+        self.env = env if env is not None else cpu_test_env()
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def command(self) -> list[str]:
+        return [
+            vllm_executable(),
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+
+    def start(self) -> VllmServer:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            self.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
+        log.close()
+        self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartupError(
+                    f"vllm serve exited with {self.proc.returncode} during start-up\n"
+                    + self.log_tail()
+                )
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartupError(
+            f"vllm serve not ready after {self.startup_timeout_s:.0f}s\n" + self.log_tail()
+        )
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 80) -> str:
+        tail = "\n".join(self.log_text().splitlines()[-lines:])
+        return f"--- last {lines} lines of {self.log_path} ---\n{tail}"
+
+    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM the server, then SIGKILL its process group if it lingers."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # Engine cores and workers are in the group we created; end stragglers.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=timeout_s)
+        return proc.returncode
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+    # --- client helpers ---------------------------------------------------
+
+    def complete(self, prompt: str, timeout_s: float = 120.0, **params: Any) -> dict:
+        body = {"model": self.model, "prompt": prompt, **params}
+        response = requests.post(f"{self.url}/v1/completions", json=body, timeout=timeout_s)
+        response.raise_for_status()
+        return response.json()

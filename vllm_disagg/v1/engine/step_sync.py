@@ -1,0 +1,486 @@
+"""Step-synchronized data parallelism: the Coordinator/Participant protocol.
+
+MoE DP ranks must run the same number of forward passes, because every pass
+meets the other ranks in collectives. Instead of upstream's "waves" (a DP
+coordinator process, START_DP_WAVE broadcasts, an all-reduce every N steps),
+the ranks agree on a *coordinator step* ``G``: every rank runs forward passes
+1..G, with dummy batches where it has no work of its own.
+
+* One :class:`Coordinator` (a thread in DP rank 0's engine process) keeps
+  ``G`` and the set of registered participants.
+* One :class:`Participant` per DP rank. Its engine thread counts
+  ``local_step`` (real or dummy forward passes done) and knows the latest
+  ``coord_step`` granted. A rank with work that is about to run pass ``s``
+  makes sure ``G >= s`` by asking for ``s + lookahead`` *before* it needs it
+  (pipelined lease renewal: the request goes out while granted steps remain,
+  so the round trip never stalls a step). Ranks with ``local_step < G`` run
+  dummy passes; at most ``lookahead`` are wasted after the last work drains.
+
+Wire: one ZMQ ROUTER (coordinator) and one DEALER per participant, msgspec
+messages, every size bounded; malformed or foreign messages are dropped and
+counted. Both sides exchange heartbeats; silence longer than
+``peer_timeout_s`` is reported through ``on_failure`` so engines fail fast
+instead of hanging in a collective.
+
+Threading: the network side runs in one background thread per object. The
+engine-side state of a participant (``local_step``, ``coord_step``) is only
+touched by the engine thread: grants reach it through the ``on_grant``
+callback, which the engine turns into an item on its input queue (waking it
+if it is blocked) and hands back via :meth:`Participant.observe_grant`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.logger import init_logger
+
+logger = init_logger(__name__)
+
+# No legitimate message is anywhere near this; ZMQ drops larger frames.
+MAX_MESSAGE_BYTES = 1024
+# Heartbeats per peer_timeout_s; a peer must miss several before it is dead.
+HEARTBEATS_PER_TIMEOUT = 5
+
+
+@dataclass(frozen=True)
+class StepSyncConfig:
+    dp_size: int
+    lookahead: int = 2
+    peer_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if not isinstance(self.dp_size, int) or self.dp_size < 1:
+            raise ConfigError(f"step sync: dp_size must be an integer >= 1, got {self.dp_size!r}")
+        if not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 1024:
+            raise ConfigError(
+                f"step_sync_lookahead must be an integer in [1, 1024], got {self.lookahead!r}"
+            )
+        if not 0.1 <= float(self.peer_timeout_s) <= 3600:
+            raise ConfigError(
+                "step_sync_peer_timeout_s must be a number of seconds in [0.1, 3600], "
+                f"got {self.peer_timeout_s!r}"
+            )
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return self.peer_timeout_s / HEARTBEATS_PER_TIMEOUT
+
+    @property
+    def renew_margin(self) -> int:
+        """Renew the lease when fewer than this many granted steps remain."""
+        return (self.lookahead + 1) // 2
+
+
+# --- wire messages -----------------------------------------------------------
+
+
+class Register(msgspec.Struct, tag="reg", array_like=True, forbid_unknown_fields=True):
+    dp_rank: int
+    dp_size: int
+    lookahead: int
+    incarnation: str
+
+
+class RequestSteps(msgspec.Struct, tag="req", array_like=True, forbid_unknown_fields=True):
+    """Participant -> coordinator: make sure every rank runs through ``step``."""
+
+    dp_rank: int
+    step: int
+
+
+class Heartbeat(msgspec.Struct, tag="hb", array_like=True, forbid_unknown_fields=True):
+    dp_rank: int
+    local_step: int
+
+
+class Grant(msgspec.Struct, tag="grant", array_like=True, forbid_unknown_fields=True):
+    """Coordinator -> participant: every rank runs forward passes 1..``step``.
+    Also sent unchanged as the coordinator's heartbeat."""
+
+    step: int
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True, forbid_unknown_fields=True):
+    reason: str
+
+
+ToCoordinator = Register | RequestSteps | Heartbeat
+ToParticipant = Grant | Abort
+
+_encoder = msgspec.msgpack.Encoder()
+_to_coordinator = msgspec.msgpack.Decoder(ToCoordinator)
+_to_participant = msgspec.msgpack.Decoder(ToParticipant)
+
+
+class StepSyncError(RuntimeError):
+    """The DP group cannot stay in lockstep (a peer died or went silent)."""
+
+
+@dataclass
+class _PeerState:
+    identity: bytes
+    incarnation: str
+    last_seen: float
+    local_step: int = 0
+
+
+class _Counters:
+    """Thread-safe counters exported as metrics."""
+
+    def __init__(self, *names: str):
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(names, 0)
+
+    def inc(self, name: str, by: int = 1) -> None:
+        with self._lock:
+            self._values[name] += by
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+def _new_context_socket(kind: int) -> tuple[zmq.Context, zmq.Socket]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    return ctx, sock
+
+
+# --- coordinator -------------------------------------------------------------
+
+
+class Coordinator:
+    """Keeps the coordinator step and tells every participant when it grows.
+
+    Runs a background thread bound to ``address`` (a ZMQ endpoint such as
+    ``tcp://127.0.0.1:5555``; port 0 picks a free port, see :attr:`address`).
+    """
+
+    def __init__(
+        self,
+        config: StepSyncConfig,
+        address: str,
+        on_failure: Callable[[str], None] | None = None,
+    ):
+        self.config = config
+        self.on_failure = on_failure or (lambda reason: None)
+        self.step = 0
+        self.counters = _Counters("grants_sent", "requests_received", "malformed_messages")
+        self._peers: dict[int, _PeerState] = {}
+        self._failed: str | None = None
+        self._stop = threading.Event()
+        _, self._sock = _new_context_socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if address.endswith(":0"):
+            port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
+            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        else:
+            self._sock.bind(address)
+        self.address = address
+        self._thread = threading.Thread(target=self._run, name="StepSyncCoordinator", daemon=True)
+
+    def start(self) -> Coordinator:
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._sock.close(linger=0)
+
+    @property
+    def registered(self) -> list[int]:
+        return sorted(self._peers)
+
+    # The thread owns the socket from here on.
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        interval = self.config.heartbeat_interval_s
+        next_heartbeat = time.monotonic() + interval
+        while not self._stop.is_set():
+            timeout_ms = max(0, int((next_heartbeat - time.monotonic()) * 1000))
+            if poller.poll(min(timeout_ms, 100)):
+                while True:
+                    try:
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                next_heartbeat = now + interval
+                self._broadcast(Grant(self.step))
+                self._check_peers(now)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.counters.inc("malformed_messages")
+            return
+        identity, payload = frames
+        try:
+            msg = _to_coordinator.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._reject(identity, "undecodable message")
+            return
+        rank = msg.dp_rank
+        if not 0 <= rank < self.config.dp_size:
+            self._reject(identity, f"dp_rank {rank} outside [0, {self.config.dp_size})")
+            return
+        if isinstance(msg, Register):
+            self._register(identity, msg)
+            return
+        peer = self._peers.get(rank)
+        if peer is None or peer.identity != identity:
+            self._reject(identity, f"message from unregistered rank {rank}")
+            return
+        peer.last_seen = time.monotonic()
+        if isinstance(msg, Heartbeat):
+            peer.local_step = max(peer.local_step, msg.local_step)
+            return
+        # RequestSteps: a participant runs at most one pass past what it knows
+        # to be granted, and asks for `lookahead` past that pass.
+        self.counters.inc("requests_received")
+        if not 0 < msg.step <= self.step + self.config.lookahead + 1:
+            self._reject(identity, f"rank {rank} asked for step {msg.step} at coordinator step {self.step}")
+            return
+        if msg.step > self.step:
+            self.step = msg.step
+            logger.debug("step sync: rank %d extended coordinator step to %d", rank, self.step)
+            self._broadcast(Grant(self.step))
+
+    def _register(self, identity: bytes, msg: Register) -> None:
+        cfg = self.config
+        if msg.dp_size != cfg.dp_size or msg.lookahead != cfg.lookahead:
+            self._reject(
+                identity,
+                f"rank {msg.dp_rank} has dp_size={msg.dp_size} lookahead={msg.lookahead}, "
+                f"coordinator has dp_size={cfg.dp_size} lookahead={cfg.lookahead}",
+            )
+            return
+        old = self._peers.get(msg.dp_rank)
+        if old is not None and old.incarnation != msg.incarnation:
+            # A restarted engine cannot rejoin collectives mid-flight.
+            self._fail(f"DP rank {msg.dp_rank} re-registered as a new process")
+            return
+        self._peers[msg.dp_rank] = _PeerState(identity, msg.incarnation, time.monotonic())
+        logger.info(
+            "step sync: DP rank %d registered (%d/%d)", msg.dp_rank, len(self._peers), cfg.dp_size
+        )
+        self._send(identity, Grant(self.step))
+
+    def _check_peers(self, now: float) -> None:
+        for rank, peer in self._peers.items():
+            silent = now - peer.last_seen
+            if silent > self.config.peer_timeout_s:
+                self._fail(f"DP rank {rank} silent for {silent:.1f}s (step_sync_peer_timeout_s="
+                           f"{self.config.peer_timeout_s})")
+                return
+
+    def _fail(self, reason: str) -> None:
+        if self._failed is not None:
+            return
+        self._failed = reason
+        logger.error("step sync coordinator: %s", reason)
+        self._broadcast(Abort(reason))
+        self.on_failure(reason)
+
+    def _reject(self, identity: bytes, why: str) -> None:
+        self.counters.inc("malformed_messages")
+        logger.warning("step sync coordinator: rejected message: %s", why)
+
+    def _broadcast(self, msg: ToParticipant) -> None:
+        for peer in self._peers.values():
+            self._send(peer.identity, msg)
+
+    def _send(self, identity: bytes, msg: ToParticipant) -> None:
+        try:
+            self._sock.send_multipart([identity, _encoder.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return  # peer gone or its queue full; heartbeats will notice
+        if isinstance(msg, Grant):
+            self.counters.inc("grants_sent")
+
+
+# --- participant -------------------------------------------------------------
+
+
+class Participant:
+    """One DP rank's side of the protocol.
+
+    Engine thread API: :meth:`begin_forward` before every real or dummy
+    forward pass, :meth:`observe_grant` for each step delivered through
+    ``on_grant``, and :attr:`steps_owed` to decide whether a dummy pass is due.
+    """
+
+    def __init__(
+        self,
+        config: StepSyncConfig,
+        dp_rank: int,
+        coordinator_address: str,
+        on_grant: Callable[[int], None],
+        on_failure: Callable[[str], None],
+    ):
+        if not 0 <= dp_rank < config.dp_size:
+            raise ConfigError(f"dp_rank {dp_rank} outside [0, {config.dp_size})")
+        self.config = config
+        self.dp_rank = dp_rank
+        self.on_grant = on_grant
+        self.on_failure = on_failure
+        # Engine-thread state.
+        self.local_step = 0
+        self.coord_step = 0
+        self.requested = 0
+        self.dummy_steps = 0
+        self.forward_steps = 0
+        self.counters = _Counters("requests_sent", "grants_received", "malformed_messages")
+        self._incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._stop = threading.Event()
+        self._failed: str | None = None
+        ctx, self._sock = _new_context_socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, f"dp{dp_rank}-{self._incarnation}".encode())
+        self._sock.connect(coordinator_address)
+        # Engine thread -> network thread, so only one thread touches each socket.
+        self._outbox_addr = f"inproc://step-sync-{dp_rank}-{self._incarnation}"
+        self._outbox_rx = ctx.socket(zmq.PULL)
+        self._outbox_rx.setsockopt(zmq.LINGER, 0)
+        self._outbox_rx.bind(self._outbox_addr)
+        self._outbox_tx = ctx.socket(zmq.PUSH)
+        self._outbox_tx.setsockopt(zmq.LINGER, 0)
+        self._outbox_tx.connect(self._outbox_addr)
+        self._thread = threading.Thread(
+            target=self._run, name=f"StepSyncParticipant{dp_rank}", daemon=True
+        )
+
+    def start(self) -> Participant:
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        for sock in (self._outbox_tx, self._outbox_rx, self._sock):
+            sock.close(linger=0)
+
+    # --- engine thread ---
+
+    @property
+    def steps_owed(self) -> int:
+        """Forward passes this rank still owes the group (dummy if no work)."""
+        return max(0, self.coord_step - self.local_step)
+
+    def observe_grant(self, step: int) -> None:
+        if step > self.coord_step:
+            self.coord_step = step
+
+    def begin_forward(self, dummy: bool) -> int:
+        """Account for the forward pass about to run; return its step number.
+
+        A real pass may run ahead of the grant: the coordinator is asked for
+        ``lookahead`` steps past it before the remaining grant drops below the
+        renewal margin, and ZMQ delivers in order, so every peer will be told.
+        """
+        self.local_step += 1
+        if dummy:
+            self.dummy_steps += 1
+        else:
+            self.forward_steps += 1
+            known = max(self.requested, self.coord_step)
+            if known - self.local_step < self.config.renew_margin:
+                self.requested = self.local_step + self.config.lookahead
+                self._outbox_tx.send(_encoder.encode(RequestSteps(self.dp_rank, self.requested)))
+                self.counters.inc("requests_sent")
+        return self.local_step
+
+    # --- network thread ---
+
+    def _run(self) -> None:
+        cfg = self.config
+        self._send(Register(self.dp_rank, cfg.dp_size, cfg.lookahead, self._incarnation))
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._outbox_rx, zmq.POLLIN)
+        last_heard = time.monotonic()
+        next_heartbeat = last_heard + cfg.heartbeat_interval_s
+        while not self._stop.is_set():
+            events = dict(poller.poll(100))
+            if self._outbox_rx in events:
+                while True:
+                    try:
+                        self._sock.send(self._outbox_rx.recv(zmq.NOBLOCK), zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            if self._sock in events:
+                while True:
+                    try:
+                        payload = self._sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if self._handle(payload):
+                        last_heard = time.monotonic()
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                next_heartbeat = now + cfg.heartbeat_interval_s
+                self._send(Heartbeat(self.dp_rank, self.local_step))
+            if now - last_heard > cfg.peer_timeout_s:
+                self._fail(
+                    f"step sync coordinator silent for {now - last_heard:.1f}s "
+                    f"(step_sync_peer_timeout_s={cfg.peer_timeout_s})"
+                )
+                return
+
+    def _handle(self, payload: bytes) -> bool:
+        try:
+            msg = _to_participant.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.counters.inc("malformed_messages")
+            logger.warning("step sync rank %d: rejected undecodable message", self.dp_rank)
+            return False
+        if isinstance(msg, Abort):
+            self._fail(f"step sync coordinator aborted the DP group: {msg.reason}")
+            return True
+        if msg.step < 0:
+            self.counters.inc("malformed_messages")
+            return False
+        self.counters.inc("grants_received")
+        self.on_grant(msg.step)
+        return True
+
+    def _send(self, msg: ToCoordinator) -> None:
+        try:
+            self._sock.send(_encoder.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # coordinator unreachable; the silence check reports it
+
+    def _fail(self, reason: str) -> None:
+        if self._failed is None:
+            self._failed = reason
+            logger.error("step sync rank %d: %s", self.dp_rank, reason)
+            self.on_failure(reason)
+
+
+__all__ = [
+    "Abort",
+    "Coordinator",
+    "Grant",
+    "Heartbeat",
+    "Participant",
+    "Register",
+    "RequestSteps",
+    "StepSyncConfig",
+    "StepSyncError",
+]

@@ -33,7 +33,7 @@ def test_registry_entry_is_documented(patch):
         assert len(getattr(patch, field)) > 20, f"{patch.name}.{field} is too thin"
     assert patch.kind in ("enabler", "feature")
     module = patch.load()
-    assert module.__doc__ and "Upstream" in module.__doc__ or "upstream" in module.__doc__
+    assert module.__doc__ and "upstream" in module.__doc__.lower()
 
 
 def test_apply_all_is_idempotent_and_verifiable():

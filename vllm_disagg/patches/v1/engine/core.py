@@ -54,3 +54,22 @@ def apply() -> None:
 
 def is_applied() -> bool:
     return EngineCoreProc.__dict__["run_engine_core"].__func__ is run_engine_core
+
+
+# --- step-sync-dp-engine (feature) ---
+
+
+def apply_step_sync() -> None:
+    import vllm.v1.engine.core as upstream_core
+
+    from vllm_disagg.v1.engine.core import StepSyncDPEngineCoreProc
+
+    upstream_core.DPEngineCoreProc = StepSyncDPEngineCoreProc
+
+
+def is_step_sync_applied() -> bool:
+    import vllm.v1.engine.core as upstream_core
+
+    from vllm_disagg.v1.engine.core import StepSyncDPEngineCoreProc
+
+    return upstream_core.DPEngineCoreProc is StepSyncDPEngineCoreProc

@@ -1,0 +1,202 @@
+"""Step-sync metrics of every DP rank on the API server's ``/metrics``.
+
+The counters live in the engine-core processes, the ``/metrics`` endpoint in
+the API server process(es). Two cases, as vLLM itself has them:
+
+* several API servers (``PROMETHEUS_MULTIPROC_DIR`` set before any process
+  started): engine cores update ordinary prometheus_client metrics, which
+  multiprocess mode writes to that directory, and every API server's
+  ``/metrics`` reads them back;
+* one API server: each engine core writes a small JSON snapshot of its
+  counters to ``VLLM_DISAGG_METRICS_DIR`` (created by the ``vllm`` command
+  before anything starts, inherited by every child) and a collector on the
+  API server's registry reads the snapshots when scraped.
+
+Either way engine cores publish at most every :data:`WRITE_INTERVAL_S`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from vllm_disagg.logger import init_logger
+
+logger = init_logger(__name__)
+
+METRICS_DIR_ENV = "VLLM_DISAGG_METRICS_DIR"
+WRITE_INTERVAL_S = 0.5
+PREFIX = "vllm_disagg:step_sync_"
+
+# snapshot key -> (metric name without prefix, type, help)
+METRICS: dict[str, tuple[str, str, str]] = {
+    "forward_steps": ("forward_steps", "counter", "Real forward passes run by this DP rank."),
+    "dummy_steps": ("dummy_steps", "counter", "Dummy forward passes run to match peers."),
+    "requests_sent": ("requests_sent", "counter", "Step requests sent to the coordinator."),
+    "grants_received": ("grants_received", "counter", "Grants received from the coordinator."),
+    "malformed_messages": (
+        "malformed_messages",
+        "counter",
+        "Malformed or foreign step-sync messages rejected by this rank.",
+    ),
+    "local_step": ("local_step", "gauge", "Forward passes (real + dummy) run so far."),
+    "coord_step": ("coordinator_step", "gauge", "Latest step granted to every rank."),
+    "coordinator_grants_sent": (
+        "coordinator_grants_sent",
+        "counter",
+        "Grants sent by the coordinator (DP rank 0 only).",
+    ),
+    "coordinator_requests_received": (
+        "coordinator_requests_received",
+        "counter",
+        "Step requests received by the coordinator (DP rank 0 only).",
+    ),
+    "coordinator_malformed_messages": (
+        "coordinator_malformed_messages",
+        "counter",
+        "Malformed or foreign messages rejected by the coordinator (DP rank 0 only).",
+    ),
+    "coordinator_pause_violations": (
+        "coordinator_pause_violations",
+        "counter",
+        "Step requests from paused ranks (granted to avoid deadlock; a bug).",
+    ),
+    "start_dp_wave_received": (
+        "start_dp_wave_received",
+        "counter",
+        "START_DP_WAVE messages that reached this engine (expected 0).",
+    ),
+    "wave_stamped_requests": (
+        "wave_stamped_requests",
+        "counter",
+        "Requests that arrived carrying a DP wave number (expected 0).",
+    ),
+    "wave_outputs_sent": (
+        "wave_outputs_sent",
+        "counter",
+        "Engine outputs carrying wave_complete/start_wave (expected 0).",
+    ),
+}
+
+
+def ensure_metrics_dir() -> Path:
+    """Create the snapshot directory once per process tree (children inherit
+    the environment variable); removed when the creating process exits."""
+    if path := os.environ.get(METRICS_DIR_ENV):
+        return Path(path)
+    path = tempfile.mkdtemp(prefix="vllm-disagg-metrics-")
+    os.environ[METRICS_DIR_ENV] = path
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+    return Path(path)
+
+
+def prometheus_multiprocess() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+class _MultiprocessExporter:
+    """Mirrors snapshots into prometheus_client metrics (multiprocess mode)."""
+
+    def __init__(self, dp_rank: int):
+        from prometheus_client import Counter, Gauge
+
+        self.label = str(dp_rank)
+        self.metrics = {}
+        for key, (name, kind, doc) in METRICS.items():
+            if kind == "counter":
+                self.metrics[key] = Counter(PREFIX + name, doc, ["dp_rank"])
+            else:
+                self.metrics[key] = Gauge(
+                    PREFIX + name, doc, ["dp_rank"], multiprocess_mode="livemax"
+                )
+        self.last: dict[str, int] = {}
+
+    def update(self, data: dict[str, int]) -> None:
+        for key, value in data.items():
+            metric = self.metrics.get(key)
+            if metric is None:
+                continue
+            child = metric.labels(self.label)
+            if METRICS[key][1] == "counter":
+                delta = value - self.last.get(key, 0)
+                if delta > 0:
+                    child.inc(delta)
+            else:
+                child.set(value)
+        self.last = dict(data)
+
+
+class StepSyncMetricsWriter:
+    """Engine-core side: publishes this rank's counters, rate-limited."""
+
+    def __init__(self, dp_rank: int, snapshot: Callable[[], dict[str, int]]):
+        self.dp_rank = dp_rank
+        self._snapshot = snapshot
+        self._exporter = _MultiprocessExporter(dp_rank) if prometheus_multiprocess() else None
+        directory = os.environ.get(METRICS_DIR_ENV)
+        self._path = Path(directory) / f"step_sync_dp{dp_rank}.json" if directory else None
+        self._next_write = 0.0
+        self._last: dict[str, int] | None = None
+
+    def maybe_write(self, force: bool = False) -> None:
+        if self._path is None and self._exporter is None:
+            return
+        now = time.monotonic()
+        if not force and now < self._next_write:
+            return
+        self._next_write = now + WRITE_INTERVAL_S
+        data = self._snapshot()
+        if data == self._last and not force:
+            return
+        self._last = data
+        if self._exporter is not None:
+            self._exporter.update(data)
+            return
+        tmp = self._path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"dp_rank": self.dp_rank, "stats": data}))
+            os.replace(tmp, self._path)
+        except OSError as e:  # metrics must never take the engine down
+            logger.warning("step sync metrics: cannot write %s: %s", self._path, e)
+
+    def close(self) -> None:
+        self.maybe_write(force=True)
+
+
+class StepSyncCollector(Collector):
+    """API-server side: turns the snapshots into Prometheus metrics."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def read_snapshots(self) -> dict[int, dict[str, int]]:
+        snapshots: dict[int, dict[str, int]] = {}
+        for path in sorted(self.directory.glob("step_sync_dp*.json")):
+            try:
+                doc = json.loads(path.read_text())
+                snapshots[int(doc["dp_rank"])] = {
+                    k: int(v) for k, v in doc["stats"].items() if k in METRICS
+                }
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a half-written or foreign file: skip it
+        return snapshots
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        snapshots = self.read_snapshots()
+        for key, (name, kind, doc) in METRICS.items():
+            family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = family_type(PREFIX + name, doc, labels=["dp_rank"])
+            for dp_rank, stats in snapshots.items():
+                if key in stats:
+                    family.add_metric([str(dp_rank)], stats[key])
+            yield family

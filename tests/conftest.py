@@ -26,17 +26,18 @@ def start_server(tmp_path_factory):
     """Factory: start_server(model, args, name=..., **env) -> running VllmServer.
 
     Servers are stopped at the end of the session, or earlier via .stop().
+    With ``wait=False`` the server is only launched; call ``.wait_ready()``.
     """
     log_dir = tmp_path_factory.mktemp("server-logs")
     started: list[VllmServer] = []
 
-    def start(model, args=(), *, name: str, **env: str) -> VllmServer:
+    def start(model, args=(), *, name: str, wait: bool = True, **env: str) -> VllmServer:
         server = VllmServer(
             model, list(args), log_path=log_dir / f"{name}.log", env=cpu_test_env(**env)
         )
         started.append(server)
         _live_servers.append(server)
-        return server.start()
+        return server.start() if wait else server.launch()
 
     yield start
     for server in started:

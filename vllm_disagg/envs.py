@@ -15,3 +15,11 @@ def _truthy(value: str | None) -> bool:
 
 def features_disabled() -> bool:
     return _truthy(os.environ.get(VLLM_DISAGG_DISABLE))
+
+
+# "1" applies the measurement-only probe patches (benchmarks/).
+VLLM_DISAGG_PROBE = "VLLM_DISAGG_PROBE"
+
+
+def probes_enabled() -> bool:
+    return _truthy(os.environ.get(VLLM_DISAGG_PROBE))

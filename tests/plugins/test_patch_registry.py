@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pkgutil
 import subprocess
 import sys
@@ -31,7 +32,7 @@ def test_every_patch_module_is_registered():
 def test_registry_entry_is_documented(patch):
     for field in ("upstream", "why", "how", "drop_when"):
         assert len(getattr(patch, field)) > 20, f"{patch.name}.{field} is too thin"
-    assert patch.kind in ("enabler", "feature")
+    assert patch.kind in ("enabler", "feature", "probe")
     module = patch.load()
     assert module.__doc__ and "upstream" in module.__doc__.lower()
 
@@ -45,7 +46,10 @@ def test_apply_all_is_idempotent_and_verifiable():
         "assert status and all(status.values()), status\n"
         "print('OK', len(first))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "VLLM_DISAGG_PROBE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert f"OK {len(PATCHES)}" in out.stdout
 

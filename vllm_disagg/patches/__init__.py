@@ -11,6 +11,8 @@ Two kinds of patch:
   behaviour can still be run and measured on CPU with ``VLLM_DISAGG_DISABLE=1``.
 * ``feature``: the behaviour this project adds. Skipped when
   ``VLLM_DISAGG_DISABLE=1``.
+* ``probe``: measurement only (benchmarks), changes no behaviour. Applied
+  only with ``VLLM_DISAGG_PROBE=1``, with or without the features.
 
 ``python -m vllm_disagg.patches`` prints the table.
 """
@@ -35,7 +37,7 @@ class Patch:
     name: str
     module: str
     upstream: str
-    kind: Literal["enabler", "feature"]
+    kind: Literal["enabler", "feature", "probe"]
     why: str
     how: str
     drop_when: str
@@ -229,6 +231,37 @@ PATCHES: tuple[Patch, ...] = (
         ),
         drop_when="vLLM exports engine-core plugin metrics to /metrics itself.",
     ),
+    Patch(
+        name="forward-pass-probe",
+        module="vllm_disagg.patches.v1.engine.core",
+        apply_fn="apply_probe",
+        check_fn="is_probe_applied",
+        upstream="vllm.v1.engine.core.EngineCore.post_step / execute_dummy_batch",
+        kind="probe",
+        why=(
+            "The benchmark compares how many real and dummy forward passes "
+            "each DP rank runs with waves and with step sync; upstream exposes "
+            "neither count."
+        ),
+        how=(
+            "Wraps both methods to count (post_step(model_executed=True) is "
+            "one real pass) and flushes the counts per DP rank to a JSON file."
+        ),
+        drop_when="Upstream exports real/dummy forward-pass counters per DP rank.",
+    ),
+    Patch(
+        name="dp-collective-probe",
+        module="vllm_disagg.patches.config.parallel",
+        upstream="vllm.config.parallel.ParallelConfig.sync_dp_state / has_unfinished_dp",
+        kind="probe",
+        why=(
+            "The benchmark counts blocking collectives per 1000 steps; these "
+            "two static methods are the all-reduces upstream's DP busy loop "
+            "blocks on."
+        ),
+        how="Wraps both to count calls into the same probe as forward-pass-probe.",
+        drop_when="Upstream exports a counter of DP-sync all-reduces.",
+    ),
 )
 
 _lock = threading.Lock()
@@ -242,9 +275,12 @@ def apply_all() -> list[str]:
         if _applied is not None:
             return list(_applied)
         skip_features = envs.features_disabled()
+        probes = envs.probes_enabled()
         applied = []
         for patch in PATCHES:
             if patch.kind == "feature" and skip_features:
+                continue
+            if patch.kind == "probe" and not probes:
                 continue
             patch.apply()
             applied.append(patch.name)

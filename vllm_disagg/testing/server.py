@@ -95,6 +95,14 @@ class VllmServer:
         ]
 
     def start(self) -> VllmServer:
+        """Launch and wait until ``/health`` answers."""
+        self.launch()
+        self.wait_ready()
+        return self
+
+    def launch(self) -> VllmServer:
+        """Start the process without waiting (for servers that must meet,
+        such as the DP ranks of an external load balancer)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -106,7 +114,6 @@ class VllmServer:
             start_new_session=True,
         )
         log.close()
-        self.wait_ready()
         return self
 
     def wait_ready(self) -> None:
@@ -158,6 +165,12 @@ class VllmServer:
         proc.wait(timeout=timeout_s)
         return proc.returncode
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once: a crash, not a shutdown."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=DEFAULT_STOP_TIMEOUT_S)
+
     def __enter__(self) -> VllmServer:
         return self.start()
 
@@ -171,3 +184,21 @@ class VllmServer:
         response = requests.post(f"{self.url}/v1/completions", json=body, timeout=timeout_s)
         response.raise_for_status()
         return response.json()
+
+    def metrics(self, prefix: str = "vllm_disagg:") -> dict[str, dict[str, float]]:
+        """Scrape ``/metrics``: {metric name: {label string: value}} for
+        metrics starting with ``prefix``."""
+        text = requests.get(f"{self.url}/metrics", timeout=10).text
+        found: dict[str, dict[str, float]] = {}
+        for line in text.splitlines():
+            if not line.startswith(prefix):
+                continue
+            name_labels, _, value = line.rpartition(" ")
+            name, _, labels = name_labels.partition("{")
+            found.setdefault(name, {})[labels.rstrip("}")] = float(value)
+        return found
+
+    def step_sync_metric(self, name: str) -> dict[int, float]:
+        """One step-sync metric per DP rank, e.g. ``forward_steps_total``."""
+        values = self.metrics().get(f"vllm_disagg:step_sync_{name}", {})
+        return {int(labels.split('"')[1]): v for labels, v in values.items()}

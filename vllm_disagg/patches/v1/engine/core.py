@@ -1,4 +1,13 @@
-"""Patch: make spawned engine-core processes load the patch set first.
+"""Patches of ``vllm/v1/engine/core.py``: three registry entries.
+
+* ``engine-core-spawn`` (enabler): spawned engine cores load the patch set
+  first (below);
+* ``step-sync-dp-engine`` (feature): ``DPEngineCoreProc`` becomes
+  :class:`vllm_disagg.v1.engine.core.StepSyncDPEngineCoreProc`;
+* ``forward-pass-probe`` (probe): counts real and dummy passes for the
+  benchmark.
+
+engine-core-spawn:
 
 Upstream: ``vllm.v1.engine.core.EngineCoreProc.run_engine_core`` is the
 ``multiprocessing`` target of every engine-core process. Under the ``spawn``
@@ -15,9 +24,10 @@ from __future__ import annotations
 import os
 
 from vllm.logger import configure_logging_if_needed
-from vllm.v1.engine.core import EngineCoreProc
+from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
 from vllm_disagg.logger import init_logger
+from vllm_disagg.v1.metrics.probe import PROBE
 
 logger = init_logger(__name__)
 
@@ -73,3 +83,36 @@ def is_step_sync_applied() -> bool:
     from vllm_disagg.v1.engine.core import StepSyncDPEngineCoreProc
 
     return upstream_core.DPEngineCoreProc is StepSyncDPEngineCoreProc
+
+
+# --- forward-pass-probe (probe, benchmarks only) ---
+
+_upstream_post_step = EngineCore.post_step
+_upstream_execute_dummy_batch = EngineCore.execute_dummy_batch
+
+
+def _dp_rank(engine) -> int:
+    return engine.vllm_config.parallel_config.data_parallel_rank
+
+
+def _probed_post_step(self, model_executed: bool) -> None:
+    if model_executed:
+        PROBE.count("real_passes", _dp_rank(self))
+    return _upstream_post_step(self, model_executed)
+
+
+def _probed_execute_dummy_batch(self):
+    PROBE.count("dummy_passes", _dp_rank(self))
+    return _upstream_execute_dummy_batch(self)
+
+
+def apply_probe() -> None:
+    EngineCore.post_step = _probed_post_step
+    EngineCore.execute_dummy_batch = _probed_execute_dummy_batch
+
+
+def is_probe_applied() -> bool:
+    return (
+        EngineCore.post_step is _probed_post_step
+        and EngineCore.execute_dummy_batch is _probed_execute_dummy_batch
+    )

@@ -1,0 +1,273 @@
+"""Step-synchronized DP end to end: real `vllm serve` on tiny Mixtral (CPU, f32).
+
+* internal LB (one server, DP=2): 200 requests of random lengths, some
+  streamed, some cancelled mid-generation; the rest must equal a DP=1 run
+  token for token, both ranks must end at the same forward-pass count, and no
+  wave traffic may cross an engine's boundary;
+* pause/resume through the RL endpoints: both ranks stop at one step, run
+  nothing while paused, and frozen requests finish correctly after resume;
+* external LB (one server per rank): requests sent only to rank 1 complete
+  while rank 0 runs the matching dummy passes; killing rank 1 makes rank 0
+  fail within a bounded time instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+import requests
+
+from vllm_disagg.testing.server import VllmServer, get_free_port
+
+pytestmark = pytest.mark.e2e
+
+NUM_REQUESTS = 200
+COMMON_ARGS = [
+    "--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--dtype", "float32",
+]  # fmt: skip
+WORDS = (
+    "step sync keeps every data parallel engine in lockstep while the proxy sends "
+    "each request to one prefill and one decode instance over loopback"
+).split()
+DRAIN_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Job:
+    index: int
+    prompt: str
+    max_tokens: int
+    mode: str  # "plain" | "stream" | "cancel"
+
+
+def _workload() -> list[Job]:
+    rng = random.Random(1234)
+    jobs = []
+    for i in range(NUM_REQUESTS):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 48)))
+        mode = "cancel" if i % 10 == 3 else "stream" if i % 3 == 0 else "plain"
+        max_tokens = 40 if mode == "cancel" else rng.randint(1, 32)
+        jobs.append(Job(i, prompt, max_tokens, mode))
+    return jobs
+
+
+PAUSE_JOBS = [Job(1000 + i, " ".join(WORDS[i : i + 6]), 48, "stream") for i in range(6)]
+
+
+def _body(server: VllmServer, job: Job, stream: bool) -> dict:
+    return {
+        "model": server.model,
+        "prompt": job.prompt,
+        "max_tokens": job.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+
+
+def run_job(server: VllmServer, job: Job, on_first_chunk=None) -> list[int]:
+    """Token ids generated for ``job``; a cancelled job returns what it got
+    before the client hung up."""
+    if job.mode == "plain":
+        r = requests.post(f"{server.url}/v1/completions", json=_body(server, job, False), timeout=300)
+        r.raise_for_status()
+        return r.json()["choices"][0]["token_ids"]
+    token_ids: list[int] = []
+    with requests.post(
+        f"{server.url}/v1/completions", json=_body(server, job, True), stream=True, timeout=300
+    ) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[len(b"data: ") :])
+            token_ids += chunk["choices"][0].get("token_ids") or []
+            if on_first_chunk is not None and token_ids:
+                on_first_chunk()
+                on_first_chunk = None
+            if job.mode == "cancel" and len(token_ids) >= 3:
+                break  # leaving the block closes the connection mid-generation
+    return token_ids
+
+
+def run_all(server: VllmServer, jobs: list[Job], workers: int = 48) -> dict[int, list[int]]:
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = pool.map(lambda job: (job.index, run_job(server, job)), jobs)
+        return dict(results)
+
+
+def wait_for_settled_steps(servers: list[VllmServer], timeout_s: float = DRAIN_TIMEOUT_S):
+    """Wait until every rank reports local_step == coordinator_step and the
+    values stop moving; return {rank: local_step}."""
+    deadline = time.monotonic() + timeout_s
+    previous = None
+    while time.monotonic() < deadline:
+        local, coord = {}, {}
+        for server in servers:
+            local.update(server.step_sync_metric("local_step"))
+            coord.update(server.step_sync_metric("coordinator_step"))
+        settled = local and local == coord and len(set(local.values())) == 1
+        if settled and local == previous:
+            return local
+        previous = local if settled else None
+        time.sleep(1.0)
+    raise AssertionError(f"ranks did not settle: local={local} coordinator={coord}")
+
+
+@pytest.fixture(scope="module")
+def dp1_reference(tiny_models, start_server):
+    server = start_server(tiny_models["tiny-mixtral"], COMMON_ARGS, name="stepsync-dp1")
+    try:
+        jobs = [Job(j.index, j.prompt, j.max_tokens, "plain") for j in _workload() + PAUSE_JOBS]
+        return run_all(server, jobs)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def dp2_server(tiny_models, start_server):
+    server = start_server(
+        tiny_models["tiny-mixtral"],
+        [*COMMON_ARGS, "--data-parallel-size", "2"],
+        name="stepsync-dp2",
+        VLLM_SERVER_DEV_MODE="1",
+    )
+    yield server
+    server.stop()
+
+
+def test_200_mixed_requests_match_dp1_and_ranks_stay_in_lockstep(dp1_reference, dp2_server):
+    jobs = _workload()
+    got = run_all(dp2_server, jobs)
+    cancelled = [job for job in jobs if job.mode == "cancel"]
+    assert len(cancelled) == 20 and sum(job.mode == "stream" for job in jobs) > 50
+    for job in jobs:
+        if job.mode == "cancel":
+            assert 3 <= len(got[job.index]) < job.max_tokens, job
+            continue
+        assert len(got[job.index]) == job.max_tokens, job
+        assert got[job.index] == dp1_reference[job.index], f"request {job.index} ({job.mode})"
+
+    steps = wait_for_settled_steps([dp2_server])
+    assert set(steps) == {0, 1}
+    forward = dp2_server.step_sync_metric("forward_steps_total")
+    dummy = dp2_server.step_sync_metric("dummy_steps_total")
+    # Both ranks served requests; each ran exactly the group's step count.
+    assert forward[0] > 0 and forward[1] > 0
+    assert forward[0] + dummy[0] == forward[1] + dummy[1] == steps[0]
+    # Cancelled requests were aborted in the engines: nothing is left running.
+    running = dp2_server.metrics("vllm:num_requests_running")["vllm:num_requests_running"]
+    assert sum(running.values()) == 0, running
+
+
+def test_no_wave_traffic_on_the_wire(dp2_server):
+    """Every engine counts wave traffic crossing its boundary: START_DP_WAVE
+    received, requests stamped with a wave, outputs carrying wave_complete /
+    start_wave. Step sync produces none of it."""
+    run_all(dp2_server, _workload()[:20])
+    wait_for_settled_steps([dp2_server])
+    for name in ("start_dp_wave_received", "wave_stamped_requests", "wave_outputs_sent"):
+        values = dp2_server.step_sync_metric(f"{name}_total")
+        assert values == {0: 0.0, 1: 0.0}, (name, values)
+    malformed = dp2_server.step_sync_metric("malformed_messages_total")
+    assert malformed == {0: 0.0, 1: 0.0}
+    assert dp2_server.step_sync_metric("coordinator_pause_violations_total") == {0: 0.0}
+
+
+def test_idle_group_runs_no_steps(dp2_server):
+    before = wait_for_settled_steps([dp2_server])
+    time.sleep(3.0)
+    assert wait_for_settled_steps([dp2_server]) == before
+
+
+def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_reference, dp2_server):
+    started = threading.Barrier(len(PAUSE_JOBS) + 1, timeout=120)
+    with ThreadPoolExecutor(max_workers=len(PAUSE_JOBS)) as pool:
+        futures = {
+            job.index: pool.submit(run_job, dp2_server, job, on_first_chunk=started.wait)
+            for job in PAUSE_JOBS
+        }
+        started.wait()  # every request is generating
+        r = requests.post(f"{dp2_server.url}/pause", params={"mode": "keep"}, timeout=120)
+        assert r.status_code == 200, r.text
+        paused = wait_for_settled_steps([dp2_server])
+        time.sleep(2.0)
+        assert wait_for_settled_steps([dp2_server]) == paused, "a rank stepped while paused"
+        assert not any(f.done() for f in futures.values()), "keep mode must freeze requests"
+        r = requests.post(f"{dp2_server.url}/resume", timeout=60)
+        assert r.status_code == 200, r.text
+        for index, future in futures.items():
+            assert future.result(timeout=120) == dp1_reference[index], f"request {index}"
+    resumed = wait_for_settled_steps([dp2_server])
+    assert resumed[0] > paused[0]
+
+
+@pytest.fixture(scope="module")
+def external_lb(tiny_models, start_server):
+    rpc_port = get_free_port()
+    options = json.dumps({"step_sync_peer_timeout_s": 5})
+    servers = [
+        start_server(
+            tiny_models["tiny-mixtral"],
+            [
+                *COMMON_ARGS,
+                "--data-parallel-size", "2",
+                "--data-parallel-rank", str(rank),
+                "--data-parallel-address", "127.0.0.1",
+                "--data-parallel-rpc-port", str(rpc_port),
+                "--additional-config", options,
+            ],  # fmt: skip
+            name=f"stepsync-extlb-rank{rank}",
+            wait=False,
+        )
+        for rank in (0, 1)
+    ]
+    for server in servers:
+        server.wait_ready()
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def test_external_lb_requests_to_one_rank_complete(dp1_reference, external_lb):
+    rank0, rank1 = external_lb
+    jobs = [j for j in _workload() if j.mode == "plain"][:16]
+    got = run_all(rank1, jobs)
+    for job in jobs:
+        assert got[job.index] == dp1_reference[job.index], f"request {job.index}"
+    # Each server shows its own rank; together they ran one step count.
+    steps = wait_for_settled_steps([rank0, rank1])
+    assert steps[0] == steps[1] > 0
+    assert rank0.step_sync_metric("forward_steps_total") == {0: 0.0}
+    assert rank0.step_sync_metric("dummy_steps_total") == {0: steps[0]}
+    assert rank1.step_sync_metric("forward_steps_total")[1] > 0
+
+
+def test_killing_one_rank_fails_the_other_fast(external_lb):
+    rank0, rank1 = external_lb
+    killed_at = time.monotonic()
+    rank1.kill()
+    # peer timeout 5 s, then the engine stops and the server goes down.
+    deadline = killed_at + 45.0
+    while time.monotonic() < deadline:
+        if rank0.proc.poll() is not None:
+            break
+        try:
+            if requests.get(f"{rank0.url}/health", timeout=2).status_code != 200:
+                break
+        except requests.RequestException:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("rank 0 still healthy 45 s after rank 1 was killed")
+    elapsed = time.monotonic() - killed_at
+    log = rank0.log_text()
+    assert "step sync coordinator: DP rank 1 silent" in log, rank0.log_tail()
+    print(f"rank 0 failed {elapsed:.1f}s after rank 1 was killed")

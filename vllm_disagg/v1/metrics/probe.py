@@ -1,0 +1,65 @@
+"""Forward-pass probe for benchmarks: counts, per DP rank, the passes an
+engine core runs and the blocking DP collectives its busy loop makes.
+
+It measures upstream (waves) and step sync alike, so the benchmark can put
+both side by side. Off unless ``VLLM_DISAGG_PROBE=1``. Each engine-core
+process writes ``probe_dp<rank>.json`` to ``VLLM_DISAGG_METRICS_DIR`` from a
+background thread (every :data:`FLUSH_INTERVAL_S` while counts change).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+FLUSH_INTERVAL_S = 0.1
+
+
+class ForwardProbe:
+    def __init__(self):
+        self.dp_rank: int | None = None
+        self.counts = {"real_passes": 0, "dummy_passes": 0, "blocking_collectives": 0}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def count(self, name: str, dp_rank: int | None = None) -> None:
+        with self._lock:
+            self.counts[name] += 1
+            if dp_rank is not None:
+                self.dp_rank = dp_rank
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._flush_loop, daemon=True)
+                self._thread.start()
+
+    def _flush_loop(self) -> None:
+        directory = os.environ.get("VLLM_DISAGG_METRICS_DIR")
+        if not directory:
+            return
+        last = None
+        while True:
+            with self._lock:
+                snapshot = dict(self.counts, dp_rank=self.dp_rank, pid=os.getpid())
+            if snapshot != last and snapshot["dp_rank"] is not None:
+                path = Path(directory) / f"probe_dp{snapshot['dp_rank']}.json"
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(snapshot))
+                os.replace(tmp, path)
+                last = snapshot
+            time.sleep(FLUSH_INTERVAL_S)
+
+
+PROBE = ForwardProbe()
+
+
+def read_probes(directory: str | os.PathLike) -> dict[int, dict[str, int]]:
+    found = {}
+    for path in Path(directory).glob("probe_dp*.json"):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        found[int(doc["dp_rank"])] = doc
+    return found

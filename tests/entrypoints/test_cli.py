@@ -9,6 +9,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from vllm_disagg.testing.server import cpu_test_env, vllm_executable
 from vllm_disagg.testing.tiny_models import build_model
 
@@ -49,6 +51,21 @@ def test_unsupported_head_dim_on_cpu(tmp_path):
     model = build_model("tiny-llama", tmp_path, head_dim=16)
     result = _run([vllm_executable(), "serve", str(model)])
     _assert_clean_error(result, "head size 16", "supported head sizes: 32, 64")
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        ('{"step_sync_lookahead": 0}', "step_sync_lookahead must be an integer in [1, 1024]"),
+        ('{"step_sync_peer_timeout_s": "soon"}', "step_sync_peer_timeout_s must be a number"),
+        ('{"step_sync_lookahed": 4}', "step sync options are step_sync_lookahead"),
+    ],
+)
+def test_bad_step_sync_option(tiny_models, options, expected):
+    model = tiny_models["tiny-mixtral"]
+    args = ["serve", str(model), "--data-parallel-size", "2", "--additional-config", options]
+    result = _run([vllm_executable(), *args])
+    _assert_clean_error(result, expected)
 
 
 def test_refuses_other_vllm_version(tmp_path):

@@ -14,6 +14,8 @@ import zmq
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.v1.engine.step_sync import (
     Coordinator,
+    GroupPaused,
+    GroupResumed,
     Participant,
     Register,
     RequestSteps,
@@ -228,3 +230,97 @@ def test_participant_death_aborts_the_group(group):
 def test_config_errors_name_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=key):
         StepSyncConfig(**kwargs)
+
+
+class _Recorder:
+    """A participant whose grants and phase events are only recorded."""
+
+    def __init__(self, config, rank, address):
+        self.grants: list[int] = []
+        self.phases: list[object] = []
+        self.part = Participant(
+            config,
+            rank,
+            address,
+            on_grant=self.grants.append,
+            on_failure=lambda reason: None,
+            on_phase=self.phases.append,
+        ).start()
+
+    def kinds(self) -> list[str]:
+        return [type(event).__name__ for event in self.phases]
+
+
+@pytest.fixture
+def recorders():
+    made = []
+
+    def make(dp_size):
+        config = StepSyncConfig(dp_size=dp_size, lookahead=2, peer_timeout_s=10.0)
+        coord = Coordinator(config, "tcp://127.0.0.1:0").start()
+        parts = [_Recorder(config, r, coord.address) for r in range(dp_size)]
+        made.append((coord, parts))
+        wait_until(lambda: coord.registered == list(range(dp_size)), what="registration")
+        return coord, parts
+
+    yield make
+    for coord, parts in made:
+        for rec in parts:
+            rec.part.close()
+        coord.close()
+
+
+def test_pause_completes_only_when_every_rank_paused_at_one_step(recorders):
+    coord, (r0, r1) = recorders(2)
+    for _ in range(3):
+        r0.part.begin_forward(dummy=False)
+    r0.part.request_pause()
+    time.sleep(0.3)
+    assert r0.phases == [] and r1.phases == [], "paused before every rank agreed"
+    r1.part.request_pause()
+    wait_until(lambda: r0.phases and r1.phases, what="GroupPaused on both ranks")
+    assert r0.phases == r1.phases == [GroupPaused(coord.step)]
+    # The final step covers every step a rank asked for before pausing.
+    assert coord.step >= 3
+
+    # Resume is a barrier too: nobody schedules until every rank resumed.
+    r0.part.request_resume()
+    time.sleep(0.3)
+    assert r0.kinds() == ["GroupPaused"]
+    r1.part.request_resume()
+    wait_until(lambda: len(r0.phases) == len(r1.phases) == 2, what="GroupResumed")
+    assert r0.phases[1] == r1.phases[1] == GroupResumed()
+
+
+def test_step_request_from_a_paused_group_is_granted_and_counted(recorders):
+    """A stale wake-up can never deadlock: a paused rank that still asks for a
+    step gets it (its peers run dummies), and the violation is counted."""
+    coord, (r0, r1) = recorders(2)
+    r0.part.request_pause()
+    r1.part.request_pause()
+    wait_until(lambda: r0.phases and r1.phases, what="GroupPaused")
+    r0.part.begin_forward(dummy=False)
+    wait_until(lambda: r1.grants and r1.grants[-1] >= 1, what="grant to the peer")
+    assert coord.counters.snapshot()["pause_violations"] == 1
+
+
+def test_rank_resuming_before_the_group_paused_keeps_the_group_running(recorders):
+    coord, (r0, r1) = recorders(2)
+    r0.part.request_pause()
+    r0.part.request_resume()  # e.g. the pause call was cancelled
+    wait_until(lambda: r0.phases == [GroupResumed()], what="r0 resumed alone")
+    r1.part.request_pause()
+    time.sleep(0.3)
+    assert r1.phases == [], "group paused without rank 0"
+
+
+def test_options_come_from_additional_config():
+    config = StepSyncConfig.from_additional_config(
+        {"step_sync_lookahead": 4, "step_sync_peer_timeout_s": 2.5, "other": 1}, dp_size=2
+    )
+    assert (config.lookahead, config.peer_timeout_s) == (4, 2.5)
+    assert StepSyncConfig.from_additional_config({}, dp_size=2).lookahead == 2
+    with pytest.raises(ConfigError, match="step_sync_lookahead, step_sync_peer_timeout_s"):
+        StepSyncConfig.from_additional_config({"step_sync_lookahed": 4}, dp_size=2)
+    with pytest.raises(ConfigError, match="step_sync_peer_timeout_s"):
+        StepSyncConfig.from_additional_config({"step_sync_peer_timeout_s": True}, dp_size=2)

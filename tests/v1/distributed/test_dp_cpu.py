@@ -97,7 +97,8 @@ def test_patches_active_inside_engine_and_worker_processes(runs):
     _, logs = runs
     server_pid, children = logs["float32"]
     text = logs["float32", 2]
-    names = {p.name for p in PATCHES}
+    # Probes are measurement-only and off unless VLLM_DISAGG_PROBE=1.
+    names = {p.name for p in PATCHES if p.kind != "probe"}
 
     engine_lines = re.findall(
         r"\((EngineCore_DP\d) pid=(\d+)\).*vllm_disagg: engine core dp_rank=(\d) "

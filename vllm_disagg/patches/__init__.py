@@ -219,15 +219,16 @@ PATCHES: tuple[Patch, ...] = (
         upstream="vllm.entrypoints.serve.instrumentator.metrics.get_prometheus_registry",
         kind="feature",
         why=(
-            "Step-sync counters live in the engine-core processes; the "
-            "/metrics endpoint is served from the API server's Prometheus "
-            "registry, which only sees its own process (or prometheus "
-            "multiprocess files, which engine cores do not write)."
+            "Step-sync counters live in the engine-core processes; with one "
+            "API server, /metrics is served from that process's own Prometheus "
+            "registry and never sees them."
         ),
         how=(
             "attach_router builds /metrics from the registry this name returns; "
-            "the wrapper adds a collector that reads the per-rank snapshots the "
-            "engine cores write to VLLM_DISAGG_METRICS_DIR."
+            "with one API server the wrapper adds a collector that reads the "
+            "per-rank snapshots engine cores write to VLLM_DISAGG_METRICS_DIR. "
+            "With several (prometheus multiprocess mode) it changes nothing: "
+            "engine cores write multiprocess files themselves."
         ),
         drop_when="vLLM exports engine-core plugin metrics to /metrics itself.",
     ),

@@ -161,14 +161,13 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             on_failure=self._on_step_sync_failure,
             on_phase=lambda event: self.input_queue.put_nowait((StepSyncInput.PHASE, event)),
         )
-        self.step_sync.coordinator_address = address
         self.step_sync.start()
 
     def _on_step_sync_failure(self, reason: str) -> None:
         """Network thread: a peer died or went silent. Wake the engine thread
         with the error; if it is stuck in a collective with the dead peer it
         cannot take it, so end the process after a grace period."""
-        if getattr(self, "shutdown_state", None) is not None and not self.is_running():
+        if not self.is_running():
             return  # shutting down anyway; peers going away is expected
         self.input_queue.put_nowait((StepSyncInput.FAILED, reason))
         grace_s = min(5.0, self.step_sync_config.peer_timeout_s)
@@ -320,10 +319,6 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         return self.pause_phase != PausePhase.RUNNING or super().is_scheduler_paused()
 
     # --- observability ---
-
-    def step_sync_stats(self) -> dict[str, int]:
-        """Utility method (``collective_rpc``-free): this rank's counters."""
-        return self._metrics_snapshot()
 
     def _metrics_snapshot(self) -> dict[str, int]:
         stats: dict[str, int] = {}

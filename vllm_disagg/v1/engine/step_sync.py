@@ -450,6 +450,7 @@ class Participant(_NetworkThread):
         super().__init__(f"StepSyncParticipant{dp_rank}", on_failure)
         self.config = config
         self.dp_rank = dp_rank
+        self.coordinator_address = coordinator_address
         self.on_grant = on_grant
         self.on_phase = on_phase or (lambda event: None)
         # Network-thread state: highest step handed to on_grant (the

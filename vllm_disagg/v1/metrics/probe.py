@@ -9,11 +9,12 @@ background thread (every :data:`FLUSH_INTERVAL_S` while counts change).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from pathlib import Path
+
+from vllm_disagg.v1.metrics import read_json_files, write_json_atomically
 
 FLUSH_INTERVAL_S = 0.1
 
@@ -44,9 +45,7 @@ class ForwardProbe:
                 snapshot = dict(self.counts, dp_rank=self.dp_rank, pid=os.getpid())
             if snapshot != last and snapshot["dp_rank"] is not None:
                 path = Path(directory) / f"probe_dp{snapshot['dp_rank']}.json"
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(snapshot))
-                os.replace(tmp, path)
+                write_json_atomically(path, snapshot)
                 last = snapshot
             time.sleep(FLUSH_INTERVAL_S)
 
@@ -55,11 +54,4 @@ PROBE = ForwardProbe()
 
 
 def read_probes(directory: str | os.PathLike) -> dict[int, dict[str, int]]:
-    found = {}
-    for path in Path(directory).glob("probe_dp*.json"):
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        found[int(doc["dp_rank"])] = doc
-    return found
+    return {int(doc["dp_rank"]): doc for doc in read_json_files(directory, "probe_dp*.json")}

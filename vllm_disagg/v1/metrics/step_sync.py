@@ -18,7 +18,6 @@ Either way engine cores publish at most every :data:`WRITE_INTERVAL_S`.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import tempfile
@@ -30,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vllm_disagg.logger import init_logger
+from vllm_disagg.v1.metrics import read_json_files, write_json_atomically
 
 logger = init_logger(__name__)
 
@@ -162,10 +162,8 @@ class StepSyncMetricsWriter:
         if self._exporter is not None:
             self._exporter.update(data)
             return
-        tmp = self._path.with_suffix(f".{os.getpid()}.tmp")
         try:
-            tmp.write_text(json.dumps({"dp_rank": self.dp_rank, "stats": data}))
-            os.replace(tmp, self._path)
+            write_json_atomically(self._path, {"dp_rank": self.dp_rank, "stats": data})
         except OSError as e:  # metrics must never take the engine down
             logger.warning("step sync metrics: cannot write %s: %s", self._path, e)
 
@@ -181,14 +179,13 @@ class StepSyncCollector(Collector):
 
     def read_snapshots(self) -> dict[int, dict[str, int]]:
         snapshots: dict[int, dict[str, int]] = {}
-        for path in sorted(self.directory.glob("step_sync_dp*.json")):
+        for doc in read_json_files(self.directory, "step_sync_dp*.json"):
             try:
-                doc = json.loads(path.read_text())
                 snapshots[int(doc["dp_rank"])] = {
                     k: int(v) for k, v in doc["stats"].items() if k in METRICS
                 }
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # a half-written or foreign file: skip it
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a foreign file: skip it
         return snapshots
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

@@ -173,7 +173,10 @@ PATCHES: tuple[Patch, ...] = (
             "time; it is replaced by StepSyncDPEngineCoreProc (a subclass): a "
             "step-sync Coordinator thread in DP rank 0, a Participant per rank, "
             "a busy loop that runs real passes when scheduled and dummy passes "
-            "while owed, pause/resume as a group phase, no all-reduce."
+            "while owed, pause/resume as a group phase, no all-reduce. Inside "
+            "the subclass, per instance: scheduler.schedule is wrapped to ask "
+            "for steps before a real pass, and the output queue is wrapped to "
+            "count outputs carrying wave fields."
         ),
         drop_when="Upstream adopts step-synchronized DP (or an equivalent) in DPEngineCoreProc.",
     ),

@@ -103,6 +103,8 @@ class VllmServer:
     def launch(self) -> VllmServer:
         """Start the process without waiting (for servers that must meet,
         such as the DP ranks of an external load balancer)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"server already running (pid {self.proc.pid}); stop() it first")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -172,7 +174,12 @@ class VllmServer:
             self.proc.wait(timeout=DEFAULT_STOP_TIMEOUT_S)
 
     def __enter__(self) -> VllmServer:
-        return self.start()
+        """``with VllmServer(...)`` starts it; ``with server.start()`` keeps
+        the one already started."""
+        if self.proc is None:
+            return self.start()
+        self.wait_ready()
+        return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.stop()

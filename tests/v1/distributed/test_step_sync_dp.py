@@ -6,6 +6,10 @@
   wave traffic may cross an engine's boundary;
 * pause/resume through the RL endpoints: both ranks stop at one step, run
   nothing while paused, and frozen requests finish correctly after resume;
+* a rank whose only request is unschedulable (its KV lookup is pending, as on
+  a decode instance waiting for a prefill) neither stalls its busy peer nor
+  spins dummy passes once the peer is idle; SIGTERM then stops every process
+  of the server by itself, with no rank reporting a failed group;
 * external LB (one server per rank): requests sent only to rank 1 complete
   while rank 0 runs the matching dummy passes; killing rank 1 makes rank 0
   fail within a bounded time instead of hanging.
@@ -14,7 +18,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +64,13 @@ def _workload() -> list[Job]:
 
 
 PAUSE_JOBS = [Job(1000 + i, " ".join(WORDS[i : i + 6]), 48, "stream") for i in range(6)]
+HELD_JOB = Job(2000, " ".join(WORDS[3:20]), 16, "plain")
+BUSY_JOBS = [Job(2001 + i, " ".join(WORDS[i : i + 10]), 16, "plain") for i in range(6)]
+# Long enough that rank 0 finishes its work and the group is seen idle while
+# rank 1 still holds the request; the test fails loudly if it is not.
+HOLD_S = 15.0
+BUSY_TIMEOUT_S = 120.0
+SHUTDOWN_TIMEOUT_S = 60.0
 
 
 def _body(server: VllmServer, job: Job, stream: bool) -> dict:
@@ -72,17 +85,21 @@ def _body(server: VllmServer, job: Job, stream: bool) -> dict:
     }
 
 
-def run_job(server: VllmServer, job: Job, on_first_chunk=None) -> list[int]:
+def run_job(
+    server: VllmServer, job: Job, on_first_chunk=None, dp_rank: int | None = None, **extra
+) -> list[int]:
     """Token ids generated for ``job``; a cancelled job returns what it got
-    before the client hung up."""
+    before the client hung up. ``dp_rank`` pins the request to one engine."""
+    headers = {} if dp_rank is None else {"X-data-parallel-rank": str(dp_rank)}
+    url = f"{server.url}/v1/completions"
     if job.mode == "plain":
-        r = requests.post(f"{server.url}/v1/completions", json=_body(server, job, False), timeout=300)
+        body = {**_body(server, job, False), **extra}
+        r = requests.post(url, json=body, headers=headers, timeout=300)
         r.raise_for_status()
         return r.json()["choices"][0]["token_ids"]
     token_ids: list[int] = []
-    with requests.post(
-        f"{server.url}/v1/completions", json=_body(server, job, True), stream=True, timeout=300
-    ) as r:
+    body = {**_body(server, job, True), **extra}
+    with requests.post(url, json=body, headers=headers, stream=True, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -125,7 +142,10 @@ def wait_for_settled_steps(servers: list[VllmServer], timeout_s: float = DRAIN_T
 def dp1_reference(tiny_models, start_server):
     server = start_server(tiny_models["tiny-mixtral"], COMMON_ARGS, name="stepsync-dp1")
     try:
-        jobs = [Job(j.index, j.prompt, j.max_tokens, "plain") for j in _workload() + PAUSE_JOBS]
+        jobs = [
+            Job(j.index, j.prompt, j.max_tokens, "plain")
+            for j in [*_workload(), *PAUSE_JOBS, HELD_JOB, *BUSY_JOBS]
+        ]
         return run_all(server, jobs)
     finally:
         server.stop()
@@ -207,6 +227,102 @@ def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_referenc
             assert future.result(timeout=120) == dp1_reference[index], f"request {index}"
     resumed = wait_for_settled_steps([dp2_server])
     assert resumed[0] > paused[0]
+
+
+@pytest.fixture(scope="module")
+def dp2_delayed_lookup_server(tiny_models, start_server):
+    connector = {
+        "kv_connector": "DelayedLookupConnector",
+        "kv_connector_module_path": "vllm_disagg.testing.kv_connectors",
+        "kv_role": "kv_both",
+    }
+    server = start_server(
+        tiny_models["tiny-mixtral"],
+        [*COMMON_ARGS, "--data-parallel-size", "2", "--kv-transfer-config", json.dumps(connector)],
+        name="stepsync-dp2-delayed-lookup",
+    )
+    yield server
+    server.stop()
+
+
+def waiting_requests(server: VllmServer, dp_rank: int) -> float:
+    # Absent until the engines' first stats reach the front end.
+    waiting = server.metrics("vllm:num_requests_waiting").get("vllm:num_requests_waiting", {})
+    return sum(v for labels, v in waiting.items() if f'engine="{dp_rank}"' in labels)
+
+
+def test_rank_holding_only_unschedulable_requests_neither_stalls_nor_spins(
+    dp1_reference, dp2_delayed_lookup_server
+):
+    """Upstream failure mode: a rank whose requests all wait for remote KV
+    either skips its dummy pass (its peer deadlocks in the MoE collective) or
+    runs dummy passes forever. Here rank 1 holds one such request."""
+    server = dp2_delayed_lookup_server
+    steps_before = wait_for_settled_steps([server])
+    dummy_before = server.step_sync_metric("dummy_steps_total")
+    pool = ThreadPoolExecutor(max_workers=1 + len(BUSY_JOBS))
+    try:
+        held = pool.submit(
+            run_job, server, HELD_JOB, dp_rank=1, kv_transfer_params={"lookup_delay_s": HOLD_S}
+        )
+        deadline = time.monotonic() + 30
+        while waiting_requests(server, 1) < 1:
+            assert time.monotonic() < deadline and not held.done(), "held request never queued"
+            time.sleep(0.2)
+
+        # Rank 0 works while rank 1 holds nothing schedulable: rank 1 must
+        # run the matching dummy passes or rank 0 would block in a collective.
+        busy = {job.index: pool.submit(run_job, server, job, dp_rank=0) for job in BUSY_JOBS}
+        for index, future in busy.items():
+            assert future.result(timeout=BUSY_TIMEOUT_S) == dp1_reference[index], f"request {index}"
+
+        # Rank 0 is done; rank 1 still holds its request: the group is idle.
+        idle = wait_for_settled_steps([server])
+        time.sleep(2.0)
+        assert wait_for_settled_steps([server]) == idle, "a rank kept stepping while idle"
+        assert not held.done() and waiting_requests(server, 1) == 1, (
+            f"the held request was released before the idle check; raise HOLD_S ({HOLD_S})"
+        )
+        assert held.result(timeout=HOLD_S + BUSY_TIMEOUT_S) == dp1_reference[HELD_JOB.index]
+    finally:
+        # After a failure a request may hang in a stuck engine: do not wait
+        # for it here; stopping the server ends it.
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    steps = wait_for_settled_steps([server])
+    forward = server.step_sync_metric("forward_steps_total")
+    dummy = server.step_sync_metric("dummy_steps_total")
+    assert forward[0] + dummy[0] == forward[1] + dummy[1] == steps[0]
+    assert idle[1] > steps_before[1] and dummy[1] > dummy_before.get(1, 0.0), (
+        "rank 1 ran no dummy passes for rank 0's work"
+    )
+    assert steps[1] > idle[1], "the released request ran no real passes"
+
+
+def test_sigterm_shuts_the_group_down_cleanly(dp2_delayed_lookup_server):
+    """Graceful shutdown still works without waves: every process of the
+    server exits by itself, and no rank mistakes its peers leaving for a
+    failure of the group."""
+    server = dp2_delayed_lookup_server
+    group = server.proc.pid  # the server leads its own process group
+    server.proc.send_signal(signal.SIGTERM)
+    returncode = server.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    while process_group_alive(group):
+        assert time.monotonic() < deadline, "engine or worker processes outlived the server"
+        time.sleep(0.2)
+    log = server.log_text()
+    assert returncode == 0, server.log_tail()
+    for failure in ("StepSyncFailure", "silent for", "aborted the DP group", "did not stop"):
+        assert failure not in log, f"{failure!r} in the log of a clean shutdown"
+
+
+def process_group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,12 @@ def _workload() -> list[Job]:
     return jobs
 
 
-PAUSE_JOBS = [Job(1000 + i, " ".join(WORDS[i : i + 6]), 48, "stream") for i in range(6)]
+# Long enough that none can finish between its first token and the pause: on a
+# loaded 2-core machine the engines run well ahead of the streamed chunks.
+PAUSE_MAX_TOKENS = 256
+PAUSE_JOBS = [
+    Job(1000 + i, " ".join(WORDS[i : i + 6]), PAUSE_MAX_TOKENS, "stream") for i in range(6)
+]
 HELD_JOB = Job(2000, " ".join(WORDS[3:20]), 16, "plain")
 BUSY_JOBS = [Job(2001 + i, " ".join(WORDS[i : i + 10]), 16, "plain") for i in range(6)]
 # Long enough that rank 0 finishes its work and the group is seen idle while
@@ -86,10 +91,16 @@ def _body(server: VllmServer, job: Job, stream: bool) -> dict:
 
 
 def run_job(
-    server: VllmServer, job: Job, on_first_chunk=None, dp_rank: int | None = None, **extra
+    server: VllmServer,
+    job: Job,
+    on_first_chunk=None,
+    dp_rank: int | None = None,
+    progress: dict[int, int] | None = None,
+    **extra,
 ) -> list[int]:
     """Token ids generated for ``job``; a cancelled job returns what it got
-    before the client hung up. ``dp_rank`` pins the request to one engine."""
+    before the client hung up. ``dp_rank`` pins the request to one engine;
+    ``progress[job.index]`` follows the number of tokens streamed so far."""
     headers = {} if dp_rank is None else {"X-data-parallel-rank": str(dp_rank)}
     url = f"{server.url}/v1/completions"
     if job.mode == "plain":
@@ -106,6 +117,8 @@ def run_job(
                 continue
             chunk = json.loads(line[len(b"data: ") :])
             token_ids += chunk["choices"][0].get("token_ids") or []
+            if progress is not None:
+                progress[job.index] = len(token_ids)
             if on_first_chunk is not None and token_ids:
                 on_first_chunk()
                 on_first_chunk = None
@@ -209,22 +222,30 @@ def test_idle_group_runs_no_steps(dp2_server):
 
 def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_reference, dp2_server):
     started = threading.Barrier(len(PAUSE_JOBS) + 1, timeout=120)
+    progress: dict[int, int] = {}
     with ThreadPoolExecutor(max_workers=len(PAUSE_JOBS)) as pool:
         futures = {
-            job.index: pool.submit(run_job, dp2_server, job, on_first_chunk=started.wait)
+            job.index: pool.submit(
+                run_job, dp2_server, job, on_first_chunk=started.wait, progress=progress
+            )
             for job in PAUSE_JOBS
         }
         started.wait()  # every request is generating
         r = requests.post(f"{dp2_server.url}/pause", params={"mode": "keep"}, timeout=120)
         assert r.status_code == 200, r.text
         paused = wait_for_settled_steps([dp2_server])
+        frozen = dict(progress)
         time.sleep(2.0)
         assert wait_for_settled_steps([dp2_server]) == paused, "a rank stepped while paused"
-        assert not any(f.done() for f in futures.values()), "keep mode must freeze requests"
+        # The streams drained what was generated before the pause, then stopped.
+        assert progress == frozen, "tokens arrived while paused"
+        unfinished = [job.index for job in PAUSE_JOBS if not futures[job.index].done()]
+        assert unfinished, f"every request finished before the pause took effect: {frozen}"
+        assert all(frozen[i] < PAUSE_MAX_TOKENS for i in unfinished), frozen
         r = requests.post(f"{dp2_server.url}/resume", timeout=60)
         assert r.status_code == 200, r.text
         for index, future in futures.items():
-            assert future.result(timeout=120) == dp1_reference[index], f"request {index}"
+            assert future.result(timeout=300) == dp1_reference[index], f"request {index}"
     resumed = wait_for_settled_steps([dp2_server])
     assert resumed[0] > paused[0]
 

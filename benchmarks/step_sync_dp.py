@@ -2,9 +2,11 @@
 
 Starts `vllm serve` on tiny Mixtral with --data-parallel-size 2 twice: with
 the patch set's features off (VLLM_DISAGG_DISABLE=1: upstream waves) and on
-(step sync). Both runs load the measurement-only probe (VLLM_DISAGG_PROBE=1),
-which counts each rank's real and dummy forward passes and the blocking DP
-all-reduces of the busy loop. Measured, the same way for both:
+(step sync). Both servers stay up and take turns, so the load other tenants
+put on a shared machine falls on both modes alike. Both load the
+measurement-only probe (VLLM_DISAGG_PROBE=1), which counts each rank's real
+and dummy forward passes and the blocking DP all-reduces of the busy loop.
+Measured, the same way for both:
 
 * output tokens/s under load (concurrent requests, ignore_eos);
 * TTFT of a single request arriving at an idle group;
@@ -13,7 +15,8 @@ all-reduces of the busy loop. Measured, the same way for both:
 * blocking DP collectives per 1000 forward passes.
 
 Writes benchmarks/results/step_sync_dp.{json,md,png}. Ratios, not absolute
-numbers, are the result: these machines are shared and noisy.
+numbers, are the result: these machines are shared and noisy. Run it with
+nothing else busy on the machine (about 15 minutes on 2 cores).
 
     .venv/bin/python benchmarks/step_sync_dp.py [--quick]
 """
@@ -21,6 +24,7 @@ numbers, are the result: these machines are shared and noisy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -81,73 +85,115 @@ def delta(after: dict, before: dict, rank: int, key: str) -> int:
     return after[rank][key] - before.get(rank, {}).get(key, 0)
 
 
-def measure(mode: str, model: Path, work: Path, args: argparse.Namespace) -> dict:
-    metrics_dir = work / f"metrics-{mode}"
-    metrics_dir.mkdir()
-    env = cpu_test_env(
-        VLLM_DISAGG_PROBE="1", VLLM_DISAGG_METRICS_DIR=str(metrics_dir), **MODES[mode]
-    )
-    server = VllmServer(
-        model,
-        ["--max-model-len", "512", "--max-num-seqs", "64", "--seed", "0",
-         "--data-parallel-size", "2"],  # fmt: skip
-        log_path=RESULTS / "logs" / f"step_sync_dp-{mode}.log",
-        env=env,
-    )
-    rng = random.Random(7)
-    prompt = lambda: " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))  # noqa: E731
-    result: dict = {"mode": mode}
-    print(f"[{mode}] starting server", flush=True)
-    with server.start():
-        for _ in range(4):  # warm-up
-            complete(server, prompt(), 8)
+class ModeUnderTest:
+    """One DP=2 server in one mode, with its probe directory."""
 
-        ttfts = []
-        for _ in range(args.trials):
-            settled_probe(metrics_dir)  # idle group
-            ttfts.append(stream_first_token_s(server, prompt(), 1))
-        result["idle_ttft_s"] = ttfts
+    def __init__(self, mode: str, model: Path, work: Path):
+        self.mode = mode
+        self.metrics_dir = work / f"metrics-{mode}"
+        self.metrics_dir.mkdir()
+        env = cpu_test_env(
+            VLLM_DISAGG_PROBE="1", VLLM_DISAGG_METRICS_DIR=str(self.metrics_dir), **MODES[mode]
+        )
+        self.server = VllmServer(
+            model,
+            ["--max-model-len", "512", "--max-num-seqs", "64", "--seed", "0",
+             "--data-parallel-size", "2"],  # fmt: skip
+            log_path=RESULTS / "logs" / f"step_sync_dp-{mode}.log",
+            env=env,
+        )
+        self.rng = random.Random(7)
+        self.result: dict = {
+            "mode": mode,
+            "idle_ttft_s": [],
+            "wasted_passes_per_drain": [],
+            "output_tokens_per_s": [],
+            "blocking_collectives_per_1000_passes": [],
+        }
 
-        wasted, collectives_per_drain = [], []
-        for _ in range(args.trials):
-            before = settled_probe(metrics_dir)
-            complete(server, prompt(), 8)
-            after = settled_probe(metrics_dir)
-            passes = [
-                delta(after, before, r, "real_passes") + delta(after, before, r, "dummy_passes")
-                for r in (0, 1)
-            ]
-            real = [delta(after, before, r, "real_passes") for r in (0, 1)]
-            assert passes[0] == passes[1], f"{mode}: ranks ran {passes} passes"
-            wasted.append(passes[0] - max(real))
-            collectives_per_drain.append(delta(after, before, 0, "blocking_collectives"))
-        result["wasted_passes_per_drain"] = wasted
+    def prompt(self) -> str:
+        return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(4, 40)))
 
-        tokens_per_s, per_1000 = [], []
-        for _ in range(args.rounds):
-            before = settled_probe(metrics_dir)
-            prompts = [prompt() for _ in range(args.concurrency)]
-            start = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-                tokens = sum(pool.map(lambda p: complete(server, p, args.max_tokens), prompts))
-            elapsed = time.perf_counter() - start
-            after = settled_probe(metrics_dir)
-            tokens_per_s.append(tokens / elapsed)
+    def warm_up(self, args: argparse.Namespace) -> None:
+        for _ in range(4):
+            complete(self.server, self.prompt(), 8)
+        self.load_round(args, record=False)  # first large batches are slower
+
+    def idle_ttft(self) -> None:
+        settled_probe(self.metrics_dir)  # idle group
+        self.result["idle_ttft_s"].append(stream_first_token_s(self.server, self.prompt(), 1))
+
+    def drain(self) -> None:
+        before = settled_probe(self.metrics_dir)
+        complete(self.server, self.prompt(), 8)
+        after = settled_probe(self.metrics_dir)
+        passes = [
+            delta(after, before, r, "real_passes") + delta(after, before, r, "dummy_passes")
+            for r in (0, 1)
+        ]
+        real = [delta(after, before, r, "real_passes") for r in (0, 1)]
+        assert passes[0] == passes[1], f"{self.mode}: ranks ran {passes} passes"
+        self.result["wasted_passes_per_drain"].append(passes[0] - max(real))
+
+    def load_round(self, args: argparse.Namespace, record: bool = True) -> None:
+        before = settled_probe(self.metrics_dir)
+        prompts = [self.prompt() for _ in range(args.concurrency)]
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+            tokens = sum(pool.map(lambda p: complete(self.server, p, args.max_tokens), prompts))
+        elapsed = time.perf_counter() - start
+        after = settled_probe(self.metrics_dir)
+        if record:
             passes = delta(after, before, 0, "real_passes") + delta(after, before, 0, "dummy_passes")
-            per_1000.append(1000 * delta(after, before, 0, "blocking_collectives") / passes)
-        result["output_tokens_per_s"] = tokens_per_s
-        result["blocking_collectives_per_1000_passes"] = per_1000
-    print(f"[{mode}] {json.dumps(result)}", flush=True)
-    return result
+            self.result["output_tokens_per_s"].append(tokens / elapsed)
+            self.result["blocking_collectives_per_1000_passes"].append(
+                1000 * delta(after, before, 0, "blocking_collectives") / passes
+            )
 
 
-def summarize(runs: dict[str, dict]) -> dict:
+def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, dict]:
+    """Both servers stay up (an idle group uses no CPU); the modes take turns
+    in every repeat, first one then the other, so drift in the machine's load
+    falls on both alike."""
+    runs = {mode: ModeUnderTest(mode, model, work) for mode in MODES}
+    with contextlib.ExitStack() as stack:
+        for run in runs.values():  # one at a time: start-up is CPU-bound
+            print(f"[{run.mode}] starting server", flush=True)
+            stack.enter_context(run.server.start())
+            run.warm_up(args)
+        order = list(runs.values())
+        for repeat in range(args.repeats):
+            for run in order if repeat % 2 == 0 else reversed(order):
+                for _ in range(args.trials):
+                    run.idle_ttft()
+                for _ in range(args.trials):
+                    run.drain()
+                for _ in range(args.rounds):
+                    run.load_round(args)
+            print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
+    for run in runs.values():
+        print(f"[{run.mode}] {json.dumps(run.result)}", flush=True)
+    return {mode: run.result for mode, run in runs.items()}
+
+
+def paired_ratios(runs: dict[str, dict], key: str, per_repeat: int, stat) -> list[float]:
+    """step sync / waves, one ratio per repeat (the two ran back to back)."""
+    w, s = runs["waves"][key], runs["step_sync"][key]
+    chunks = range(0, len(w), per_repeat)
+    return [stat(s[i : i + per_repeat]) / stat(w[i : i + per_repeat]) for i in chunks]
+
+
+def summarize(runs: dict[str, dict], args: argparse.Namespace) -> dict:
     mean = statistics.fmean
     median = statistics.median
     w, s = runs["waves"], runs["step_sync"]
+    throughput = paired_ratios(runs, "output_tokens_per_s", args.rounds, mean)
+    ttft = paired_ratios(runs, "idle_ttft_s", args.trials, median)
     return {
-        "throughput_ratio": mean(s["output_tokens_per_s"]) / mean(w["output_tokens_per_s"]),
-        "idle_ttft_ratio": median(s["idle_ttft_s"]) / median(w["idle_ttft_s"]),
+        "throughput_ratio": median(throughput),
+        "throughput_ratio_per_repeat": throughput,
+        "idle_ttft_ratio": median(ttft),
+        "idle_ttft_ratio_per_repeat": ttft,
         "wasted_passes_per_drain": {
             "waves": mean(w["wasted_passes_per_drain"]),
             "step_sync": mean(s["wasted_passes_per_drain"]),
@@ -157,8 +203,8 @@ def summarize(runs: dict[str, dict]) -> dict:
             "step_sync": mean(s["blocking_collectives_per_1000_passes"]),
         },
         "output_tokens_per_s": {
-            "waves": mean(w["output_tokens_per_s"]),
-            "step_sync": mean(s["output_tokens_per_s"]),
+            "waves": median(w["output_tokens_per_s"]),
+            "step_sync": median(s["output_tokens_per_s"]),
         },
         "idle_ttft_median_s": {
             "waves": median(w["idle_ttft_s"]),
@@ -167,13 +213,19 @@ def summarize(runs: dict[str, dict]) -> dict:
     }
 
 
+def spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def write_markdown(summary: dict, args: argparse.Namespace, path: Path) -> None:
     f = summary
     rows = [
-        ("output tokens/s under load", "output_tokens_per_s", "{:.1f}",
-         f"{f['throughput_ratio']:.2f} (goal >= 1.0)"),
+        ("output tokens/s under load, median", "output_tokens_per_s", "{:.1f}",
+         f"{f['throughput_ratio']:.2f} (repeats {spread(f['throughput_ratio_per_repeat'])}; "
+         "goal >= 1.0)"),
         ("idle-group TTFT, median (s)", "idle_ttft_median_s", "{:.3f}",
-         f"{f['idle_ttft_ratio']:.2f} (goal <= 1.0)"),
+         f"{f['idle_ttft_ratio']:.2f} (repeats {spread(f['idle_ttft_ratio_per_repeat'])}; "
+         "goal <= 1.0)"),
         ("wasted passes per drain", "wasted_passes_per_drain", "{:.1f}", "goal <= 2 (step sync)"),
         ("blocking collectives / 1000 passes", "blocking_collectives_per_1000_passes",
          "{:.1f}", "goal 0 (step sync)"),
@@ -181,9 +233,12 @@ def write_markdown(summary: dict, args: argparse.Namespace, path: Path) -> None:
     lines = [
         "# Step sync vs upstream DP waves (DP=2 tiny Mixtral, CPU)",
         "",
-        f"Generated by `benchmarks/step_sync_dp.py` on {time.strftime('%Y-%m-%d')}: "
-        f"{args.trials} idle-TTFT and drain trials, {args.rounds} load rounds of "
-        f"{args.concurrency} concurrent requests x {args.max_tokens} tokens.",
+        f"Generated by `benchmarks/step_sync_dp.py` on {time.strftime('%Y-%m-%d')}. "
+        f"Both servers stay up and take turns, {args.repeats} turns each; a turn is "
+        f"{args.trials} idle-group TTFTs, {args.trials} drains (one 8-token request, "
+        f"then idle) and {args.rounds} load rounds of {args.concurrency} concurrent "
+        f"requests x {args.max_tokens} tokens. Ratios are step sync / waves: the median "
+        "over turns, each turn paired with the other mode's turn next to it.",
         "",
         "| metric | waves (upstream) | step sync | ratio / goal |",
         "|---|---|---|---|",
@@ -208,13 +263,20 @@ def plot(summary: dict, path: Path) -> None:
         ("wasted passes / drain", "wasted_passes_per_drain"),
         ("blocking collectives / 1000 passes", "blocking_collectives_per_1000_passes"),
     ]
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.4))
+    fig, axes = plt.subplots(1, 5, figsize=(17, 3.4))
     for ax, (title, key) in zip(axes, panels):
         values = [summary[key]["waves"], summary[key]["step_sync"]]
         ax.bar(["waves", "step sync"], values, color=["#999999", "#2a7ab9"])
         ax.set_title(title, fontsize=10)
         for i, v in enumerate(values):
             ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=9)
+    ax = axes[-1]
+    for x, key in enumerate(("throughput_ratio_per_repeat", "idle_ttft_ratio_per_repeat")):
+        ax.plot([x] * len(summary[key]), summary[key], "o", color="#2a7ab9", alpha=0.7)
+    ax.axhline(1.0, color="#999999", linewidth=1)
+    ax.set_xticks([0, 1], ["tokens/s", "idle TTFT"])
+    ax.set_xlim(-0.5, 1.5)
+    ax.set_title("step sync / waves, each turn", fontsize=10)
     fig.suptitle("DP=2 tiny Mixtral on CPU: upstream waves vs step sync")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -222,20 +284,22 @@ def plot(summary: dict, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=4, help="turns each mode takes")
+    parser.add_argument("--trials", type=int, default=6, help="idle TTFTs and drains per turn")
+    parser.add_argument("--rounds", type=int, default=2, help="load rounds per turn")
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--quick", action="store_true", help="fewer trials (smoke run)")
     args = parser.parse_args()
     if args.quick:
-        args.trials, args.rounds, args.concurrency, args.max_tokens = 2, 1, 8, 8
+        args.repeats, args.trials, args.rounds = 2, 2, 1
+        args.concurrency, args.max_tokens = 8, 8
     RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-step-sync-") as tmp:
         work = Path(tmp)
         model = build_model("tiny-mixtral", work / "models")
-        runs = {mode: measure(mode, model, work, args) for mode in MODES}
-    summary = summarize(runs)
+        runs = measure(model, work, args)
+    summary = summarize(runs, args)
     stem = "step_sync_dp-quick" if args.quick else "step_sync_dp"
     (RESULTS / f"{stem}.json").write_text(
         json.dumps({"summary": summary, "runs": runs}, indent=2) + "\n"

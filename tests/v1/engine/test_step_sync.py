@@ -314,6 +314,36 @@ def test_rank_resuming_before_the_group_paused_keeps_the_group_running(recorders
     assert r1.phases == [], "group paused without rank 0"
 
 
+def test_request_ahead_wakes_peers_before_the_first_pass(recorders):
+    """Work arriving at an idle rank asks for ``lookahead`` steps at once, so
+    the peers start their dummy passes while it is still scheduling."""
+    coord, (r0, r1) = recorders(2)
+    r1.part.request_ahead()
+    wait_until(lambda: r0.grants and r1.grants, what="grants from request_ahead")
+    assert r0.grants[-1] == r1.grants[-1] == coord.step == 2
+    # Holding an unused grant, a second call asks for nothing more.
+    r1.part.observe_grant(r1.grants[-1])
+    sent = r1.part.stats["requests_sent"]
+    r1.part.request_ahead()
+    assert r1.part.stats["requests_sent"] == sent
+
+
+def test_only_an_ungranted_pass_waits_for_its_grant(recorders):
+    coord, (r0, r1) = recorders(2)
+    # Waking pass: nobody granted step 1 yet, so it waits for the round trip.
+    r1.part.begin_forward(dummy=False)
+    assert r1.part.stats["grant_waits"] == 1
+    assert r1.grants and r1.grants[-1] >= 1, "returned before its grant arrived"
+    r1.part.observe_grant(r1.grants[-1])
+    # Steady work: renewals go out ahead of need, so later passes never wait.
+    for _ in range(20):
+        r1.part.begin_forward(dummy=False)
+        time.sleep(0.005)  # a pass takes longer than a loopback round trip
+        r1.part.observe_grant(r1.grants[-1])
+    assert r1.part.stats["grant_waits"] == 1
+    wait_until(lambda: r0.grants and r0.grants[-1] == coord.step >= 21, what="peer grants")
+
+
 def test_options_come_from_additional_config():
     config = StepSyncConfig.from_additional_config(
         {"step_sync_lookahead": 4, "step_sync_peer_timeout_s": 2.5, "other": 1}, dp_size=2

@@ -254,6 +254,11 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         if request_wave:
             self.wave_audit.wave_stamped_requests += 1
         EngineCoreProc.add_request(self, request, request_wave)
+        # Wake the peers now rather than at schedule(), as upstream's front
+        # end did with FIRST_REQ. A request with KV transfer params will likely
+        # wait for remote KV first; it asks when it is scheduled.
+        if not request.kv_transfer_params and not self.is_scheduler_paused():
+            self.step_sync.request_ahead()
 
     def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         raise AssertionError("step sync DP engines never all-reduce in the busy loop")

@@ -50,6 +50,9 @@ logger = init_logger(__name__)
 MAX_MESSAGE_BYTES = 1024
 # Heartbeats per peer_timeout_s; a peer must miss several before it is dead.
 HEARTBEATS_PER_TIMEOUT = 5
+# Longest a real pass that nobody granted yet waits for its grant (see
+# Participant.begin_forward). Normally one loopback round trip, well under 1 ms.
+MAX_GRANT_WAIT_S = 0.02
 
 
 # --additional-config key -> StepSyncConfig field.
@@ -455,14 +458,18 @@ class Participant(_NetworkThread):
         self.on_phase = on_phase or (lambda event: None)
         # Network-thread state: highest step handed to on_grant (the
         # coordinator's heartbeat repeats its step; the engine needs it once).
+        # The engine thread may wait on the condition for it to grow.
         self._delivered = 0
+        self._delivered_grew = threading.Condition()
         # Engine-thread state.
         self.local_step = 0
         self.coord_step = 0
         self.requested = 0
         self.dummy_steps = 0
         self.forward_steps = 0
-        self.counters = _Counters("requests_sent", "grants_received", "malformed_messages")
+        self.counters = _Counters(
+            "requests_sent", "grants_received", "malformed_messages", "grant_waits"
+        )
         self._incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         ctx, self._sock = _new_context_socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, f"dp{dp_rank}-{self._incarnation}".encode())
@@ -494,18 +501,45 @@ class Participant(_NetworkThread):
         A real pass may run ahead of the grant: the coordinator is asked for
         ``lookahead`` steps past it before the remaining grant drops below the
         renewal margin, and ZMQ delivers in order, so every peer will be told.
+
+        A pass that nobody granted yet (typically the one that wakes an idle
+        group) waits, up to ``MAX_GRANT_WAIT_S``, until its grant came back.
+        That costs nothing: the pass would wait for its peers in the first
+        collective, and they start only on that same grant. It matters
+        because otherwise this thread goes on preparing the pass while
+        holding the GIL, and the network threads that carry the request (and,
+        on rank 0, the coordinator) wait for the interpreter's switch
+        interval (5 ms) before they get to run.
         """
         self.local_step += 1
         if dummy:
             self.dummy_steps += 1
-        else:
-            self.forward_steps += 1
-            known = max(self.requested, self.coord_step)
-            if known - self.local_step < self.config.renew_margin:
-                self.requested = self.local_step + self.config.lookahead
-                self._outbox_tx.send(_encoder.encode(RequestSteps(self.dp_rank, self.requested)))
-                self.counters.inc("requests_sent")
+            return self.local_step
+        self.forward_steps += 1
+        known = max(self.requested, self.coord_step)
+        if known - self.local_step < self.config.renew_margin:
+            self.requested = self.local_step + self.config.lookahead
+            self._outbox_tx.send(_encoder.encode(RequestSteps(self.dp_rank, self.requested)))
+            self.counters.inc("requests_sent")
+        if self._delivered < self.local_step:
+            self.counters.inc("grant_waits")
+            step = self.local_step
+            with self._delivered_grew:
+                self._delivered_grew.wait_for(
+                    lambda: self._delivered >= step or self._failed is not None,
+                    MAX_GRANT_WAIT_S,
+                )
         return self.local_step
+
+    def request_ahead(self) -> None:
+        """Work arrived while this rank holds no grant beyond its last pass:
+        ask for the next ``lookahead`` steps now, so the peers wake while this
+        engine is still scheduling. If the work turns out unschedulable, the
+        group runs at most ``lookahead`` dummy passes for it."""
+        if max(self.requested, self.coord_step) <= self.local_step:
+            self.requested = self.local_step + self.config.lookahead
+            self._outbox_tx.send(_encoder.encode(RequestSteps(self.dp_rank, self.requested)))
+            self.counters.inc("requests_sent")
 
     def request_pause(self) -> None:
         """Tell the group this rank paused: no more real passes until resume.
@@ -580,14 +614,19 @@ class Participant(_NetworkThread):
             self.counters.inc("malformed_messages")
             return False
         if isinstance(msg, GroupPaused):
-            self._delivered = max(self._delivered, msg.step)
+            self._deliver(msg.step)
             self.on_phase(msg)
             return True
         self.counters.inc("grants_received")
         if msg.step > self._delivered:
-            self._delivered = msg.step
+            self._deliver(msg.step)
             self.on_grant(msg.step)
         return True
+
+    def _deliver(self, step: int) -> None:
+        with self._delivered_grew:
+            self._delivered = max(self._delivered, step)
+            self._delivered_grew.notify_all()
 
     def _send(self, msg: ToCoordinator) -> None:
         try:

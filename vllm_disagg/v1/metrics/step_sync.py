@@ -43,6 +43,11 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "dummy_steps": ("dummy_steps", "counter", "Dummy forward passes run to match peers."),
     "requests_sent": ("requests_sent", "counter", "Step requests sent to the coordinator."),
     "grants_received": ("grants_received", "counter", "Grants received from the coordinator."),
+    "grant_waits": (
+        "grant_waits",
+        "counter",
+        "Real passes that waited (at most 20 ms) for their grant: wake-ups of an idle group.",
+    ),
     "malformed_messages": (
         "malformed_messages",
         "counter",

@@ -153,8 +153,8 @@ class ModeUnderTest:
 
 def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, dict]:
     """Both servers stay up (an idle group uses no CPU); the modes take turns
-    in every repeat, first one then the other, so drift in the machine's load
-    falls on both alike."""
+    in every repeat, first one then the other (load rounds alternate one by
+    one), so drift in the machine's load falls on both alike."""
     runs = {mode: ModeUnderTest(mode, model, work) for mode in MODES}
     with contextlib.ExitStack() as stack:
         for run in runs.values():  # one at a time: start-up is CPU-bound
@@ -168,7 +168,9 @@ def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, dict
                     run.idle_ttft()
                 for _ in range(args.trials):
                     run.drain()
-                for _ in range(args.rounds):
+            # Load rounds are short: alternate them one by one (ABBA...).
+            for i in range(args.rounds):
+                for run in order if (repeat + i) % 2 == 0 else reversed(order):
                     run.load_round(args)
             print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
     for run in runs.values():
@@ -286,7 +288,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=4, help="turns each mode takes")
     parser.add_argument("--trials", type=int, default=6, help="idle TTFTs and drains per turn")
-    parser.add_argument("--rounds", type=int, default=2, help="load rounds per turn")
+    parser.add_argument("--rounds", type=int, default=4, help="load rounds per turn")
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--quick", action="store_true", help="fewer trials (smoke run)")

@@ -4,7 +4,7 @@ No vLLM: the real Coordinator and Participant classes on loopback. DP rank 0
 (with the coordinator thread, as in the engine) starts a pass nobody granted
 yet and then keeps its thread busy in Python, as an engine thread preparing a
 forward pass does. DP rank 1 runs in another process and records when the
-grant reaches it. Measured with the grant wait of ``begin_forward`` (the
+grant reaches it. Measured with the grant wait of ``Participant`` (the
 default) and with it switched off (``MAX_GRANT_WAIT_S = 0``), side by side.
 
 Writes benchmarks/results/step_sync_grant_latency.{json,md}.

@@ -319,13 +319,18 @@ def test_request_ahead_wakes_peers_before_the_first_pass(recorders):
     the peers start their dummy passes while it is still scheduling."""
     coord, (r0, r1) = recorders(2)
     r1.part.request_ahead()
+    # It returned once its grant was back (one round trip): the peers have it too.
+    assert coord.step == 2 and r1.part.stats["grant_waits"] == 1
     wait_until(lambda: r0.grants and r1.grants, what="grants from request_ahead")
-    assert r0.grants[-1] == r1.grants[-1] == coord.step == 2
-    # Holding an unused grant, a second call asks for nothing more.
+    assert r0.grants[-1] == r1.grants[-1] == 2
+    # Holding an unused grant, a second call asks for nothing more, and the
+    # first pass finds its grant already there.
     r1.part.observe_grant(r1.grants[-1])
     sent = r1.part.stats["requests_sent"]
     r1.part.request_ahead()
+    r1.part.begin_forward(dummy=False)
     assert r1.part.stats["requests_sent"] == sent
+    assert r1.part.stats["grant_waits"] == 1
 
 
 def test_only_an_ungranted_pass_waits_for_its_grant(recorders):

@@ -501,45 +501,52 @@ class Participant(_NetworkThread):
         A real pass may run ahead of the grant: the coordinator is asked for
         ``lookahead`` steps past it before the remaining grant drops below the
         renewal margin, and ZMQ delivers in order, so every peer will be told.
-
-        A pass that nobody granted yet (typically the one that wakes an idle
-        group) waits, up to ``MAX_GRANT_WAIT_S``, until its grant came back.
-        That costs nothing: the pass would wait for its peers in the first
-        collective, and they start only on that same grant. It matters
-        because otherwise this thread goes on preparing the pass while
-        holding the GIL, and the network threads that carry the request (and,
-        on rank 0, the coordinator) wait for the interpreter's switch
-        interval (5 ms) before they get to run.
+        A real pass that nobody granted yet waits for its grant (see
+        ``_await_grant``); with ``request_ahead`` that is rare.
         """
         self.local_step += 1
         if dummy:
             self.dummy_steps += 1
             return self.local_step
         self.forward_steps += 1
-        known = max(self.requested, self.coord_step)
-        if known - self.local_step < self.config.renew_margin:
-            self.requested = self.local_step + self.config.lookahead
-            self._outbox_tx.send(_encoder.encode(RequestSteps(self.dp_rank, self.requested)))
-            self.counters.inc("requests_sent")
-        if self._delivered < self.local_step:
-            self.counters.inc("grant_waits")
-            step = self.local_step
-            with self._delivered_grew:
-                self._delivered_grew.wait_for(
-                    lambda: self._delivered >= step or self._failed is not None,
-                    MAX_GRANT_WAIT_S,
-                )
+        if max(self.requested, self.coord_step) - self.local_step < self.config.renew_margin:
+            self._request_steps(self.local_step + self.config.lookahead)
+        self._await_grant(self.local_step)
         return self.local_step
 
     def request_ahead(self) -> None:
         """Work arrived while this rank holds no grant beyond its last pass:
-        ask for the next ``lookahead`` steps now, so the peers wake while this
-        engine is still scheduling. If the work turns out unschedulable, the
-        group runs at most ``lookahead`` dummy passes for it."""
+        ask for the next ``lookahead`` steps now and wait for the grant, so
+        the peers start their dummy pass while this engine is still
+        scheduling. If the work turns out unschedulable, the group runs at
+        most ``lookahead`` dummy passes for it."""
         if max(self.requested, self.coord_step) <= self.local_step:
-            self.requested = self.local_step + self.config.lookahead
-            self._outbox_tx.send(_encoder.encode(RequestSteps(self.dp_rank, self.requested)))
-            self.counters.inc("requests_sent")
+            self._request_steps(self.local_step + self.config.lookahead)
+            self._await_grant(self.local_step + 1)
+
+    def _request_steps(self, step: int) -> None:
+        self.requested = step
+        self._outbox_tx.send(_encoder.encode(RequestSteps(self.dp_rank, step)))
+        self.counters.inc("requests_sent")
+
+    def _await_grant(self, step: int) -> None:
+        """Wait, up to ``MAX_GRANT_WAIT_S``, until ``step`` was granted.
+
+        Only a rank waking an idle group waits, for one loopback round trip,
+        and the wait costs nothing: its first pass would wait for its peers in
+        the first collective anyway, and they start on that same grant. It
+        matters because otherwise this thread goes on scheduling while holding
+        the GIL, and the network thread that carries the request (and, on
+        rank 0, the coordinator thread) gets to run only after the
+        interpreter's switch interval (5 ms).
+        """
+        if self._delivered >= step:
+            return
+        self.counters.inc("grant_waits")
+        with self._delivered_grew:
+            self._delivered_grew.wait_for(
+                lambda: self._delivered >= step or self._failed is not None, MAX_GRANT_WAIT_S
+            )
 
     def request_pause(self) -> None:
         """Tell the group this rank paused: no more real passes until resume.

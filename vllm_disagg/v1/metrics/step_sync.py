@@ -46,7 +46,7 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "grant_waits": (
         "grant_waits",
         "counter",
-        "Real passes that waited (at most 20 ms) for their grant: wake-ups of an idle group.",
+        "Waits (at most 20 ms each) for a grant this rank asked for: wake-ups of an idle group.",
     ),
     "malformed_messages": (
         "malformed_messages",

@@ -50,8 +50,8 @@ logger = init_logger(__name__)
 MAX_MESSAGE_BYTES = 1024
 # Heartbeats per peer_timeout_s; a peer must miss several before it is dead.
 HEARTBEATS_PER_TIMEOUT = 5
-# Longest a real pass that nobody granted yet waits for its grant (see
-# Participant.begin_forward). Normally one loopback round trip, well under 1 ms.
+# Longest the engine thread waits for a grant it asked for (see
+# Participant._await_grant). Normally one loopback round trip, well under 1 ms.
 MAX_GRANT_WAIT_S = 0.02
 
 
@@ -509,7 +509,7 @@ class Participant(_NetworkThread):
             self.dummy_steps += 1
             return self.local_step
         self.forward_steps += 1
-        if max(self.requested, self.coord_step) - self.local_step < self.config.renew_margin:
+        if self._horizon - self.local_step < self.config.renew_margin:
             self._request_steps(self.local_step + self.config.lookahead)
         self._await_grant(self.local_step)
         return self.local_step
@@ -520,9 +520,14 @@ class Participant(_NetworkThread):
         the peers start their dummy pass while this engine is still
         scheduling. If the work turns out unschedulable, the group runs at
         most ``lookahead`` dummy passes for it."""
-        if max(self.requested, self.coord_step) <= self.local_step:
+        if self._horizon <= self.local_step:
             self._request_steps(self.local_step + self.config.lookahead)
             self._await_grant(self.local_step + 1)
+
+    @property
+    def _horizon(self) -> int:
+        """Last step granted or already asked for: passes up to it need no request."""
+        return max(self.requested, self.coord_step)
 
     def _request_steps(self, step: int) -> None:
         self.requested = step

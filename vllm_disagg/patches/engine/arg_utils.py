@@ -1,7 +1,9 @@
-"""Patch: fail at start-up, in one sentence, on two common configuration errors.
+"""Patches: fail at start-up, in one sentence, on configuration errors.
 
 Upstream: ``vllm.engine.arg_utils.EngineArgs.__post_init__`` and
-``EngineArgs.create_engine_config``.
+``EngineArgs.create_engine_config``. Two registry entries share this module:
+
+``startup-validation`` (enabler, :func:`apply`), upstream's own options:
 
 * A model given as a filesystem path that does not exist is passed on to the
   Hugging Face Hub client, which on an offline machine fails after retries
@@ -13,12 +15,20 @@ Upstream: ``vllm.engine.arg_utils.EngineArgs.__post_init__`` and
 The wrappers check the path before upstream's ``__post_init__`` resolves it
 (with ``HF_HUB_OFFLINE=1`` it already asks the Hub client), and the head size
 after upstream builds the config, and raise :class:`vllm_disagg.errors.ConfigError`.
+
+``step-sync-options`` (feature, :func:`apply_step_sync_options`), this
+project's options: adds :func:`check_step_sync_options` to the checks the
+``create_engine_config`` wrapper runs on the built config, so a bad
+``step_sync_*`` key in ``--additional-config`` fails there and not in an
+engine core. Like every feature it is not applied with
+``VLLM_DISAGG_DISABLE=1``, while the enabler stays on.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 from vllm.engine.arg_utils import EngineArgs
 
@@ -26,6 +36,10 @@ from vllm_disagg.errors import ConfigError
 
 _upstream_post_init = EngineArgs.__post_init__
 _upstream_create_engine_config = EngineArgs.create_engine_config
+
+# Checks of this project's own options, run on the built VllmConfig after
+# upstream's; feature patches add theirs (see apply_step_sync_options).
+_feature_config_checks: list[Callable[[object], None]] = []
 
 
 def looks_like_local_path(model: str) -> bool:
@@ -75,11 +89,8 @@ def check_cpu_head_size(vllm_config) -> None:
 def check_step_sync_options(vllm_config) -> None:
     """Step-sync options (--additional-config) fail at start-up, not in an
     engine core: the engine reads them again with the same validation."""
-    from vllm_disagg import envs
     from vllm_disagg.v1.engine.step_sync import StepSyncConfig
 
-    if envs.features_disabled():
-        return
     dp_size = vllm_config.parallel_config.data_parallel_size
     StepSyncConfig.from_additional_config(vllm_config.additional_config, dp_size)
 
@@ -94,7 +105,8 @@ def __post_init__(self):
 def create_engine_config(self, *args, **kwargs):
     vllm_config = _upstream_create_engine_config(self, *args, **kwargs)
     check_cpu_head_size(vllm_config)
-    check_step_sync_options(vllm_config)
+    for check in _feature_config_checks:
+        check(vllm_config)
     return vllm_config
 
 
@@ -108,3 +120,14 @@ def is_applied() -> bool:
         EngineArgs.__post_init__ is __post_init__
         and EngineArgs.create_engine_config is create_engine_config
     )
+
+
+def apply_step_sync_options() -> None:
+    """Feature: validate step-sync options in the wrapper :func:`apply`
+    installs (the registry applies enablers first)."""
+    if check_step_sync_options not in _feature_config_checks:
+        _feature_config_checks.append(check_step_sync_options)
+
+
+def is_step_sync_options_applied() -> bool:
+    return is_applied() and check_step_sync_options in _feature_config_checks

@@ -1,0 +1,82 @@
+"""Start-up validation: upstream's options (an enabler) and this project's
+step-sync options (a feature) are separate registry entries in one module.
+
+The end-to-end behaviour (`vllm serve` exits 2 naming the key) is in
+tests/entrypoints/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_disagg import envs
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.patches import PATCHES
+from vllm_disagg.patches.engine import arg_utils
+
+BY_NAME = {p.name: p for p in PATCHES}
+
+
+def _config(additional_config, dp_size=2):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_size=dp_size),
+        additional_config=additional_config,
+    )
+
+
+def test_step_sync_options_are_a_feature_next_to_the_enabler():
+    enabler, feature = BY_NAME["startup-validation"], BY_NAME["step-sync-options"]
+    assert (enabler.kind, feature.kind) == ("enabler", "feature")
+    assert enabler.module == feature.module == arg_utils.__name__
+    # apply_all goes in registry order: the feature hooks into the enabler's wrapper.
+    assert PATCHES.index(enabler) < PATCHES.index(feature)
+
+
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        ({"step_sync_lookahead": 0}, "step_sync_lookahead"),
+        ({"step_sync_peer_timeout_s": "soon"}, "step_sync_peer_timeout_s"),
+        ({"step_sync_lookahed": 4}, "step_sync_lookahed"),
+    ],
+)
+def test_bad_step_sync_options_name_the_key(options, key):
+    with pytest.raises(ConfigError, match=key):
+        arg_utils.check_step_sync_options(_config(options))
+
+
+def test_good_or_absent_step_sync_options_pass():
+    arg_utils.check_step_sync_options(_config({"step_sync_lookahead": 4}))
+    arg_utils.check_step_sync_options(_config(None, dp_size=1))
+
+
+_APPLY = (
+    "from vllm_disagg.patches import apply_all, verify_applied\n"
+    "from vllm_disagg.patches.engine import arg_utils\n"
+    "applied = apply_all()\n"
+    "assert verify_applied() and all(verify_applied().values())\n"
+    "print(sorted(applied))\n"
+    "print([c.__name__ for c in arg_utils._feature_config_checks])\n"
+)
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["features-on", "features-off"])
+def test_feature_check_follows_the_feature_switch(disabled):
+    """With VLLM_DISAGG_DISABLE=1 the enabler still wraps create_engine_config,
+    but the wrapper runs no step-sync check."""
+    env = {k: v for k, v in os.environ.items() if k != envs.VLLM_DISAGG_DISABLE}
+    if disabled:
+        env[envs.VLLM_DISAGG_DISABLE] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", _APPLY], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    applied, checks = out.stdout.strip().splitlines()[-2:]
+    assert "'startup-validation'" in applied
+    assert ("'step-sync-options'" in applied) is not disabled
+    assert checks == ("[]" if disabled else "['check_step_sync_options']")

@@ -6,6 +6,7 @@ import os
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,16 @@ import vllm_disagg
 import vllm_disagg.patches as patches_pkg
 from vllm_disagg.errors import UnsupportedVllmVersionError
 from vllm_disagg.patches import PATCHES
+from vllm_disagg.patches.__main__ import (
+    BEGIN,
+    END,
+    UPDATE_COMMAND,
+    markdown_table,
+    readme_table,
+    update_readme,
+)
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _patch_modules_on_disk() -> set[str]:
@@ -61,6 +72,39 @@ def test_registry_table_prints():
     assert out.returncode == 0, out.stderr
     for patch in PATCHES:
         assert patch.name in out.stdout
+
+
+def test_readme_table_is_the_registry():
+    """The README's table is generated: a registry change needs a regenerated README."""
+    assert readme_table(README.read_text()) == markdown_table(), (
+        f"README.md's patch table differs from vllm_disagg.patches.PATCHES; "
+        f"regenerate it from the repository root with: {UPDATE_COMMAND}"
+    )
+
+
+def test_markdown_flag_prints_exactly_the_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_disagg.patches", "--markdown"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == markdown_table()
+    rows = out.stdout.splitlines()[2:]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [p.name for p in PATCHES]
+
+
+def test_update_readme_rewrites_only_the_table(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\n{BEGIN}\n| stale | table |\n{END}\n\nafter\n")
+    assert update_readme(readme) is True
+    text = readme.read_text()
+    assert text == f"# title\n\n{BEGIN}\n{markdown_table()}{END}\n\nafter\n"
+    assert update_readme(readme) is False  # idempotent
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="no patch table markers"):
+        update_readme(readme)
 
 
 def test_version_check():

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import requests
 
+from vllm_disagg import envs
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import build_model
 from vllm_disagg.v1.metrics.probe import read_probes
@@ -45,7 +46,7 @@ WORDS = (
     "step sync keeps every data parallel engine in lockstep while the proxy sends "
     "each request to one prefill and one decode instance over loopback"
 ).split()
-MODES = {"waves": {"VLLM_DISAGG_DISABLE": "1"}, "step_sync": {}}
+MODES = {"waves": {envs.VLLM_DISAGG_DISABLE: "1"}, "step_sync": {}}
 
 
 def stream_first_token_s(server: VllmServer, prompt: str, max_tokens: int) -> float:
@@ -93,7 +94,8 @@ class ModeUnderTest:
         self.metrics_dir = work / f"metrics-{mode}"
         self.metrics_dir.mkdir()
         env = cpu_test_env(
-            VLLM_DISAGG_PROBE="1", VLLM_DISAGG_METRICS_DIR=str(self.metrics_dir), **MODES[mode]
+            **{envs.VLLM_DISAGG_PROBE: "1", envs.VLLM_DISAGG_METRICS_DIR: str(self.metrics_dir)},
+            **MODES[mode],
         )
         self.server = VllmServer(
             model,

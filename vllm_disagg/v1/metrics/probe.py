@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from vllm_disagg import envs
 from vllm_disagg.v1.metrics import read_json_files, write_json_atomically
 
 FLUSH_INTERVAL_S = 0.1
@@ -36,7 +37,7 @@ class ForwardProbe:
                 self._thread.start()
 
     def _flush_loop(self) -> None:
-        directory = os.environ.get("VLLM_DISAGG_METRICS_DIR")
+        directory = envs.metrics_dir()
         if not directory:
             return
         last = None

@@ -28,12 +28,12 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from vllm_disagg import envs
 from vllm_disagg.logger import init_logger
 from vllm_disagg.v1.metrics import read_json_files, write_json_atomically
 
 logger = init_logger(__name__)
 
-METRICS_DIR_ENV = "VLLM_DISAGG_METRICS_DIR"
 WRITE_INTERVAL_S = 0.5
 PREFIX = "vllm_disagg:step_sync_"
 
@@ -96,10 +96,10 @@ METRICS: dict[str, tuple[str, str, str]] = {
 def ensure_metrics_dir() -> Path:
     """Create the snapshot directory once per process tree (children inherit
     the environment variable); removed when the creating process exits."""
-    if path := os.environ.get(METRICS_DIR_ENV):
+    if path := envs.metrics_dir():
         return Path(path)
     path = tempfile.mkdtemp(prefix="vllm-disagg-metrics-")
-    os.environ[METRICS_DIR_ENV] = path
+    envs.set_metrics_dir(path)
     owner = os.getpid()
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
     return Path(path)
@@ -148,7 +148,7 @@ class StepSyncMetricsWriter:
         self.dp_rank = dp_rank
         self._snapshot = snapshot
         self._exporter = _MultiprocessExporter(dp_rank) if prometheus_multiprocess() else None
-        directory = os.environ.get(METRICS_DIR_ENV)
+        directory = envs.metrics_dir()
         self._path = Path(directory) / f"step_sync_dp{dp_rank}.json" if directory else None
         self._next_write = 0.0
         self._last: dict[str, int] | None = None

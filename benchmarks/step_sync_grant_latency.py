@@ -24,16 +24,25 @@ import time
 from pathlib import Path
 
 from vllm_disagg.v1.engine import step_sync
-from vllm_disagg.v1.engine.step_sync import Coordinator, Participant, StepSyncConfig
+from vllm_disagg.v1.engine.step_sync import (
+    Coordinator,
+    Participant,
+    StepSyncConfig,
+    new_group_secret,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def idle_peer(address: str, grants: mp.Queue, ready: mp.Event, stop: mp.Event) -> None:
+def idle_peer(
+    address: str, secret: bytes, grants: mp.Queue, ready: mp.Event, stop: mp.Event
+) -> None:
     """DP rank 1: blocked, as an idle engine is; reports when each grant lands."""
     inbox: queue.Queue = queue.Queue()
     config = StepSyncConfig(dp_size=2)
-    part = Participant(config, 1, address, on_grant=inbox.put, on_failure=print).start()
+    part = Participant(
+        config, 1, address, secret, on_grant=inbox.put, on_failure=lambda reason: None
+    ).start()
     ready.set()
     while not stop.is_set():
         try:
@@ -53,12 +62,15 @@ def keep_busy(seconds: float) -> None:
 def measure(busy_s: float, trials: int, wait: bool) -> list[float]:
     step_sync.MAX_GRANT_WAIT_S = 0.02 if wait else 0.0
     config = StepSyncConfig(dp_size=2)
-    coordinator = Coordinator(config, "tcp://127.0.0.1:0").start()
+    secret = new_group_secret()
+    coordinator = Coordinator(config, "tcp://127.0.0.1:0", secret).start()
     ctx = mp.get_context("spawn")
     grants, ready, stop = ctx.Queue(), ctx.Event(), ctx.Event()
-    peer = ctx.Process(target=idle_peer, args=(coordinator.address, grants, ready, stop))
+    peer = ctx.Process(target=idle_peer, args=(coordinator.address, secret, grants, ready, stop))
     peer.start()
-    rank0 = Participant(config, 0, coordinator.address, on_grant=lambda s: None, on_failure=print)
+    rank0 = Participant(
+        config, 0, coordinator.address, secret, lambda s: None, lambda reason: None
+    )
     rank0.start()
     latencies = []
     try:

@@ -18,44 +18,63 @@ A "real" forward pass is a ``schedule()`` with scheduled tokens: an
 waiting for remote KV) runs no model code and no collectives, so it is not a
 step. A rank whose requests are all unschedulable therefore neither asks for
 steps nor spins dummy passes; it runs dummies only while it owes them.
+
+Pause and shutdown are *group phases*: a rank that pauses (or is told to shut
+down) first drains its own work, then says so; the coordinator agrees on the
+last step once every rank did, and every rank runs its owed passes up to that
+step before the pause completes (or before it leaves the busy loop).
 """
 
 from __future__ import annotations
 
 import enum
 import os
+import queue
 import threading
+import time
 from typing import Any
 
+from vllm.utils.network_utils import make_zmq_path
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+from vllm.v1.fault_tolerance import fault_tolerant_wrapper
 from vllm.v1.request import Request
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 from vllm_disagg.v1.engine.step_sync import (
     Coordinator,
-    GroupPaused,
-    GroupResumed,
+    GroupPhase,
+    GroupState,
     Participant,
-    PhaseEvent,
     StepSyncConfig,
+    new_group_secret,
 )
 from vllm_disagg.v1.metrics.step_sync import StepSyncMetricsWriter
 
 logger = init_logger(__name__)
 
-# Key under which DP rank 0 publishes the coordinator address in the DP
-# group's TCP store (the store every rank already met at to form the group).
+# Keys under which DP rank 0 publishes the coordinator address and the group
+# secret in the DP group's TCP store (the store every rank already met at to
+# form the group, so only group members can read them).
 STORE_KEY = "vllm_disagg/step_sync/coordinator_address"
+SECRET_STORE_KEY = "vllm_disagg/step_sync/group_secret"
+# Extra time a rank gives the group to form, beyond step_sync_peer_timeout_s
+# (the coordinator's own registration deadline), before it gives up itself.
+GROUP_FORM_MARGIN_S = 5.0
+# A rank that drained for shutdown waits this long (at least; or the drain
+# timeout) for every peer to shut down too, then leaves the group alone.
+EXIT_GRACE_S = 5.0
+# While shutting down and waiting for the group, how often the loop wakes.
+SHUTDOWN_POLL_S = 0.1
 
 
 class StepSyncInput(enum.Enum):
     """Items the step-sync threads put on the engine's input queue."""
 
     GRANT = "step_sync_grant"
-    PHASE = "step_sync_phase"
+    GROUP = "step_sync_group"
     FAILED = "step_sync_failed"
 
 
@@ -106,6 +125,12 @@ class _AuditedOutputQueue:
 class StepSyncDPEngineCoreProc(DPEngineCoreProc):
     """DP engine core for MoE models, kept in lockstep by step sync."""
 
+    # Set in _init_data_parallel (called from the upstream constructor);
+    # present for the whole life of the busy loop.
+    step_sync: Participant
+    # Only on DP rank 0.
+    step_sync_coordinator: Coordinator | None
+
     def __init__(self, vllm_config, *args, **kwargs):
         parallel_config = vllm_config.parallel_config
         if parallel_config.enable_elastic_ep:
@@ -116,12 +141,15 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         self.step_sync_config = StepSyncConfig.from_additional_config(
             vllm_config.additional_config, parallel_config.data_parallel_size
         )
-        self.step_sync_coordinator: Coordinator | None = None
-        self.step_sync: Participant | None = None
+        self.step_sync_coordinator = None
         self.pause_phase = PausePhase.RUNNING
+        self._pause_intent = 0
         self._pause_reported = False
+        # Shutdown: when this rank drained and told the group it is leaving,
+        # and whether it gave up waiting for the peers.
+        self._leaving_since: float | None = None
+        self._left_alone = False
         self.wave_audit = _WaveAudit()
-        self._metrics: StepSyncMetricsWriter | None = None
         super().__init__(vllm_config, *args, **kwargs)
         self.output_queue = _AuditedOutputQueue(self.output_queue, self.wave_audit)
         # The decision "this is a real forward pass" is made by schedule();
@@ -136,7 +164,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             self.dp_size,
             self.step_sync_config.lookahead,
             self.step_sync_config.peer_timeout_s,
-            self.step_sync.coordinator_address if self.step_sync else None,
+            self.step_sync.coordinator_address,
         )
 
     # --- set-up and tear-down ---
@@ -145,30 +173,37 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         super()._init_data_parallel(vllm_config)
         config = self.step_sync_config
         if self.dp_rank == 0:
+            secret = new_group_secret()
             host = vllm_config.parallel_config.data_parallel_master_ip
             self.step_sync_coordinator = Coordinator(
-                config, f"tcp://{host}:0", on_failure=self._on_step_sync_failure
+                config,
+                make_zmq_path("tcp", host, 0),
+                secret,
+                on_failure=self._on_step_sync_failure,
             ).start()
-            self.dp_store.set(STORE_KEY, self.step_sync_coordinator.address)
             address = self.step_sync_coordinator.address
+            self.dp_store.set(SECRET_STORE_KEY, secret)
+            self.dp_store.set(STORE_KEY, address)
         else:
             address = self.dp_store.get(STORE_KEY).decode()
+            secret = self.dp_store.get(SECRET_STORE_KEY)
         self.step_sync = Participant(
             config,
             self.dp_rank,
             address,
+            secret,
             on_grant=lambda step: self.input_queue.put_nowait((StepSyncInput.GRANT, step)),
             on_failure=self._on_step_sync_failure,
-            on_phase=lambda event: self.input_queue.put_nowait((StepSyncInput.PHASE, event)),
-        )
-        self.step_sync.start()
+            on_group=lambda state: self.input_queue.put_nowait((StepSyncInput.GROUP, state)),
+        ).start()
+        # Every rank joins or none starts (raises with the reason).
+        self.step_sync.wait_for_group(config.peer_timeout_s + GROUP_FORM_MARGIN_S)
 
     def _on_step_sync_failure(self, reason: str) -> None:
-        """Network thread: a peer died or went silent. Wake the engine thread
-        with the error; if it is stuck in a collective with the dead peer it
-        cannot take it, so end the process after a grace period."""
-        if not self.is_running():
-            return  # shutting down anyway; peers going away is expected
+        """Network thread: the group failed. Wake the engine thread with the
+        error; if it is stuck in a collective with a dead peer it cannot take
+        it, so end the process after a grace period. Stays armed during
+        shutdown: a group that fails while draining must not hang either."""
         self.input_queue.put_nowait((StepSyncInput.FAILED, reason))
         grace_s = min(5.0, self.step_sync_config.peer_timeout_s)
 
@@ -186,9 +221,17 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         timer.start()
 
     def shutdown(self):
-        for part in (self.step_sync, self.step_sync_coordinator, self._metrics):
-            if part is not None:
-                part.close()
+        # Rank 0 hosts the coordinator: after an agreed exit it stays until
+        # every peer said it left; otherwise closing it aborts the peers now.
+        self.step_sync.close()
+        coordinator = self.step_sync_coordinator
+        if coordinator is not None:
+            if coordinator.phase == GroupPhase.EXITING:
+                deadline = time.monotonic() + self.step_sync_config.peer_timeout_s
+                while not coordinator.all_left and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            coordinator.close()
+        self._metrics.close()
         super().shutdown()
 
     # --- the loop ---
@@ -197,8 +240,41 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         return (
             self.scheduler.has_requests()
             or bool(self.batch_queue)
-            or (self.step_sync is not None and self.step_sync.steps_owed > 0)
+            or self._dummy_due()
+            or self._awaiting_group_exit()
         )
+
+    def _dummy_due(self) -> bool:
+        # A sleeping rank runs no passes; the group is paused while it sleeps
+        # (sleep pauses first), so it owes none unless a peer broke the pause,
+        # which the progress watch reports.
+        return self.step_sync.steps_owed > 0 and not self.model_executor.is_sleeping
+
+    def _locally_drained(self) -> bool:
+        return not self.scheduler.has_requests() and not self.batch_queue
+
+    def _awaiting_group_exit(self) -> bool:
+        """Shutting down: stay in the loop until every rank agreed on the
+        last step and this rank ran it, or the wait for the peers ran out."""
+        if self.is_running() or self._left_alone:
+            return False
+        group = self.step_sync.group
+        if group.phase == GroupPhase.EXITING and self.step_sync.local_step >= group.phase_step:
+            return False
+        waited = 0.0 if self._leaving_since is None else time.monotonic() - self._leaving_since
+        if waited > self._leave_wait_s():
+            logger.warning(
+                "step sync: dp_rank=%d leaves the DP group alone: the peers did not shut "
+                "down within %.0fs; the group ends here",
+                self.dp_rank,
+                waited,
+            )
+            self._left_alone = True
+            return False
+        return True
+
+    def _leave_wait_s(self) -> float:
+        return max(float(self.vllm_config.shutdown_timeout), EXIT_GRACE_S)
 
     def _schedule_and_account(self, *args, **kwargs) -> SchedulerOutput:
         scheduler_output = self._upstream_schedule(*args, **kwargs)
@@ -206,20 +282,18 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             self.step_counter = self.step_sync.begin_forward(dummy=False)
         return scheduler_output
 
+    @fault_tolerant_wrapper
     def run_busy_loop(self):
         """Run real passes when scheduled, dummy passes while owed, else block."""
+        self.step_sync.watch_progress = True
         while self._handle_shutdown():
             self._process_input_queue()
             self._maybe_publish_request_counts()
             executed = self._process_engine_step()
-            if (
-                not executed
-                and self.step_sync.steps_owed > 0
-                and not self.model_executor.is_sleeping
-            ):
+            if not executed and self._dummy_due():
                 self.step_counter = self.step_sync.begin_forward(dummy=True)
                 self.execute_dummy_batch()
-            self._maybe_report_pause()
+            self._report_drained()
             self._maybe_publish_request_counts()
             self._metrics.maybe_write()
         raise SystemExit
@@ -228,7 +302,34 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         if not self.has_work():
             # About to block: publish the state the group settled at.
             self._metrics.maybe_write(force=True)
+        elif (
+            not self.is_running()
+            and self._locally_drained()
+            and not self._dummy_due()
+        ):
+            # Shutting down with nothing to run but the group's decision to
+            # come: wait for it (upstream's loop does not block once
+            # shutdown was requested).
+            self._report_drained()
+            try:
+                self._handle_client_request(*self.input_queue.get(timeout=SHUTDOWN_POLL_S))
+            except queue.Empty:
+                pass
         super()._process_input_queue()
+
+    def _report_drained(self) -> None:
+        """Tell the group when this rank will run no more real passes."""
+        if not self._locally_drained():
+            return
+        if self.pause_phase == PausePhase.PAUSING and not self._pause_reported:
+            self.step_sync.set_pause_ready()
+            self._pause_reported = True
+            # The group may have paused already (this rank re-paused before
+            # its resume counted): then nothing new will arrive.
+            self._on_group_state(None)
+        if not self.is_running() and self._leaving_since is None:
+            self.step_sync.set_leaving()
+            self._leaving_since = time.monotonic()
 
     def _handle_client_request(self, request_type: Any, request: Any) -> None:
         if request_type is StepSyncInput.GRANT:
@@ -239,8 +340,8 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
                 self.step_sync.coord_step,
                 self.step_sync.local_step,
             )
-        elif request_type is StepSyncInput.PHASE:
-            self._on_phase(request)
+        elif request_type is StepSyncInput.GROUP:
+            self._on_group_state(request)
         elif request_type is StepSyncInput.FAILED:
             raise StepSyncFailure(f"DP rank {self.dp_rank}: {request}")
         elif request_type == EngineCoreRequestType.START_DP_WAVE:
@@ -271,38 +372,38 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         if self.pause_phase in (PausePhase.RUNNING, PausePhase.RESUMING):
             self.pause_phase = PausePhase.PAUSING
             self._pause_reported = False
-        self._maybe_report_pause()
+            self._pause_intent = self.step_sync.set_pause_intent(True)
+        self._report_drained()
+        self._on_group_state(self.step_sync.group)
         return self.pause_phase == PausePhase.PAUSED and not self.has_work()
-
-    def _maybe_report_pause(self) -> None:
-        if (
-            self.pause_phase == PausePhase.PAUSING
-            and not self._pause_reported
-            and not self.scheduler.has_requests()
-            and not self.batch_queue
-        ):
-            # Locally drained: no more real passes. Every step this rank asked
-            # for went out before this message on the same channel.
-            self.step_sync.request_pause()
-            self._pause_reported = True
 
     def _notify_idle_state_callbacks(self) -> None:
         if self.pause_phase == PausePhase.PAUSING:
             return  # idle here, but the group has not agreed on the last step
         super()._notify_idle_state_callbacks()
 
-    def _on_phase(self, event: PhaseEvent) -> None:
-        if isinstance(event, GroupPaused):
-            self.step_sync.observe_grant(event.step)
-            if self.pause_phase == PausePhase.PAUSING:
-                self.pause_phase = PausePhase.PAUSED
+    def _on_group_state(self, state: GroupState | None) -> None:
+        """Apply the group's phase to this rank's pause phase. Only a state
+        that acknowledges this rank's latest pause/resume call counts, so a
+        stale one (sent before the call reached the coordinator) never
+        completes it."""
+        state = self.step_sync.group or state
+        if state is None or state.intent_ack != self._pause_intent:
+            return
+        if (
+            self.pause_phase == PausePhase.PAUSING
+            and self._pause_reported
+            and state.phase == GroupPhase.PAUSED
+        ):
+            self.step_sync.observe_grant(state.phase_step)
+            self.pause_phase = PausePhase.PAUSED
             logger.info(
                 "step sync: dp_rank=%d group paused at step %d (local %d)",
                 self.dp_rank,
-                event.step,
+                state.phase_step,
                 self.step_sync.local_step,
             )
-        elif isinstance(event, GroupResumed) and self.pause_phase == PausePhase.RESUMING:
+        elif self.pause_phase == PausePhase.RESUMING and state.phase == GroupPhase.RUNNING:
             self.pause_phase = PausePhase.RUNNING
             EngineCoreProc.resume_scheduler(self)
             logger.info("step sync: dp_rank=%d group resumed", self.dp_rank)
@@ -316,9 +417,10 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         if self.pause_phase != PausePhase.PAUSED:
             logger.debug("Resume called while engines are not paused, ignoring.")
             return
-        # Scheduling restarts when every rank has resumed (GroupResumed).
+        # Scheduling restarts when every rank has resumed.
         self.pause_phase = PausePhase.RESUMING
-        self.step_sync.request_resume()
+        self._pause_intent = self.step_sync.set_pause_intent(False)
+        self._on_group_state(self.step_sync.group)
 
     def is_scheduler_paused(self) -> bool:
         return self.pause_phase != PausePhase.RUNNING or super().is_scheduler_paused()
@@ -326,9 +428,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
     # --- observability ---
 
     def _metrics_snapshot(self) -> dict[str, int]:
-        stats: dict[str, int] = {}
-        if self.step_sync is not None:
-            stats.update(self.step_sync.stats)
+        stats: dict[str, int] = dict(self.step_sync.stats)
         if self.step_sync_coordinator is not None:
             stats.update(
                 {f"coordinator_{k}": v for k, v in self.step_sync_coordinator.stats.items()}
@@ -337,4 +437,9 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         return stats
 
 
-__all__ = ["STORE_KEY", "StepSyncDPEngineCoreProc", "StepSyncFailure"]
+__all__ = [
+    "SECRET_STORE_KEY",
+    "STORE_KEY",
+    "StepSyncDPEngineCoreProc",
+    "StepSyncFailure",
+]

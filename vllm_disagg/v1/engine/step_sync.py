@@ -7,52 +7,82 @@ the ranks agree on a *coordinator step* ``G``: every rank runs forward passes
 1..G, with dummy batches where it has no work of its own.
 
 * One :class:`Coordinator` (a thread in DP rank 0's engine process) keeps
-  ``G`` and the set of registered participants.
+  ``G``, the group's phase (running, paused, exiting) and the members.
 * One :class:`Participant` per DP rank. Its engine thread counts
   ``local_step`` (real or dummy forward passes done) and knows the latest
   ``coord_step`` granted. A rank with work that is about to run pass ``s``
   makes sure ``G >= s`` by asking for ``s + lookahead`` *before* it needs it
-  (pipelined lease renewal: the request goes out while granted steps remain,
-  so the round trip never stalls a step). Ranks with ``local_step < G`` run
-  dummy passes; at most ``lookahead`` are wasted after the last work drains.
+  (pipelined lease renewal). Ranks with ``local_step < G`` run dummy passes.
 
-Wire: one ZMQ ROUTER (coordinator) and one DEALER per participant, msgspec
-messages, every size bounded; malformed or foreign messages are dropped and
-counted. Both sides exchange heartbeats; silence longer than
-``peer_timeout_s`` is reported through ``on_failure`` so engines fail fast
-instead of hanging in a collective.
+State, not events. Every message carries the sender's whole state, so a
+message lost anywhere (a TCP reset that ZMQ papers over, a full queue, a
+dropped send) is healed by the next one:
+
+* a participant sends :class:`RankState` (the step it asked for, its pass
+  count, its pause intent, whether it is leaving) whenever it changes, again
+  every :data:`RESEND_INTERVAL_S` while the coordinator has not acknowledged
+  it or while it waits for a grant, and as its heartbeat;
+* the coordinator answers with :class:`GroupState` (``G``, the phase, the
+  step the phase was agreed at, how many ranks joined, and which of the
+  rank's messages it has seen), and repeats it to every rank as its heartbeat.
+
+Failure is reported, never waited out: a peer silent for ``peer_timeout_s``,
+a rank that owes passes and runs none, or one that ran an ungranted pass that
+stays ungranted for that long, ends the group with a message naming it.
+
+Membership is authenticated: every frame carries an HMAC-SHA256 of its
+payload under the group secret (which DP rank 0 publishes in the DP group's
+TCP store), and a per-sender sequence number against replay. Unauthenticated,
+malformed, stale or oversized frames are dropped and counted; their log lines
+are rate-limited. No frame from outside the group can change its state.
 
 Threading: the network side runs in one background thread per object. The
-engine-side state of a participant (``local_step``, ``coord_step``) is only
-touched by the engine thread: grants reach it through the ``on_grant``
-callback, which the engine turns into an item on its input queue (waking it
-if it is blocked) and hands back via :meth:`Participant.observe_grant`.
+engine-side state of a participant is only touched by the engine thread;
+grants and group-state changes reach it through callbacks that the engine
+turns into items on its input queue.
 """
 
 from __future__ import annotations
 
+import enum
+import hashlib
+import hmac
 import os
+import secrets
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 import zmq
+from vllm.utils.network_utils import is_valid_ipv6_address, make_zmq_path, split_zmq_path
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 
 logger = init_logger(__name__)
 
-# No legitimate message is anywhere near this; ZMQ drops larger frames.
+# Version 1: event messages (Register, RequestSteps, Pause, ...), no auth.
+# Version 2: whole-state messages, HMAC-authenticated frames, shutdown phase.
+PROTOCOL_VERSION = 2
+# No legitimate frame is anywhere near this; ZMQ drops larger ones.
 MAX_MESSAGE_BYTES = 1024
+MAC_BYTES = 16
+SECRET_BYTES = 32
 # Heartbeats per peer_timeout_s; a peer must miss several before it is dead.
 HEARTBEATS_PER_TIMEOUT = 5
+# How often unacknowledged state (or a request still ungranted) is re-sent.
+RESEND_INTERVAL_S = 0.1
 # Longest the engine thread waits for a grant it asked for (see
 # Participant._await_grant). Normally one loopback round trip, well under 1 ms.
 MAX_GRANT_WAIT_S = 0.02
+# At most one log line per kind of rejected frame per this many seconds.
+REJECT_LOG_INTERVAL_S = 10.0
+# How long close() waits for the coordinator to acknowledge a final state.
+FLUSH_TIMEOUT_S = 2.0
 
 
 # --additional-config key -> StepSyncConfig field.
@@ -102,80 +132,121 @@ class StepSyncConfig:
         return self.peer_timeout_s / HEARTBEATS_PER_TIMEOUT
 
     @property
+    def resend_interval_s(self) -> float:
+        return min(RESEND_INTERVAL_S, self.heartbeat_interval_s)
+
+    @property
     def renew_margin(self) -> int:
         """Renew the lease when fewer than this many granted steps remain."""
         return (self.lookahead + 1) // 2
 
 
+def new_group_secret() -> bytes:
+    """A fresh random secret for one DP group (rank 0 publishes it)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
 # --- wire messages -----------------------------------------------------------
 
-
-class Register(msgspec.Struct, tag="reg", array_like=True, forbid_unknown_fields=True):
-    dp_rank: int
-    dp_size: int
-    lookahead: int
-    incarnation: str
+Step = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+Seq = Annotated[int, msgspec.Meta(ge=1, le=2**62)]
+Rank = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
+Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 
 
-class RequestSteps(msgspec.Struct, tag="req", array_like=True, forbid_unknown_fields=True):
-    """Participant -> coordinator: make sure every rank runs through ``step``."""
-
-    dp_rank: int
-    step: int
-
-
-class Heartbeat(msgspec.Struct, tag="hb", array_like=True, forbid_unknown_fields=True):
-    dp_rank: int
-    local_step: int
+class GroupPhase(enum.IntEnum):
+    RUNNING = 0
+    # Every rank paused and drained; all stop at ``phase_step``.
+    PAUSED = 1
+    # Every rank is shutting down and drained; all leave at ``phase_step``.
+    EXITING = 2
 
 
-class Grant(msgspec.Struct, tag="grant", array_like=True, forbid_unknown_fields=True):
-    """Coordinator -> participant: every rank runs forward passes 1..``step``.
-    Also sent unchanged as the coordinator's heartbeat."""
+class RankState(msgspec.Struct, tag="rank", array_like=True, forbid_unknown_fields=True):
+    """Participant -> coordinator: everything the coordinator needs to know
+    about one rank. Idempotent: the latest one wins."""
 
-    step: int
+    version: int
+    dp_rank: Rank
+    dp_size: Annotated[int, msgspec.Meta(ge=1, le=2**16)]
+    lookahead: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    incarnation: Incarnation
+    seq: Seq
+    # Highest step this rank asked the group to run through.
+    requested: Step
+    # Forward passes (real or dummy) this rank has started.
+    local_step: Step
+    # Counts pause/resume calls; acknowledged back in GroupState.intent_ack.
+    intent: Step
+    # The latest intent: pause (True) or run (False).
+    want_pause: bool
+    # want_pause and locally drained: no more real passes from this rank.
+    pause_ready: bool
+    # Shutting down and locally drained: no more real passes from this rank.
+    leaving: bool
+    # Left the busy loop (after the agreed exit step, or alone).
+    left: bool
+
+
+class GroupState(msgspec.Struct, tag="group", array_like=True, forbid_unknown_fields=True):
+    """Coordinator -> participant: the group as the coordinator sees it."""
+
+    version: int
+    seq: Seq
+    step: Step
+    phase: GroupPhase
+    # Step at which the current phase was agreed (G when it was).
+    phase_step: Step
+    # Ranks registered so far; the group runs once all dp_size joined.
+    members: Step
+    # Highest RankState.seq and .intent of this rank the coordinator processed.
+    ack_seq: Step
+    intent_ack: Step
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, forbid_unknown_fields=True):
-    reason: str
+    """Either direction: the group cannot continue (or this rank may not join)."""
+
+    version: int
+    seq: Seq
+    reason: Annotated[str, msgspec.Meta(max_length=512)]
 
 
-class Pause(msgspec.Struct, tag="pause", array_like=True, forbid_unknown_fields=True):
-    """Participant -> coordinator: this rank is paused and has no real work
-    left, so it will ask for no more steps until it resumes."""
-
-    dp_rank: int
-
-
-class Resume(msgspec.Struct, tag="resume", array_like=True, forbid_unknown_fields=True):
-    dp_rank: int
-
-
-class GroupPaused(msgspec.Struct, tag="paused", array_like=True, forbid_unknown_fields=True):
-    """Coordinator -> participants: every rank paused; all stop at ``step``."""
-
-    step: int
-
-
-class GroupResumed(msgspec.Struct, tag="resumed", array_like=True, forbid_unknown_fields=True):
-    """Coordinator -> participants: every rank resumed; schedule again."""
-
-
-ToCoordinator = Register | RequestSteps | Heartbeat | Pause | Resume
-ToParticipant = Grant | Abort | GroupPaused | GroupResumed
-PhaseEvent = GroupPaused | GroupResumed
+ToCoordinator = RankState | Abort
+ToParticipant = GroupState | Abort
 
 _encoder = msgspec.msgpack.Encoder()
 _to_coordinator = msgspec.msgpack.Decoder(ToCoordinator)
 _to_participant = msgspec.msgpack.Decoder(ToParticipant)
 
+# Direction labels inside the MAC, so a frame cannot be reflected back.
+_TO_COORDINATOR = b"P2C"
+_TO_PARTICIPANT = b"C2P"
 
-@dataclass
-class _PeerState:
-    identity: bytes
-    incarnation: str
-    last_seen: float
-    local_step: int = 0
+
+def _mac(secret: bytes, direction: bytes, payload: bytes) -> bytes:
+    return hmac.new(secret, direction + payload, hashlib.sha256).digest()[:MAC_BYTES]
+
+
+def _seal(secret: bytes, direction: bytes, msg: msgspec.Struct) -> list[bytes]:
+    payload = _encoder.encode(msg)
+    return [payload, _mac(secret, direction, payload)]
+
+
+def _open(secret: bytes, direction: bytes, frames: list[bytes], decoder):
+    """Authenticate and decode ``[payload, mac]``; the reason why not, else."""
+    if len(frames) != 2:
+        return None, "wrong frame count"
+    payload, mac = frames
+    if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, direction, payload)):
+        return None, "unauthenticated frame"
+    try:
+        msg = decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None, "undecodable message"
+    if msg.version != PROTOCOL_VERSION:
+        return None, f"protocol version {msg.version}, expected {PROTOCOL_VERSION}"
+    return msg, None
 
 
 class _Counters:
@@ -194,12 +265,34 @@ class _Counters:
             return dict(self._values)
 
 
-def _new_context_socket(kind: int) -> tuple[zmq.Context, zmq.Socket]:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(kind)
+class _RateLimitedLog:
+    """One warning per kind of event per interval, with the count in between."""
+
+    def __init__(self, prefix: str, interval_s: float = REJECT_LOG_INTERVAL_S):
+        self._prefix = prefix
+        self._interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, kind: str, detail: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self._interval_s) < self._interval_s:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        more = self._suppressed.pop(kind, 0)
+        suffix = f" ({more} more since the last report)" if more else ""
+        logger.warning("%s: dropped frame: %s%s", self._prefix, detail, suffix)
+
+
+def _socket(kind: int, address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    return ctx, sock
+    _, host, _ = split_zmq_path(address)
+    if is_valid_ipv6_address(host):
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
 
 
 class _NetworkThread:
@@ -211,10 +304,17 @@ class _NetworkThread:
         self._stop = threading.Event()
         self._failed: str | None = None
         self._sockets: list[zmq.Socket] = []
+        # How long close() lets queued frames (a final Abort) go out.
+        self._close_linger_ms = 0
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
 
     def _run(self) -> None:
         raise NotImplementedError
+
+    @property
+    def failure(self) -> str | None:
+        """The failure reported, if any."""
+        return self._failed
 
     def start(self):
         self._thread.start()
@@ -222,10 +322,10 @@ class _NetworkThread:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         for sock in self._sockets:
-            sock.close(linger=0)
+            sock.close(linger=self._close_linger_ms)
 
     def _fail_once(self, reason: str, log_prefix: str) -> bool:
         """Log and report ``reason`` unless a failure was already reported."""
@@ -240,39 +340,56 @@ class _NetworkThread:
 # --- coordinator -------------------------------------------------------------
 
 
-class Coordinator(_NetworkThread):
-    """Keeps the coordinator step and tells every participant when it grows.
+@dataclass
+class _Member:
+    route: bytes  # ZMQ routing id of the connection it last wrote from
+    state: RankState
+    last_seen: float
 
-    Runs a background thread bound to ``address`` (a ZMQ endpoint such as
-    ``tcp://127.0.0.1:5555``; port 0 picks a free port, see :attr:`address`).
+
+class Coordinator(_NetworkThread):
+    """Keeps the coordinator step and the group phase; tells every member.
+
+    Runs a background thread bound to ``address`` (a ZMQ TCP endpoint; port
+    0 picks a free port, see :attr:`address`). Every ``dp_size`` rank must
+    register within ``peer_timeout_s`` of :meth:`start`, or the group fails.
     """
 
     def __init__(
         self,
         config: StepSyncConfig,
         address: str,
+        secret: bytes,
         on_failure: Callable[[str], None] | None = None,
     ):
         super().__init__("StepSyncCoordinator", on_failure or (lambda reason: None))
         self.config = config
+        self._secret = secret
         self.step = 0
+        self.phase = GroupPhase.RUNNING
+        self.phase_step = 0
         self.counters = _Counters(
-            "grants_sent", "requests_received", "malformed_messages", "pause_violations"
+            "grants_sent",
+            "requests_received",
+            "malformed_messages",
+            "unauthenticated_messages",
+            "stale_messages",
+            "pause_violations",
         )
-        # Pause is a phase of the whole group: ranks that reported Pause, and
-        # whether all of them did (then nobody may extend the step).
-        self._paused_ranks: set[int] = set()
-        self._group_paused = False
-        self._resumed_ranks: set[int] = set()
-        self._peers: dict[int, _PeerState] = {}
+        self._members: dict[int, _Member] = {}
         # Rebuilt (never mutated) on registration, so other threads can read it.
         self._registered: tuple[int, ...] = ()
-        _, self._sock = _new_context_socket(zmq.ROUTER)
+        self._rejected: dict[int, str] = {}
+        self._seq = 0
+        self._log = _RateLimitedLog("step sync coordinator")
+        self._abort_on_close: str | None = None
+        self._sock = _socket(zmq.ROUTER, address)
         self._sockets.append(self._sock)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if address.endswith(":0"):
-            port = self._sock.bind_to_random_port(address.rsplit(":", 1)[0])
-            address = f"{address.rsplit(':', 1)[0]}:{port}"
+        scheme, host, port = split_zmq_path(address)
+        if port == "0":
+            bracketed = f"[{host}]" if is_valid_ipv6_address(host) else host
+            port = self._sock.bind_to_random_port(f"{scheme}://{bracketed}")
+            address = make_zmq_path(scheme, host, port)
         else:
             self._sock.bind(address)
         self.address = address
@@ -282,15 +399,28 @@ class Coordinator(_NetworkThread):
         return list(self._registered)
 
     @property
+    def all_left(self) -> bool:
+        """Every member left the busy loop (the coordinator may go)."""
+        members = list(self._members.values())
+        return len(members) == self.config.dp_size and all(m.state.left for m in members)
+
+    @property
     def stats(self) -> dict[str, int]:
         return {**self.counters.snapshot(), "coordinator_step": self.step}
+
+    def close(self, timeout_s: float = 5.0, abort_reason: str | None = None) -> None:
+        """Stop; unless every member already left, tell them the group is
+        over first (so they fail now, not after ``peer_timeout_s``)."""
+        self._abort_on_close = abort_reason or "the coordinator (DP rank 0) shut down"
+        super().close(timeout_s)
 
     # The thread owns the socket from here on.
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        started = time.monotonic()
         interval = self.config.heartbeat_interval_s
-        next_heartbeat = time.monotonic() + interval
+        next_heartbeat = started + interval
         while not self._stop.is_set():
             timeout_ms = max(0, int((next_heartbeat - time.monotonic()) * 1000))
             if poller.poll(min(timeout_ms, 100)):
@@ -303,129 +433,190 @@ class Coordinator(_NetworkThread):
             now = time.monotonic()
             if now >= next_heartbeat:
                 next_heartbeat = now + interval
-                self._broadcast(Grant(self.step))
-                self._check_peers(now)
+                self._broadcast()
+                self._check_members(now, started)
+        if self._failed is None and not self.all_left:
+            self._abort(self._abort_on_close or "the coordinator stopped")
+            # Give the Abort frames a moment to leave before the socket closes.
+            self._close_linger_ms = 500
 
     def _handle(self, frames: list[bytes]) -> None:
-        if len(frames) != 2:
-            self.counters.inc("malformed_messages")
+        if len(frames) < 2:
+            self._drop("malformed_messages", "frame", "no payload")
             return
-        identity, payload = frames
-        try:
-            msg = _to_coordinator.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            self._reject("undecodable message")
+        route, body = frames[0], frames[1:]
+        msg, why = _open(self._secret, _TO_COORDINATOR, body, _to_coordinator)
+        if msg is None:
+            counter = "unauthenticated_messages" if why == "unauthenticated frame" else (
+                "malformed_messages"
+            )
+            self._drop(counter, why, why)
             return
+        if isinstance(msg, Abort):
+            self._drop("malformed_messages", "abort", "Abort from a participant")
+            return
+        self._on_rank_state(route, msg)
+
+    def _on_rank_state(self, route: bytes, msg: RankState) -> None:
         rank = msg.dp_rank
-        if not 0 <= rank < self.config.dp_size:
-            self._reject(f"dp_rank {rank} outside [0, {self.config.dp_size})")
+        if rank >= self.config.dp_size:
+            self._drop("malformed_messages", "rank", f"dp_rank {rank} >= {self.config.dp_size}")
             return
-        if isinstance(msg, Register):
-            self._register(identity, msg)
-            return
-        peer = self._peers.get(rank)
-        if peer is None or peer.identity != identity:
-            self._reject(f"message from unregistered rank {rank}")
-            return
-        peer.last_seen = time.monotonic()
-        if isinstance(msg, Heartbeat):
-            peer.local_step = max(peer.local_step, msg.local_step)
-            return
-        if isinstance(msg, Pause | Resume):
-            self._pause_phase(identity, msg)
-            return
-        # RequestSteps: a participant runs at most one pass past what it knows
-        # to be granted, and asks for `lookahead` past that pass.
-        self.counters.inc("requests_received")
-        if not 0 < msg.step <= self.step + self.config.lookahead + 1:
-            self._reject(f"rank {rank} asked for step {msg.step} at coordinator step {self.step}")
-            return
-        if msg.step > self.step:
-            if self._group_paused or rank in self._paused_ranks:
-                # A paused rank promised no more work. Granting keeps the group
-                # out of a collective deadlock; the count makes the bug visible.
-                self.counters.inc("pause_violations")
-                logger.warning("step sync: paused rank %d asked for step %d", rank, msg.step)
-            self.step = msg.step
-            logger.debug("step sync: rank %d extended coordinator step to %d", rank, self.step)
-            self._broadcast(Grant(self.step))
-
-    def _pause_phase(self, identity: bytes, msg: Pause | Resume) -> None:
-        rank, dp_size = msg.dp_rank, self.config.dp_size
-        if isinstance(msg, Pause):
-            if self._group_paused:
-                self._reject(f"rank {rank} paused while the group is already paused")
+        member = self._members.get(rank)
+        if member is None:
+            if not self._admit(route, msg):
                 return
-            self._paused_ranks.add(rank)
-            if len(self._paused_ranks) == dp_size:
-                # Every rank's last RequestSteps came before its Pause on the
-                # same ordered channel, so self.step is final.
-                self._group_paused = True
-                self._resumed_ranks.clear()
-                logger.info("step sync: DP group paused at step %d", self.step)
-                self._broadcast(GroupPaused(self.step))
+            member = self._members[rank]
+        elif member.state.incarnation != msg.incarnation:
+            # Authenticated, so a real engine: a restarted rank cannot rejoin
+            # collectives mid-flight.
+            self._fail(f"DP rank {rank} re-registered as a new process ({msg.incarnation})")
             return
-        if not self._group_paused:
-            # Resumed before the group finished pausing: that rank just runs
-            # on; the others keep waiting for it.
-            self._paused_ranks.discard(rank)
-            self._send(identity, GroupResumed())
+        elif msg.seq <= member.state.seq:
+            self._drop("stale_messages", "stale", f"replayed or stale frame from rank {rank}")
             return
-        self._resumed_ranks.add(rank)
-        if len(self._resumed_ranks) == dp_size:
-            self._group_paused = False
-            self._paused_ranks.clear()
-            logger.info("step sync: DP group resumed at step %d", self.step)
-            self._broadcast(GroupResumed())
-
-    def _register(self, identity: bytes, msg: Register) -> None:
-        cfg = self.config
-        if msg.dp_size != cfg.dp_size or msg.lookahead != cfg.lookahead:
-            self._reject(
-                f"rank {msg.dp_rank} has dp_size={msg.dp_size} lookahead={msg.lookahead}, "
-                f"coordinator has dp_size={cfg.dp_size} lookahead={cfg.lookahead}",
+        bound = max(self.step, msg.local_step) + self.config.lookahead + 1
+        if msg.requested > bound:
+            self._drop(
+                "malformed_messages",
+                "range",
+                f"rank {rank} asked for step {msg.requested} at coordinator step {self.step}",
             )
             return
-        old = self._peers.get(msg.dp_rank)
-        if old is not None and old.incarnation != msg.incarnation:
-            # A restarted engine cannot rejoin collectives mid-flight.
-            self._fail(f"DP rank {msg.dp_rank} re-registered as a new process")
+        previous = member.state
+        member.route, member.state, member.last_seen = route, msg, time.monotonic()
+        changed = False
+        if msg.requested > self.step:
+            self.counters.inc("requests_received")
+            if self.phase != GroupPhase.RUNNING or msg.pause_ready or msg.leaving:
+                # A rank that promised no more work asked for more. Granting
+                # keeps the group out of a collective deadlock; the count
+                # makes the bug visible.
+                self.counters.inc("pause_violations")
+                logger.warning(
+                    "step sync: rank %d asked for step %d after promising no more work",
+                    rank,
+                    msg.requested,
+                )
+            self.step = msg.requested
+            changed = True
+            logger.debug("step sync: rank %d extended coordinator step to %d", rank, self.step)
+        if msg.left and not previous.left and self.phase != GroupPhase.EXITING:
+            self._fail(f"DP rank {rank} left the group (its engine shut down)")
             return
-        self._peers[msg.dp_rank] = _PeerState(identity, msg.incarnation, time.monotonic())
-        self._registered = tuple(sorted(self._peers))
-        logger.info(
-            "step sync: DP rank %d registered (%d/%d)", msg.dp_rank, len(self._peers), cfg.dp_size
-        )
-        self._send(identity, Grant(self.step))
+        changed |= self._advance_phase()
+        if changed:
+            self._broadcast()
+        else:
+            self._send_state(member)
 
-    def _check_peers(self, now: float) -> None:
-        for rank, peer in self._peers.items():
-            silent = now - peer.last_seen
-            if silent > self.config.peer_timeout_s:
-                self._fail(f"DP rank {rank} silent for {silent:.1f}s (step_sync_peer_timeout_s="
-                           f"{self.config.peer_timeout_s})")
+    def _admit(self, route: bytes, msg: RankState) -> bool:
+        cfg = self.config
+        if msg.dp_size != cfg.dp_size or msg.lookahead != cfg.lookahead:
+            reason = (
+                f"DP rank {msg.dp_rank} was rejected: it has data_parallel_size="
+                f"{msg.dp_size} step_sync_lookahead={msg.lookahead}, DP rank 0 has "
+                f"data_parallel_size={cfg.dp_size} step_sync_lookahead={cfg.lookahead} "
+                "(every rank needs the same --data-parallel-size and --additional-config)"
+            )
+            self._rejected[msg.dp_rank] = reason
+            self._send(route, Abort(PROTOCOL_VERSION, self._next_seq(), reason))
+            self._fail(reason)
+            return False
+        self._members[msg.dp_rank] = _Member(route, msg, time.monotonic())
+        self._registered = tuple(sorted(self._members))
+        logger.info(
+            "step sync: DP rank %d registered (%d/%d)", msg.dp_rank, len(self._members),
+            cfg.dp_size,
+        )
+        # Everyone learns the new member count (the group starts at dp_size).
+        self._broadcast()
+        return True
+
+    def _advance_phase(self) -> bool:
+        """Move the group phase when every rank agrees; True if it moved."""
+        if len(self._members) < self.config.dp_size or self.phase == GroupPhase.EXITING:
+            return False
+        states = [m.state for m in self._members.values()]
+        if all(s.leaving or s.left for s in states):
+            # Each rank's last request came in the same message as its
+            # leaving flag (or before it), so G is final.
+            self.phase, self.phase_step = GroupPhase.EXITING, self.step
+            logger.info("step sync: DP group leaves at step %d", self.step)
+            return True
+        if self.phase == GroupPhase.RUNNING and all(s.pause_ready for s in states):
+            self.phase, self.phase_step = GroupPhase.PAUSED, self.step
+            logger.info("step sync: DP group paused at step %d", self.step)
+            return True
+        if self.phase == GroupPhase.PAUSED and not any(s.want_pause for s in states):
+            self.phase, self.phase_step = GroupPhase.RUNNING, self.step
+            logger.info("step sync: DP group resumed at step %d", self.step)
+            return True
+        return False
+
+    def _check_members(self, now: float, started: float) -> None:
+        missing = [r for r in range(self.config.dp_size) if r not in self._members]
+        if missing and now - started > self.config.peer_timeout_s:
+            self._fail(
+                f"DP rank(s) {', '.join(map(str, missing))} did not join the step-sync group "
+                f"within {self.config.peer_timeout_s:.0f}s (step_sync_peer_timeout_s); "
+                "every rank must start with the same --data-parallel-size, "
+                "--data-parallel-address and --additional-config"
+            )
+            return
+        for rank, member in self._members.items():
+            silent = now - member.last_seen
+            if not member.state.left and silent > self.config.peer_timeout_s:
+                self._fail(
+                    f"DP rank {rank} silent for {silent:.1f}s (step_sync_peer_timeout_s="
+                    f"{self.config.peer_timeout_s})"
+                )
                 return
 
     def _fail(self, reason: str) -> None:
         if self._failed is None:
-            self._broadcast(Abort(reason))
+            self._abort(reason)
         self._fail_once(reason, "step sync coordinator")
 
-    def _reject(self, why: str) -> None:
-        self.counters.inc("malformed_messages")
-        logger.warning("step sync coordinator: rejected message: %s", why)
+    def _abort(self, reason: str) -> None:
+        for member in self._members.values():
+            self._send(member.route, Abort(PROTOCOL_VERSION, self._next_seq(), reason))
 
-    def _broadcast(self, msg: ToParticipant) -> None:
-        for peer in self._peers.values():
-            self._send(peer.identity, msg)
+    def _drop(self, counter: str, kind: str, detail: str) -> None:
+        self.counters.inc(counter)
+        self._log.warning(kind, detail)
 
-    def _send(self, identity: bytes, msg: ToParticipant) -> None:
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _broadcast(self) -> None:
+        if self._failed is not None:
+            return
+        for member in self._members.values():
+            self._send_state(member)
+
+    def _send_state(self, member: _Member) -> None:
+        state = GroupState(
+            PROTOCOL_VERSION,
+            self._next_seq(),
+            self.step,
+            self.phase,
+            self.phase_step,
+            len(self._members),
+            member.state.seq,
+            member.state.intent,
+        )
+        self._send(member.route, state)
+        self.counters.inc("grants_sent")
+
+    def _send(self, route: bytes, msg: ToParticipant) -> None:
         try:
-            self._sock.send_multipart([identity, _encoder.encode(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart(
+                [route, *_seal(self._secret, _TO_PARTICIPANT, msg)], zmq.NOBLOCK
+            )
         except zmq.ZMQError:
-            return  # peer gone or its queue full; heartbeats will notice
-        if isinstance(msg, Grant):
-            self.counters.inc("grants_sent")
+            pass  # peer gone or its queue full; the next state heals it
 
 
 # --- participant -------------------------------------------------------------
@@ -436,7 +627,10 @@ class Participant(_NetworkThread):
 
     Engine thread API: :meth:`begin_forward` before every real or dummy
     forward pass, :meth:`observe_grant` for each step delivered through
-    ``on_grant``, and :attr:`steps_owed` to decide whether a dummy pass is due.
+    ``on_grant``, :attr:`steps_owed` to decide whether a dummy pass is due,
+    :meth:`set_pause_intent` / :meth:`set_pause_ready` / :meth:`set_leaving`
+    for the group phases, and :attr:`group` for the latest group state
+    (``on_group`` announces each change of it).
     """
 
     def __init__(
@@ -444,9 +638,10 @@ class Participant(_NetworkThread):
         config: StepSyncConfig,
         dp_rank: int,
         coordinator_address: str,
+        secret: bytes,
         on_grant: Callable[[int], None],
         on_failure: Callable[[str], None],
-        on_phase: Callable[[PhaseEvent], None] | None = None,
+        on_group: Callable[[GroupState], None] | None = None,
     ):
         if not 0 <= dp_rank < config.dp_size:
             raise ConfigError(f"dp_rank {dp_rank} outside [0, {config.dp_size})")
@@ -454,35 +649,51 @@ class Participant(_NetworkThread):
         self.config = config
         self.dp_rank = dp_rank
         self.coordinator_address = coordinator_address
+        self._secret = secret
         self.on_grant = on_grant
-        self.on_phase = on_phase or (lambda event: None)
-        # Network-thread state: highest step handed to on_grant (the
-        # coordinator's heartbeat repeats its step; the engine needs it once).
-        # The engine thread may wait on the condition for it to grow.
+        self.on_group = on_group or (lambda state: None)
+        # Network-thread state. The engine thread may wait on the condition
+        # for the delivered step (or the member count) to grow.
         self._delivered = 0
         self._delivered_grew = threading.Condition()
+        self.group: GroupState | None = None
         # Engine-thread state.
         self.local_step = 0
         self.coord_step = 0
         self.requested = 0
         self.dummy_steps = 0
         self.forward_steps = 0
+        self.intent = 0
+        self._want_pause = False
+        self._pause_ready = False
+        self._leaving = False
+        self._left = False
+        # Set by the engine once its busy loop runs: before that (loading the
+        # model) it cannot run the passes it owes, and that is no failure.
+        self.watch_progress = False
         self.counters = _Counters(
-            "requests_sent", "grants_received", "malformed_messages", "grant_waits"
+            "requests_sent",
+            "grants_received",
+            "malformed_messages",
+            "grant_waits",
+            "resends",
         )
         self._incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        ctx, self._sock = _new_context_socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, f"dp{dp_rank}-{self._incarnation}".encode())
+        # The latest state the engine thread published (the network thread
+        # adds seq and local_step when it sends it).
+        self._state = self._snapshot()
+        self._sock = _socket(zmq.DEALER, coordinator_address)
         self._sock.connect(coordinator_address)
-        # Engine thread -> network thread, so only one thread touches each socket.
-        self._outbox_addr = f"inproc://step-sync-{dp_rank}-{self._incarnation}"
-        self._outbox_rx = ctx.socket(zmq.PULL)
-        self._outbox_rx.setsockopt(zmq.LINGER, 0)
-        self._outbox_rx.bind(self._outbox_addr)
-        self._outbox_tx = ctx.socket(zmq.PUSH)
-        self._outbox_tx.setsockopt(zmq.LINGER, 0)
-        self._outbox_tx.connect(self._outbox_addr)
-        self._sockets += [self._outbox_tx, self._outbox_rx, self._sock]
+        # Engine thread -> network thread wake-ups: "the state changed".
+        ctx = zmq.Context.instance()
+        wake_addr = f"inproc://step-sync-{dp_rank}-{self._incarnation}"
+        self._wake_rx = ctx.socket(zmq.PULL)
+        self._wake_rx.setsockopt(zmq.LINGER, 0)
+        self._wake_rx.bind(wake_addr)
+        self._wake_tx = ctx.socket(zmq.PUSH)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(wake_addr)
+        self._sockets += [self._wake_tx, self._wake_rx, self._sock]
 
     # --- engine thread ---
 
@@ -500,9 +711,8 @@ class Participant(_NetworkThread):
 
         A real pass may run ahead of the grant: the coordinator is asked for
         ``lookahead`` steps past it before the remaining grant drops below the
-        renewal margin, and ZMQ delivers in order, so every peer will be told.
-        A real pass that nobody granted yet waits for its grant (see
-        ``_await_grant``); with ``request_ahead`` that is rare.
+        renewal margin. A real pass that nobody granted yet waits for its
+        grant (see ``_await_grant``); with ``request_ahead`` that is rare.
         """
         self.local_step += 1
         if dummy:
@@ -524,6 +734,47 @@ class Participant(_NetworkThread):
             self._request_steps(self.local_step + self.config.lookahead)
             self._await_grant(self.local_step + 1)
 
+    def set_pause_intent(self, pause: bool) -> int:
+        """A pause (True) or resume (False) call on this rank; returns the
+        intent number the coordinator acknowledges in ``intent_ack``."""
+        self.intent += 1
+        self._want_pause = pause
+        self._pause_ready = False
+        self._publish()
+        return self.intent
+
+    def set_pause_ready(self) -> None:
+        """Paused and locally drained: no more real passes until resumed."""
+        if self._want_pause and not self._pause_ready:
+            self._pause_ready = True
+            self._publish()
+
+    def set_leaving(self) -> None:
+        """Shutting down and locally drained: no more real passes."""
+        if not self._leaving:
+            self._leaving = True
+            self._publish()
+
+    def wait_for_group(self, timeout_s: float) -> None:
+        """Block until all ``dp_size`` ranks joined; raise with the reason
+        (the coordinator's, when it gave one) if the group does not form."""
+        deadline = time.monotonic() + timeout_s
+        with self._delivered_grew:
+            self._delivered_grew.wait_for(
+                lambda: self._failed is not None
+                or (self.group is not None and self.group.members >= self.config.dp_size),
+                max(0.0, deadline - time.monotonic()),
+            )
+        if self._failed is not None:
+            raise StepSyncGroupError(self._failed)
+        if self.group is None or self.group.members < self.config.dp_size:
+            joined = 0 if self.group is None else self.group.members
+            raise StepSyncGroupError(
+                f"DP rank {self.dp_rank}: the step-sync group at {self.coordinator_address} "
+                f"did not form within {timeout_s:.0f}s ({joined}/{self.config.dp_size} "
+                "ranks joined)"
+            )
+
     @property
     def _horizon(self) -> int:
         """Last step granted or already asked for: passes up to it need no request."""
@@ -531,8 +782,33 @@ class Participant(_NetworkThread):
 
     def _request_steps(self, step: int) -> None:
         self.requested = step
-        self._outbox_tx.send(_encoder.encode(RequestSteps(self.dp_rank, step)))
         self.counters.inc("requests_sent")
+        self._publish()
+
+    def _snapshot(self) -> RankState:
+        cfg = self.config
+        return RankState(
+            PROTOCOL_VERSION,
+            self.dp_rank,
+            cfg.dp_size,
+            cfg.lookahead,
+            self._incarnation,
+            1,
+            self.requested,
+            self.local_step,
+            self.intent,
+            self._want_pause,
+            self._pause_ready,
+            self._leaving,
+            self._left,
+        )
+
+    def _publish(self) -> None:
+        self._state = self._snapshot()
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a wake-up is already queued; the resend timer is the backstop
 
     def _await_grant(self, step: int) -> None:
         """Wait, up to ``MAX_GRANT_WAIT_S``, until ``step`` was granted.
@@ -553,14 +829,6 @@ class Participant(_NetworkThread):
                 lambda: self._delivered >= step or self._failed is not None, MAX_GRANT_WAIT_S
             )
 
-    def request_pause(self) -> None:
-        """Tell the group this rank paused: no more real passes until resume.
-        Goes out after every earlier step request (same ordered channel)."""
-        self._outbox_tx.send(_encoder.encode(Pause(self.dp_rank)))
-
-    def request_resume(self) -> None:
-        self._outbox_tx.send(_encoder.encode(Resume(self.dp_rank)))
-
     @property
     def stats(self) -> dict[str, int]:
         """Counters and step positions for metrics (any thread may read)."""
@@ -572,95 +840,177 @@ class Participant(_NetworkThread):
             "dummy_steps": self.dummy_steps,
         }
 
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Leave: tell the coordinator (waiting briefly for it to hear it,
+        so it does not take the silence for a failure), then stop."""
+        if self._thread.is_alive() and self._failed is None:
+            self._left = True
+            self._publish()
+            final = self._state
+            deadline = time.monotonic() + min(FLUSH_TIMEOUT_S, timeout_s)
+            while time.monotonic() < deadline and self._failed is None:
+                group = self.group
+                if (
+                    self._last_sent_state is final
+                    and group is not None
+                    and group.ack_seq >= self._state_first_seq
+                ):
+                    break
+                time.sleep(0.01)
+        super().close(timeout_s)
+
     # --- network thread ---
+
+    _seq = 0
 
     def _run(self) -> None:
         cfg = self.config
-        self._send(Register(self.dp_rank, cfg.dp_size, cfg.lookahead, self._incarnation))
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._outbox_rx, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         last_heard = time.monotonic()
-        next_heartbeat = last_heard + cfg.heartbeat_interval_s
+        last_sent = self._send_state()
+        sent_state = self._state
+        watch = _ProgressWatch()
         while not self._stop.is_set():
-            events = dict(poller.poll(100))
-            if self._outbox_rx in events:
+            events = dict(poller.poll(int(cfg.resend_interval_s * 1000)))
+            if self._wake_rx in events:
                 while True:
                     try:
-                        self._sock.send(self._outbox_rx.recv(zmq.NOBLOCK), zmq.NOBLOCK)
+                        self._wake_rx.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
             if self._sock in events:
                 while True:
                     try:
-                        payload = self._sock.recv(zmq.NOBLOCK)
+                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if self._handle(payload):
+                    if self._handle(frames):
                         last_heard = time.monotonic()
+                if self._failed is not None:
+                    return
             now = time.monotonic()
-            if now >= next_heartbeat:
-                next_heartbeat = now + cfg.heartbeat_interval_s
-                self._send(Heartbeat(self.dp_rank, self.local_step))
+            state = self._state
+            if state is not sent_state or self._needs_resend(now - last_sent):
+                if state is sent_state:
+                    self.counters.inc("resends")
+                last_sent, sent_state = self._send_state(), state
             if now - last_heard > cfg.peer_timeout_s:
                 self._fail(
                     f"step sync coordinator silent for {now - last_heard:.1f}s "
                     f"(step_sync_peer_timeout_s={cfg.peer_timeout_s})"
                 )
                 return
+            if stalled := watch.check(self, now):
+                self._fail(stalled)
+                return
 
-    def _handle(self, payload: bytes) -> bool:
+    def _needs_resend(self, since_sent: float) -> bool:
+        if since_sent >= self.config.heartbeat_interval_s:
+            return True
+        if since_sent < self.config.resend_interval_s:
+            return False
+        group = self.group
+        unacked = group is None or group.ack_seq < self._state_first_seq
+        waiting = self._delivered < max(self.requested, self.local_step)
+        return unacked or waiting
+
+    _state_first_seq = 1
+    _last_sent_state: RankState | None = None
+
+    def _send_state(self) -> float:
+        state = self._state
+        self._seq += 1
+        if state is not self._last_sent_state:
+            self._state_first_seq, self._last_sent_state = self._seq, state
+        msg = msgspec.structs.replace(state, seq=self._seq, local_step=self.local_step)
         try:
-            msg = _to_participant.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            self._sock.send_multipart(_seal(self._secret, _TO_COORDINATOR, msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected yet or queue full: the resend timer heals it
+        return time.monotonic()
+
+    def _handle(self, frames: list[bytes]) -> bool:
+        msg, why = _open(self._secret, _TO_PARTICIPANT, frames, _to_participant)
+        if msg is None:
             self.counters.inc("malformed_messages")
-            logger.warning("step sync rank %d: rejected undecodable message", self.dp_rank)
+            logger.warning("step sync rank %d: dropped frame: %s", self.dp_rank, why)
             return False
         if isinstance(msg, Abort):
             self._fail(f"step sync coordinator aborted the DP group: {msg.reason}")
             return True
-        if isinstance(msg, GroupResumed):
-            self.on_phase(msg)
-            return True
-        if msg.step < 0:
+        previous = self.group
+        if previous is not None and msg.seq <= previous.seq:
             self.counters.inc("malformed_messages")
             return False
-        if isinstance(msg, GroupPaused):
-            self._deliver(msg.step)
-            self.on_phase(msg)
-            return True
         self.counters.inc("grants_received")
-        if msg.step > self._delivered:
-            self._deliver(msg.step)
-            self.on_grant(msg.step)
-        return True
-
-    def _deliver(self, step: int) -> None:
         with self._delivered_grew:
-            self._delivered = max(self._delivered, step)
+            self.group = msg
+            grew = msg.step > self._delivered
+            self._delivered = max(self._delivered, msg.step)
             self._delivered_grew.notify_all()
-
-    def _send(self, msg: ToCoordinator) -> None:
-        try:
-            self._sock.send(_encoder.encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # coordinator unreachable; the silence check reports it
+        if grew:
+            self.on_grant(msg.step)
+        if previous is None or (
+            (msg.phase, msg.phase_step, msg.members, msg.intent_ack)
+            != (previous.phase, previous.phase_step, previous.members, previous.intent_ack)
+        ):
+            self.on_group(msg)
+        return True
 
     def _fail(self, reason: str) -> None:
         self._fail_once(reason, f"step sync rank {self.dp_rank}")
+        with self._delivered_grew:
+            self._delivered_grew.notify_all()
+
+
+class _ProgressWatch:
+    """Notices a rank that cannot make progress: it owes passes and runs
+    none, or it ran a pass nobody granted and the grant never comes. Either
+    means a collective is (or soon will be) stuck; report it rather than hang.
+    """
+
+    def __init__(self):
+        self._since: float | None = None
+        self._mark: tuple[int, int] | None = None
+
+    def check(self, part: Participant, now: float) -> str | None:
+        local, granted = part.local_step, part._delivered
+        stuck = part.watch_progress and local != granted
+        mark = (local, granted)
+        if not stuck or mark != self._mark:
+            self._mark, self._since = mark, (now if stuck else None)
+            return None
+        if now - self._since <= part.config.peer_timeout_s:
+            return None
+        waited = now - self._since
+        if local > granted:
+            return (
+                f"DP rank {part.dp_rank} ran pass {local} but the group granted only up to "
+                f"{granted} for {waited:.1f}s (step_sync_peer_timeout_s="
+                f"{part.config.peer_timeout_s})"
+            )
+        return (
+            f"DP rank {part.dp_rank} owes passes {local + 1}..{granted} but ran none for "
+            f"{waited:.1f}s (its engine is stuck or asleep; step_sync_peer_timeout_s="
+            f"{part.config.peer_timeout_s})"
+        )
+
+
+class StepSyncGroupError(RuntimeError):
+    """The step-sync group did not form or cannot go on."""
 
 
 __all__ = [
     "Abort",
     "Coordinator",
-    "Grant",
-    "GroupPaused",
-    "GroupResumed",
-    "Heartbeat",
+    "GroupPhase",
+    "GroupState",
     "Participant",
-    "Pause",
-    "Register",
-    "RequestSteps",
-    "Resume",
+    "PROTOCOL_VERSION",
+    "RankState",
     "StepSyncConfig",
+    "StepSyncGroupError",
+    "new_group_secret",
 ]

@@ -185,6 +185,35 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream adopts step-synchronized DP (or an equivalent) in DPEngineCoreProc.",
     ),
     Patch(
+        name="step-sync-ray-actor",
+        module="vllm_disagg.patches.v1.engine.core",
+        apply_fn="apply_ray_actor",
+        check_fn="is_ray_actor_applied",
+        upstream="vllm.v1.engine.core.DPMoEEngineCoreActor (CoreEngineActorManager)",
+        kind="feature",
+        why=(
+            "With --data-parallel-backend ray every MoE DP rank is a Ray actor "
+            "of upstream's DPMoEEngineCoreActor, a subclass of upstream's "
+            "DPEngineCoreProc whose __init__ calls the module global "
+            "DPEngineCoreProc.__init__: once step-sync-dp-engine replaced that "
+            "global, step sync's __init__ runs on a non-step-sync instance and "
+            "super() raises TypeError, so no Ray DP server starts."
+        ),
+        how=(
+            "CoreEngineActorManager imports DPMoEEngineCoreActor from "
+            "vllm.v1.engine.core when it starts the actors; the module global "
+            "is replaced by StepSyncDPMoEEngineCoreActor(EngineCoreActorMixin, "
+            "StepSyncDPEngineCoreProc), which calls step sync's __init__ by "
+            "name. Ray unpickles the class by reference in the actor process, "
+            "importing this package; its __init__ applies and verifies the "
+            "patch set first, as run_engine_core does for engine-core processes."
+        ),
+        drop_when=(
+            "Upstream's DP engine classes take step sync (step-sync-dp-engine "
+            "dropped), or DPMoEEngineCoreActor calls its own base class's __init__."
+        ),
+    ),
+    Patch(
         name="step-sync-clients",
         module="vllm_disagg.patches.v1.engine.core_client",
         upstream="vllm.v1.engine.core_client.DPAsyncMPClient / DPLBAsyncMPClient",

@@ -1,9 +1,12 @@
-"""Patches of ``vllm/v1/engine/core.py``: three registry entries.
+"""Patches of ``vllm/v1/engine/core.py``: four registry entries.
 
 * ``engine-core-spawn`` (enabler): spawned engine cores load the patch set
   first (below);
 * ``step-sync-dp-engine`` (feature): ``DPEngineCoreProc`` becomes
   :class:`vllm_disagg.v1.engine.core.StepSyncDPEngineCoreProc`;
+* ``step-sync-ray-actor`` (feature): ``DPMoEEngineCoreActor`` (the Ray DP
+  backend's engine class) becomes
+  :class:`vllm_disagg.v1.engine.core_actor.StepSyncDPMoEEngineCoreActor`;
 * ``forward-pass-probe`` (probe): counts real and dummy passes for the
   benchmark.
 
@@ -83,6 +86,25 @@ def is_step_sync_applied() -> bool:
     from vllm_disagg.v1.engine.core import StepSyncDPEngineCoreProc
 
     return upstream_core.DPEngineCoreProc is StepSyncDPEngineCoreProc
+
+
+# --- step-sync-ray-actor (feature) ---
+
+
+def apply_ray_actor() -> None:
+    import vllm.v1.engine.core as upstream_core
+
+    from vllm_disagg.v1.engine.core_actor import StepSyncDPMoEEngineCoreActor
+
+    upstream_core.DPMoEEngineCoreActor = StepSyncDPMoEEngineCoreActor
+
+
+def is_ray_actor_applied() -> bool:
+    import vllm.v1.engine.core as upstream_core
+
+    from vllm_disagg.v1.engine.core_actor import StepSyncDPMoEEngineCoreActor
+
+    return upstream_core.DPMoEEngineCoreActor is StepSyncDPMoEEngineCoreActor
 
 
 # --- forward-pass-probe (probe, benchmarks only) ---

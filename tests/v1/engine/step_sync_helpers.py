@@ -28,7 +28,7 @@ def wait_until(predicate, timeout_s=DEADLINE_S, what="condition"):
         if predicate():
             return
         time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 class SimEngine:
@@ -67,14 +67,25 @@ class SimEngine:
             while not self.events.empty():
                 self._drain(block=False)
             if self.work_steps > 0:
-                self.part.begin_forward(dummy=False)
+                step = self.part.begin_forward(dummy=False)
                 self.work_steps -= 1
-                time.sleep(0.002)
+                self._collective(step)
             elif self.part.steps_owed:
                 self.part.begin_forward(dummy=True)
                 time.sleep(0.002)
             else:
                 self._drain(block=True)
+
+    def _collective(self, step: int):
+        """A real pass meets the peers in collectives, which they reach only
+        once ``step`` is granted to them: wait for the grant as that would."""
+        time.sleep(0.002)
+        while self.part._delivered < step and not self.stop.is_set():
+            if self.part.failure is not None:
+                self.failures.append(self.part.failure)
+                self.stop.wait()
+                return
+            time.sleep(0.001)
 
     def add_work(self, steps: int):
         self.work_steps += steps
@@ -122,9 +133,15 @@ class LossyRelay:
         while not self._closed:
             try:
                 client, _ = self._listener.accept()
-                server = socket.create_connection(self.target, timeout=5)
             except OSError:
-                return
+                if self._closed:
+                    return
+                continue  # e.g. the client reset before we accepted
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
             with self._lock:
                 self._conns += [client, server]
             for src, dst, up in ((client, server, True), (server, client, False)):
@@ -153,9 +170,12 @@ class LossyRelay:
         for sock in conns:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                sock.close()
+                # shutdown() wakes the pump blocked in recv(); close() alone
+                # would leave the connection open until that recv returned.
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            sock.close()
 
     def close(self):
         self._closed = True

@@ -34,33 +34,25 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import requests
-
 from vllm_disagg import envs
+from vllm_disagg.testing.openai_client import random_prompt, stream_completion
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import build_model
 from vllm_disagg.v1.metrics.probe import read_probes
 
 RESULTS = Path(__file__).parent / "results"
-WORDS = (
-    "step sync keeps every data parallel engine in lockstep while the proxy sends "
-    "each request to one prefill and one decode instance over loopback"
-).split()
 MODES = {"waves": {envs.VLLM_DISAGG_DISABLE: "1"}, "step_sync": {}}
 
 
 def stream_first_token_s(server: VllmServer, prompt: str, max_tokens: int) -> float:
-    body = {
-        "model": server.model, "prompt": prompt, "max_tokens": max_tokens,
-        "temperature": 0.0, "ignore_eos": True, "stream": True,
-    }  # fmt: skip
     start = time.perf_counter()
     first = None
-    with requests.post(f"{server.url}/v1/completions", json=body, stream=True, timeout=120) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if first is None and line.startswith(b"data: {"):
-                first = time.perf_counter() - start
+    chunks = stream_completion(
+        server, prompt, timeout_s=120, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+    )
+    for _ in chunks:  # read to the end, as a client does
+        if first is None:
+            first = time.perf_counter() - start
     return first
 
 
@@ -114,7 +106,7 @@ class ModeUnderTest:
         }
 
     def prompt(self) -> str:
-        return " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(4, 40)))
+        return random_prompt(self.rng, 4, 40)
 
     def warm_up(self, args: argparse.Namespace) -> None:
         for _ in range(4):

@@ -16,6 +16,7 @@ import pytest
 
 from vllm_disagg.patches import PATCHES
 from vllm_disagg.testing.compare import GreedyResult, close_by_logprobs
+from vllm_disagg.testing.openai_client import WORDS
 
 pytestmark = pytest.mark.e2e
 
@@ -23,11 +24,6 @@ NUM_PROMPTS = 20
 MAX_TOKENS = 24
 TOP_K = 5
 COMMON_ARGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0"]
-
-WORDS = (
-    "step sync keeps every data parallel engine in lockstep while the proxy sends "
-    "each request to one prefill and one decode instance over loopback"
-).split()
 
 
 def _prompts() -> list[str]:

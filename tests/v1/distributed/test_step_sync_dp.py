@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -29,7 +30,15 @@ from dataclasses import dataclass
 import pytest
 import requests
 
+from vllm_disagg.testing.openai_client import (
+    WORDS,
+    complete,
+    random_prompt,
+    stream_completion,
+    token_ids as chunk_token_ids,
+)
 from vllm_disagg.testing.server import VllmServer, get_free_port
+from vllm_disagg.testing.step_sync import step_sync_metric
 
 pytestmark = pytest.mark.e2e
 
@@ -37,10 +46,6 @@ NUM_REQUESTS = 200
 COMMON_ARGS = [
     "--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--dtype", "float32",
 ]  # fmt: skip
-WORDS = (
-    "step sync keeps every data parallel engine in lockstep while the proxy sends "
-    "each request to one prefill and one decode instance over loopback"
-).split()
 DRAIN_TIMEOUT_S = 60.0
 
 
@@ -56,7 +61,7 @@ def _workload() -> list[Job]:
     rng = random.Random(1234)
     jobs = []
     for i in range(NUM_REQUESTS):
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 48)))
+        prompt = random_prompt(rng, 1, 48)
         mode = "cancel" if i % 10 == 3 else "stream" if i % 3 == 0 else "plain"
         max_tokens = 40 if mode == "cancel" else rng.randint(1, 32)
         jobs.append(Job(i, prompt, max_tokens, mode))
@@ -78,10 +83,8 @@ BUSY_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 60.0
 
 
-def _body(server: VllmServer, job: Job, stream: bool) -> dict:
+def _params(job: Job, stream: bool) -> dict:
     return {
-        "model": server.model,
-        "prompt": job.prompt,
         "max_tokens": job.max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -102,21 +105,16 @@ def run_job(
     before the client hung up. ``dp_rank`` pins the request to one engine;
     ``progress[job.index]`` follows the number of tokens streamed so far."""
     headers = {} if dp_rank is None else {"X-data-parallel-rank": str(dp_rank)}
-    url = f"{server.url}/v1/completions"
     if job.mode == "plain":
-        body = {**_body(server, job, False), **extra}
-        r = requests.post(url, json=body, headers=headers, timeout=300)
-        r.raise_for_status()
-        return r.json()["choices"][0]["token_ids"]
+        params = {**_params(job, False), **extra}
+        body = complete(server, job.prompt, headers=headers, timeout_s=300, **params)
+        return body["choices"][0]["token_ids"]
     token_ids: list[int] = []
-    body = {**_body(server, job, True), **extra}
-    with requests.post(url, json=body, headers=headers, stream=True, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[len(b"data: ") :])
-            token_ids += chunk["choices"][0].get("token_ids") or []
+    params = {**_params(job, True), **extra}
+    stream = stream_completion(server, job.prompt, headers=headers, timeout_s=300, **params)
+    with contextlib.closing(stream) as chunks:
+        for chunk in chunks:
+            token_ids += chunk_token_ids(chunk)
             if progress is not None:
                 progress[job.index] = len(token_ids)
             if on_first_chunk is not None and token_ids:
@@ -141,8 +139,8 @@ def wait_for_settled_steps(servers: list[VllmServer], timeout_s: float = DRAIN_T
     while time.monotonic() < deadline:
         local, coord = {}, {}
         for server in servers:
-            local.update(server.step_sync_metric("local_step"))
-            coord.update(server.step_sync_metric("coordinator_step"))
+            local.update(step_sync_metric(server, "local_step"))
+            coord.update(step_sync_metric(server, "coordinator_step"))
         settled = local and local == coord and len(set(local.values())) == 1
         if settled and local == previous:
             return local
@@ -190,8 +188,8 @@ def test_200_mixed_requests_match_dp1_and_ranks_stay_in_lockstep(dp1_reference, 
 
     steps = wait_for_settled_steps([dp2_server])
     assert set(steps) == {0, 1}
-    forward = dp2_server.step_sync_metric("forward_steps_total")
-    dummy = dp2_server.step_sync_metric("dummy_steps_total")
+    forward = step_sync_metric(dp2_server, "forward_steps_total")
+    dummy = step_sync_metric(dp2_server, "dummy_steps_total")
     # Both ranks served requests; each ran exactly the group's step count.
     assert forward[0] > 0 and forward[1] > 0
     assert forward[0] + dummy[0] == forward[1] + dummy[1] == steps[0]
@@ -207,11 +205,11 @@ def test_no_wave_traffic_on_the_wire(dp2_server):
     run_all(dp2_server, _workload()[:20])
     wait_for_settled_steps([dp2_server])
     for name in ("start_dp_wave_received", "wave_stamped_requests", "wave_outputs_sent"):
-        values = dp2_server.step_sync_metric(f"{name}_total")
+        values = step_sync_metric(dp2_server, f"{name}_total")
         assert values == {0: 0.0, 1: 0.0}, (name, values)
-    malformed = dp2_server.step_sync_metric("malformed_messages_total")
+    malformed = step_sync_metric(dp2_server, "malformed_messages_total")
     assert malformed == {0: 0.0, 1: 0.0}
-    assert dp2_server.step_sync_metric("coordinator_pause_violations_total") == {0: 0.0}
+    assert step_sync_metric(dp2_server, "coordinator_pause_violations_total") == {0: 0.0}
 
 
 def test_idle_group_runs_no_steps(dp2_server):
@@ -279,7 +277,7 @@ def test_rank_holding_only_unschedulable_requests_neither_stalls_nor_spins(
     runs dummy passes forever. Here rank 1 holds one such request."""
     server = dp2_delayed_lookup_server
     steps_before = wait_for_settled_steps([server])
-    dummy_before = server.step_sync_metric("dummy_steps_total")
+    dummy_before = step_sync_metric(server, "dummy_steps_total")
     pool = ThreadPoolExecutor(max_workers=1 + len(BUSY_JOBS))
     try:
         held = pool.submit(
@@ -310,8 +308,8 @@ def test_rank_holding_only_unschedulable_requests_neither_stalls_nor_spins(
         pool.shutdown(wait=False, cancel_futures=True)
 
     steps = wait_for_settled_steps([server])
-    forward = server.step_sync_metric("forward_steps_total")
-    dummy = server.step_sync_metric("dummy_steps_total")
+    forward = step_sync_metric(server, "forward_steps_total")
+    dummy = step_sync_metric(server, "dummy_steps_total")
     assert forward[0] + dummy[0] == forward[1] + dummy[1] == steps[0]
     assert idle[1] > steps_before[1] and dummy[1] > dummy_before.get(1, 0.0), (
         "rank 1 ran no dummy passes for rank 0's work"
@@ -381,9 +379,9 @@ def test_external_lb_requests_to_one_rank_complete(dp1_reference, external_lb):
     # Each server shows its own rank; together they ran one step count.
     steps = wait_for_settled_steps([rank0, rank1])
     assert steps[0] == steps[1] > 0
-    assert rank0.step_sync_metric("forward_steps_total") == {0: 0.0}
-    assert rank0.step_sync_metric("dummy_steps_total") == {0: steps[0]}
-    assert rank1.step_sync_metric("forward_steps_total")[1] > 0
+    assert step_sync_metric(rank0, "forward_steps_total") == {0: 0.0}
+    assert step_sync_metric(rank0, "dummy_steps_total") == {0: steps[0]}
+    assert step_sync_metric(rank1, "forward_steps_total")[1] > 0
 
 
 def test_killing_one_rank_fails_the_other_fast(external_lb):

@@ -216,18 +216,30 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="step-sync-clients",
         module="vllm_disagg.patches.v1.engine.core_client",
-        upstream="vllm.v1.engine.core_client.DPAsyncMPClient / DPLBAsyncMPClient",
+        upstream=(
+            "vllm.v1.engine.core_client.SyncMPClient / DPAsyncMPClient / DPLBAsyncMPClient"
+        ),
         kind="feature",
         why=(
             "The DP clients stamp every request with the current wave and, "
             "when they believe the engines idle, send FIRST_REQ so the DP "
             "coordinator broadcasts START_DP_WAVE; with step sync the engines "
-            "wake each other and nothing outside them may know about waves."
+            "wake each other and nothing outside them may know about waves. "
+            "The sync client of LLM (offline DP, one LLM per rank) sets "
+            "engines_running on add_request and clears it only on an output "
+            "carrying wave_complete, which step-sync engines never send: "
+            "LLMEngine.has_unfinished_requests() ORs in dp_engines_running(), "
+            "so generate() blocked forever in get_output() after its last "
+            "request finished."
         ),
         how=(
-            "EngineCoreClient.make_async_mp_client looks both classes up as "
-            "module globals; they are replaced by subclasses whose "
-            "add_request_async sends the request and nothing else."
+            "EngineCoreClient.make_client (SyncMPClient) and "
+            "make_async_mp_client (DPAsyncMPClient, DPLBAsyncMPClient) look "
+            "the classes up as module globals at call time; they are replaced "
+            "by subclasses whose add_request / add_request_async send the "
+            "request and nothing else and whose dp_engines_running() is always "
+            "False: step-sync engines run the passes their group owes by "
+            "themselves, and a client waits only for its own requests."
         ),
         drop_when="Upstream clients stop carrying DP wave state.",
     ),

@@ -1,8 +1,9 @@
-"""Patch: DP clients that carry no wave state.
+"""Patch: engine clients that carry no wave state.
 
-Upstream: ``vllm.v1.engine.core_client.DPAsyncMPClient`` and
-``DPLBAsyncMPClient``, looked up as module globals by
-``EngineCoreClient.make_async_mp_client``. Replaced by the subclasses in
+Upstream: ``vllm.v1.engine.core_client.SyncMPClient`` (looked up as a module
+global by ``EngineCoreClient.make_client`` for ``LLM``), ``DPAsyncMPClient``
+and ``DPLBAsyncMPClient`` (looked up by ``make_async_mp_client`` for
+``AsyncLLM`` / ``vllm serve``). Replaced by the subclasses in
 :mod:`vllm_disagg.v1.engine.core_client`.
 """
 
@@ -13,16 +14,20 @@ import vllm.v1.engine.core_client as upstream
 from vllm_disagg.v1.engine.core_client import (
     StepSyncDPAsyncMPClient,
     StepSyncDPLBAsyncMPClient,
+    StepSyncSyncMPClient,
 )
+
+REPLACEMENTS = {
+    "SyncMPClient": StepSyncSyncMPClient,
+    "DPAsyncMPClient": StepSyncDPAsyncMPClient,
+    "DPLBAsyncMPClient": StepSyncDPLBAsyncMPClient,
+}
 
 
 def apply() -> None:
-    upstream.DPAsyncMPClient = StepSyncDPAsyncMPClient
-    upstream.DPLBAsyncMPClient = StepSyncDPLBAsyncMPClient
+    for name, cls in REPLACEMENTS.items():
+        setattr(upstream, name, cls)
 
 
 def is_applied() -> bool:
-    return (
-        upstream.DPAsyncMPClient is StepSyncDPAsyncMPClient
-        and upstream.DPLBAsyncMPClient is StepSyncDPLBAsyncMPClient
-    )
+    return all(getattr(upstream, name) is cls for name, cls in REPLACEMENTS.items())

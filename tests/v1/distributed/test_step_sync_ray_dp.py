@@ -1,0 +1,146 @@
+"""Step-synchronized DP with the Ray DP backend, end to end on CPU.
+
+``vllm serve --data-parallel-size 2 --data-parallel-backend ray`` on tiny
+Mixtral: vLLM starts a local Ray cluster in the server process and one Ray
+actor per DP rank. The actors must be step-sync engine cores
+(``step-sync-ray-actor``) that load the patch set themselves, stay in
+lockstep, serve requests pinned to one rank while the other runs only the
+matching dummy passes, send no wave traffic, and stop when the server stops.
+
+Needs ``ray`` (``requirements/ray.txt``; skipped without it). On CPU the Ray
+DP path also needs the CPU platform's Ray device key
+(:mod:`vllm_disagg.testing.ray_cpu`, which launches ``vllm``),
+``--distributed-executor-backend mp`` and more logical CPUs in the local Ray
+cluster than a 2-core machine has (``RAY_OVERRIDE_RESOURCES``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from vllm_disagg.testing.server import VllmServer, cpu_test_env
+
+pytest.importorskip("ray")
+
+pytestmark = pytest.mark.e2e
+
+ARGS = [
+    "--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--dtype", "float32",
+    "--data-parallel-size", "2",
+    "--data-parallel-backend", "ray",
+    "--distributed-executor-backend", "mp",
+]  # fmt: skip
+RAY_ENV = {
+    # 2 DP ranks x (1 worker bundle + 1 engine-actor bundle) logical CPUs.
+    "RAY_OVERRIDE_RESOURCES": '{"CPU": 8}',
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # Every actor line in the server log, not one per line "across cluster".
+    "RAY_DEDUP_LOGS": "0",
+}
+PROMPTS = [f"step sync over ray keeps rank {i} in lockstep" for i in range(8)]
+MAX_TOKENS = 12
+SETTLE_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 60.0
+
+
+class RayCpuServer(VllmServer):
+    """``vllm serve`` through the launcher that gives CPU a Ray device key."""
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "vllm_disagg.testing.ray_cpu", *super().command[1:]]
+
+
+@pytest.fixture(scope="module")
+def ray_dp2_server(tiny_models, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("ray-server-logs")
+    server = RayCpuServer(
+        tiny_models["tiny-mixtral"],
+        ARGS,
+        log_path=log_dir / "stepsync-ray-dp2.log",
+        env=cpu_test_env(**RAY_ENV),
+    )
+    started = time.monotonic()
+    server.start()
+    print(f"Ray DP=2 server ready after {time.monotonic() - started:.0f}s")
+    yield server
+    server.stop()
+
+
+def complete(server: VllmServer, prompt: str, dp_rank: int) -> list[int]:
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    headers = {"X-data-parallel-rank": str(dp_rank)}
+    r = requests.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=300)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def settled_steps(server: VllmServer) -> dict[int, float]:
+    """Wait until both ranks report local_step == coordinator_step, unchanged
+    over two scrapes; return {rank: local_step}."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    previous = None
+    local, coord = {}, {}
+    while time.monotonic() < deadline:
+        local = server.step_sync_metric("local_step")
+        coord = server.step_sync_metric("coordinator_step")
+        settled = len(local) == 2 and local == coord and len(set(local.values())) == 1
+        if settled and local == previous:
+            return local
+        previous = local if settled else None
+        time.sleep(1.0)
+    raise AssertionError(f"ranks did not settle: local={local} coordinator={coord}")
+
+
+def test_ray_actors_are_step_sync_engines(ray_dp2_server):
+    log = ray_dp2_server.log_text()
+    for rank in (0, 1):
+        assert f"Ray engine actor dp_rank={rank} " in log, ray_dp2_server.log_tail()
+        assert f"step sync DP engine core dp_rank={rank}/2" in log, ray_dp2_server.log_tail()
+    verified = [line for line in log.splitlines() if "Ray engine actor dp_rank=" in line]
+    assert all("step-sync-ray-actor" in line and "step-sync-dp-engine" in line for line in verified)
+
+
+def test_requests_to_one_rank_complete_and_ranks_stay_in_lockstep(ray_dp2_server):
+    server = ray_dp2_server
+    before = settled_steps(server)
+    forward_before = server.step_sync_metric("forward_steps_total")
+    with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+        outputs = list(pool.map(lambda p: complete(server, p, dp_rank=1), PROMPTS))
+    assert all(len(tokens) == MAX_TOKENS for tokens in outputs)
+    after = settled_steps(server)
+    assert after[0] == after[1] > before[0]
+    forward = server.step_sync_metric("forward_steps_total")
+    # Rank 0 had nothing to do: it ran only the dummy passes matching rank 1's.
+    assert forward[0] == forward_before.get(0, 0.0)
+    assert forward[1] > forward_before.get(1, 0.0)
+    for name in (
+        "start_dp_wave_received_total",
+        "wave_stamped_requests_total",
+        "wave_outputs_sent_total",
+    ):
+        assert set(server.step_sync_metric(name).values()) == {0.0}, name
+
+
+def test_sigterm_stops_the_ray_dp_server(ray_dp2_server):
+    server = ray_dp2_server
+    started = time.monotonic()
+    returncode = server.stop(timeout_s=STOP_TIMEOUT_S)
+    elapsed = time.monotonic() - started
+    log = server.log_text()
+    print(f"Ray DP=2 server stopped with {returncode} after {elapsed:.1f}s")
+    assert elapsed < STOP_TIMEOUT_S, server.log_tail()
+    for failure in ("StepSyncFailure", "silent for", "did not stop"):
+        assert failure not in log, f"{failure!r} in the log of a clean shutdown"

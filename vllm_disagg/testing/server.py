@@ -204,12 +204,3 @@ class VllmServer:
             name, _, labels = name_labels.partition("{")
             found.setdefault(name, {})[labels.rstrip("}")] = float(value)
         return found
-
-    def step_sync_metric(self, name: str) -> dict[int, float]:
-        """Deprecated: use :func:`vllm_disagg.testing.step_sync.step_sync_metric`.
-
-        Kept only until tests/v1/distributed/test_step_sync_ray_dp.py (work in
-        progress when the helper moved) switches; then delete it."""
-        from vllm_disagg.testing.step_sync import step_sync_metric
-
-        return step_sync_metric(self, name)

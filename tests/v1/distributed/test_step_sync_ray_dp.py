@@ -21,9 +21,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
+from vllm_disagg.testing import openai_client
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
+from vllm_disagg.testing.step_sync import step_sync_metric
 
 pytest.importorskip("ray")
 
@@ -73,18 +74,17 @@ def ray_dp2_server(tiny_models, tmp_path_factory):
 
 
 def complete(server: VllmServer, prompt: str, dp_rank: int) -> list[int]:
-    body = {
-        "model": server.model,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    headers = {"X-data-parallel-rank": str(dp_rank)}
-    r = requests.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=300)
-    r.raise_for_status()
-    return r.json()["choices"][0]["token_ids"]
+    body = openai_client.complete(
+        server,
+        prompt,
+        headers={"X-data-parallel-rank": str(dp_rank)},
+        timeout_s=300,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        return_token_ids=True,
+    )
+    return body["choices"][0]["token_ids"]
 
 
 def settled_steps(server: VllmServer) -> dict[int, float]:
@@ -94,8 +94,8 @@ def settled_steps(server: VllmServer) -> dict[int, float]:
     previous = None
     local, coord = {}, {}
     while time.monotonic() < deadline:
-        local = server.step_sync_metric("local_step")
-        coord = server.step_sync_metric("coordinator_step")
+        local = step_sync_metric(server, "local_step")
+        coord = step_sync_metric(server, "coordinator_step")
         settled = len(local) == 2 and local == coord and len(set(local.values())) == 1
         if settled and local == previous:
             return local
@@ -116,13 +116,13 @@ def test_ray_actors_are_step_sync_engines(ray_dp2_server):
 def test_requests_to_one_rank_complete_and_ranks_stay_in_lockstep(ray_dp2_server):
     server = ray_dp2_server
     before = settled_steps(server)
-    forward_before = server.step_sync_metric("forward_steps_total")
+    forward_before = step_sync_metric(server, "forward_steps_total")
     with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
         outputs = list(pool.map(lambda p: complete(server, p, dp_rank=1), PROMPTS))
     assert all(len(tokens) == MAX_TOKENS for tokens in outputs)
     after = settled_steps(server)
     assert after[0] == after[1] > before[0]
-    forward = server.step_sync_metric("forward_steps_total")
+    forward = step_sync_metric(server, "forward_steps_total")
     # Rank 0 had nothing to do: it ran only the dummy passes matching rank 1's.
     assert forward[0] == forward_before.get(0, 0.0)
     assert forward[1] > forward_before.get(1, 0.0)
@@ -131,7 +131,7 @@ def test_requests_to_one_rank_complete_and_ranks_stay_in_lockstep(ray_dp2_server
         "wave_stamped_requests_total",
         "wave_outputs_sent_total",
     ):
-        assert set(server.step_sync_metric(name).values()) == {0.0}, name
+        assert set(step_sync_metric(server, name).values()) == {0.0}, name
 
 
 def test_sigterm_stops_the_ray_dp_server(ray_dp2_server):

@@ -202,3 +202,173 @@ def chaos(relay: LossyRelay, seconds: float, seed: int = 0):
             relay.drop_downstream = False
             relay.reset()
         time.sleep(rng.uniform(0.02, 0.15))
+
+
+# --- the real StepSyncDPEngineCoreProc methods, without vLLM's model side ---
+
+
+class FakeScheduler:
+    """Decode work as a count of passes, with vLLM's pause-state semantics."""
+
+    def __init__(self):
+        from vllm.v1.core.sched.interface import PauseState
+
+        self._states = PauseState
+        self.pause_state = PauseState.UNPAUSED
+        self.work = 0
+        self.ready_at = 0.0  # e.g. waiting for remote KV until then
+
+    def set_pause_state(self, state):
+        self.pause_state = state
+
+    def has_requests(self) -> bool:
+        return self.work > 0 and self.pause_state != self._states.PAUSED_ALL
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.work if self.has_requests() else 0
+
+    def has_unfinished_requests(self) -> bool:
+        return self.has_requests()
+
+    def schedulable(self) -> bool:
+        return self.has_requests() and time.monotonic() >= self.ready_at
+
+    def finish_requests(self, request_ids, status):
+        self.work = 0
+        return []
+
+
+class FakeExecutor:
+    def __init__(self):
+        self.sleeping = False
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleeping
+
+    def sleep(self, level: int = 1):
+        self.sleeping = True
+
+    def wake_up(self, tags=None):
+        self.sleeping = False
+
+    def collective_rpc(self, *args, **kwargs):
+        return None
+
+
+class _NoMetrics:
+    def maybe_write(self, force: bool = False):
+        pass
+
+    def close(self):
+        pass
+
+
+def make_engine(config, rank, address, secret, shutdown_timeout=0):
+    """A StepSyncDPEngineCoreProc with its step-sync state, input queue and
+    pause/shutdown machinery real, and scheduler/executor faked."""
+    import types
+
+    from vllm.v1.engine.core import EngineShutdownState
+
+    from vllm_disagg.v1.engine.core import StepSyncDPEngineCoreProc, StepSyncInput
+
+    engine = object.__new__(StepSyncDPEngineCoreProc)
+    engine.input_queue = queue.Queue()
+    engine.output_queue = queue.Queue()
+    engine.aborts_queue = queue.Queue()
+    engine.process_input_queue_block = False
+    engine.scheduler = FakeScheduler()
+    engine.model_executor = FakeExecutor()
+    engine.batch_queue = None
+    engine._idle_state_callbacks = []
+    engine.dp_rank = rank
+    engine.shutdown_state = EngineShutdownState.RUNNING
+    engine.vllm_config = types.SimpleNamespace(shutdown_timeout=shutdown_timeout)
+    engine.step_sync_config = config
+    engine.step_sync_coordinator = None
+    engine._metrics = _NoMetrics()
+    engine._reset_caches = lambda *a, **k: None
+    # What __init__ sets before the upstream constructor runs.
+    from vllm_disagg.v1.engine.core import PausePhase
+
+    engine.pause_phase = PausePhase.RUNNING
+    engine._pause_intent = 0
+    engine._pause_reported = False
+    engine._leaving_since = None
+    engine._left_alone = False
+    engine.step_sync = Participant(
+        config,
+        rank,
+        address,
+        secret,
+        on_grant=lambda step: engine.input_queue.put_nowait((StepSyncInput.GRANT, step)),
+        on_failure=lambda reason: engine.input_queue.put_nowait((StepSyncInput.FAILED, reason)),
+        on_group=lambda state: engine.input_queue.put_nowait((StepSyncInput.GROUP, state)),
+    ).start()
+    return engine
+
+
+class EngineThread:
+    """Runs the busy loop of one engine the way ``run_busy_loop`` does, with
+    real and dummy passes that meet the peers in a simulated collective, and
+    utility calls (pause, resume, sleep, wake) executed on the engine thread."""
+
+    def __init__(self, engine, passes: dict, collective_timeout_s: float = 5.0):
+        self.engine = engine
+        self.passes = passes
+        self.collective_timeout_s = collective_timeout_s
+        self.calls: queue.Queue = queue.Queue()
+        self.results: list = []
+        self.error: BaseException | None = None
+        self.hung_at: int | None = None
+        self.ran_while_asleep = 0
+        self.exited = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def call(self, name, *args, **kwargs):
+        """Queue a utility call; its result (or exception) lands in results."""
+        self.calls.put((name, args, kwargs))
+
+    def _run(self):
+        engine = self.engine
+        engine.step_sync.watch_progress = True
+        try:
+            while engine._handle_shutdown():
+                while not self.calls.empty():
+                    name, args, kwargs = self.calls.get_nowait()
+                    try:
+                        self.results.append((name, getattr(engine, name)(*args, **kwargs)))
+                    except RuntimeError as exc:
+                        self.results.append((name, exc))
+                engine._process_input_queue()
+                if engine.scheduler.schedulable():
+                    self._pass(dummy=False)
+                    engine.scheduler.work -= 1
+                elif engine._dummy_due():
+                    self._pass(dummy=True)
+                else:
+                    time.sleep(0.002)
+                engine._report_drained()
+                if self.hung_at is not None:
+                    return
+            self.exited = True
+        except Exception as exc:  # StepSyncFailure and anything unexpected
+            self.error = exc
+
+    def _pass(self, dummy: bool):
+        engine = self.engine
+        if engine.model_executor.is_sleeping:
+            self.ran_while_asleep += 1
+        step = engine.step_sync.begin_forward(dummy=dummy)
+        self.passes[engine.dp_rank] = step
+        deadline = time.monotonic() + self.collective_timeout_s
+        while min(self.passes.values()) < step:
+            if time.monotonic() > deadline:
+                self.hung_at = step
+                return
+            time.sleep(0.0005)
+
+    def start(self):
+        self.thread.start()
+        return self

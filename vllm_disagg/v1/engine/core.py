@@ -417,6 +417,11 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         if self.pause_phase != PausePhase.PAUSED:
             logger.debug("Resume called while engines are not paused, ignoring.")
             return
+        if self.model_executor.is_sleeping:
+            # Its peers would need passes it cannot run.
+            raise RuntimeError(
+                "resume_scheduler called while this DP rank is asleep; call wake_up instead"
+            )
         # Scheduling restarts when every rank has resumed.
         self.pause_phase = PausePhase.RESUMING
         self._pause_intent = self.step_sync.set_pause_intent(False)

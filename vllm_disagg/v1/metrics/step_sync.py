@@ -58,7 +58,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "coordinator_grants_sent": (
         "coordinator_grants_sent",
         "counter",
-        "Grants sent by the coordinator (DP rank 0 only).",
+        "Group-state messages (grants, acknowledgements, heartbeats) sent by the "
+        "coordinator (DP rank 0 only).",
     ),
     "coordinator_requests_received": (
         "coordinator_requests_received",
@@ -69,6 +70,21 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "coordinator_malformed_messages",
         "counter",
         "Malformed or foreign messages rejected by the coordinator (DP rank 0 only).",
+    ),
+    "coordinator_unauthenticated_messages": (
+        "coordinator_unauthenticated_messages",
+        "counter",
+        "Frames without a valid group MAC dropped by the coordinator (DP rank 0 only).",
+    ),
+    "coordinator_stale_messages": (
+        "coordinator_stale_messages",
+        "counter",
+        "Replayed or out-of-date frames dropped by the coordinator (DP rank 0 only).",
+    ),
+    "resends": (
+        "resends",
+        "counter",
+        "State messages re-sent because the coordinator had not acknowledged them yet.",
     ),
     "coordinator_pause_violations": (
         "coordinator_pause_violations",

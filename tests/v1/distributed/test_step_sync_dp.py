@@ -76,6 +76,12 @@ PAUSE_JOBS = [
 ]
 HELD_JOB = Job(2000, " ".join(WORDS[3:20]), 16, "plain")
 BUSY_JOBS = [Job(2001 + i, " ".join(WORDS[i : i + 10]), 16, "plain") for i in range(6)]
+# In flight on rank 1 when SIGTERM arrives (rank 0 idle): one generating, one
+# still waiting for its (delayed) KV lookup. Drain must finish both.
+DRAIN_STREAM_JOB = Job(2100, " ".join(WORDS[2:14]), 192, "stream")
+DRAIN_HELD_JOB = Job(2101, " ".join(WORDS[5:25]), 24, "plain")
+DRAIN_LOOKUP_DELAY_S = 6.0
+SLEEP_JOBS = [Job(2200 + i, " ".join(WORDS[i : i + 8]), 12, "plain") for i in range(4)]
 # Long enough that rank 0 finishes its work and the group is seen idle while
 # rank 1 still holds the request; the test fails loudly if it is not.
 HOLD_S = 15.0
@@ -155,7 +161,10 @@ def dp1_reference(tiny_models, start_server):
     try:
         jobs = [
             Job(j.index, j.prompt, j.max_tokens, "plain")
-            for j in [*_workload(), *PAUSE_JOBS, HELD_JOB, *BUSY_JOBS]
+            for j in [
+                *_workload(), *PAUSE_JOBS, HELD_JOB, *BUSY_JOBS, DRAIN_STREAM_JOB,
+                DRAIN_HELD_JOB, *SLEEP_JOBS,
+            ]  # fmt: skip
         ]
         return run_all(server, jobs)
     finally:
@@ -247,6 +256,47 @@ def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_referenc
     assert resumed[0] > paused[0]
 
 
+def engine_cpu_seconds(server: VllmServer) -> float:
+    """CPU time used so far by the server's engine-core processes."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "EngineCore" in " ".join(child.cmdline()):
+                times = child.cpu_times()
+                total += times.user + times.system
+    return total
+
+
+def test_sleep_under_dp_freezes_every_rank_without_spinning(dp1_reference, dp2_server):
+    """Sleep (level 0 on CPU: vLLM has no weight offload there) pauses the
+    whole group at one step; sleeping engines block instead of spinning, a
+    request sent meanwhile waits, and wake-up runs it as DP=1 would."""
+    url = dp2_server.url
+    r = requests.post(f"{url}/sleep", params={"level": 0, "mode": "keep"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert requests.get(f"{url}/is_sleeping", timeout=10).json()["is_sleeping"] is True
+    asleep = wait_for_settled_steps([dp2_server])
+    with ThreadPoolExecutor(max_workers=len(SLEEP_JOBS)) as pool:
+        futures = {job.index: pool.submit(run_job, dp2_server, job) for job in SLEEP_JOBS}
+        cpu_before = engine_cpu_seconds(dp2_server)
+        time.sleep(3.0)
+        cpu_used = engine_cpu_seconds(dp2_server) - cpu_before
+        assert wait_for_settled_steps([dp2_server]) == asleep, "a rank stepped while asleep"
+        assert not any(f.done() for f in futures.values()), "a request ran while asleep"
+        # Two engines blocked on their queues use next to nothing; one
+        # spinning would burn about a core for the whole interval.
+        assert cpu_used < 1.5, f"engine cores used {cpu_used:.2f} CPU-s in 3 s asleep"
+        r = requests.post(f"{url}/wake_up", params={"tags": "scheduling"}, timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "awake", r.text
+        for index, future in futures.items():
+            assert future.result(timeout=120) == dp1_reference[index], f"request {index}"
+    assert requests.get(f"{url}/is_sleeping", timeout=10).json()["is_sleeping"] is False
+    awake = wait_for_settled_steps([dp2_server])
+    assert awake[0] > asleep[0]
+
+
 @pytest.fixture(scope="module")
 def dp2_delayed_lookup_server(tiny_models, start_server):
     connector = {
@@ -256,7 +306,15 @@ def dp2_delayed_lookup_server(tiny_models, start_server):
     }
     server = start_server(
         tiny_models["tiny-mixtral"],
-        [*COMMON_ARGS, "--data-parallel-size", "2", "--kv-transfer-config", json.dumps(connector)],
+        [
+            *COMMON_ARGS,
+            "--data-parallel-size", "2",
+            "--kv-transfer-config", json.dumps(connector),
+            # Drain on SIGTERM; one API server, which upstream drains too
+            # (with one per rank, upstream's API servers cut streams at once).
+            "--shutdown-timeout", str(int(SHUTDOWN_TIMEOUT_S)),
+            "--api-server-count", "1",
+        ],  # fmt: skip
         name="stepsync-dp2-delayed-lookup",
     )
     yield server
@@ -317,13 +375,42 @@ def test_rank_holding_only_unschedulable_requests_neither_stalls_nor_spins(
     assert steps[1] > idle[1], "the released request ran no real passes"
 
 
-def test_sigterm_shuts_the_group_down_cleanly(dp2_delayed_lookup_server):
-    """Graceful shutdown still works without waves: every process of the
-    server exits by itself, and no rank mistakes its peers leaving for a
-    failure of the group."""
+def test_sigterm_drains_in_flight_work_and_the_group_leaves_at_one_step(
+    dp1_reference, dp2_delayed_lookup_server
+):
+    """Drain shutdown is a group phase: rank 0 is idle, rank 1 is generating
+    one request and waiting for remote KV for another when SIGTERM arrives.
+    The idle rank must not leave (rank 1's passes need it); both requests
+    complete; every process exits by itself, and no rank mistakes its peers
+    leaving for a failure of the group."""
     server = dp2_delayed_lookup_server
-    group = server.proc.pid  # the server leads its own process group
-    server.proc.send_signal(signal.SIGTERM)
+    wait_for_settled_steps([server])
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        started = threading.Event()
+        progress: dict[int, int] = {}
+        stream = pool.submit(
+            run_job, server, DRAIN_STREAM_JOB, on_first_chunk=started.set, dp_rank=1,
+            progress=progress,
+        )  # fmt: skip
+        held = pool.submit(
+            run_job, server, DRAIN_HELD_JOB, dp_rank=1,
+            kv_transfer_params={"lookup_delay_s": DRAIN_LOOKUP_DELAY_S},
+        )  # fmt: skip
+        assert started.wait(60), "the stream never started"
+        deadline = time.monotonic() + 30
+        while waiting_requests(server, 1) < 1:
+            assert time.monotonic() < deadline and not held.done(), "held request never queued"
+            time.sleep(0.2)
+        group = server.proc.pid  # the server leads its own process group
+        server.proc.send_signal(signal.SIGTERM)
+        assert progress[DRAIN_STREAM_JOB.index] < DRAIN_STREAM_JOB.max_tokens, (
+            "the stream finished before SIGTERM; the test proves nothing"
+        )
+        assert stream.result(timeout=SHUTDOWN_TIMEOUT_S) == dp1_reference[DRAIN_STREAM_JOB.index]
+        assert held.result(timeout=SHUTDOWN_TIMEOUT_S) == dp1_reference[DRAIN_HELD_JOB.index]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     returncode = server.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
     while process_group_alive(group):
@@ -331,7 +418,9 @@ def test_sigterm_shuts_the_group_down_cleanly(dp2_delayed_lookup_server):
         time.sleep(0.2)
     log = server.log_text()
     assert returncode == 0, server.log_tail()
-    for failure in ("StepSyncFailure", "silent for", "aborted the DP group", "did not stop"):
+    assert "step sync: DP group leaves at step" in log, server.log_tail()
+    for failure in ("StepSyncFailure", "silent for", "aborted the DP group", "did not stop",
+                    "leaves the DP group alone"):  # fmt: skip
         assert failure not in log, f"{failure!r} in the log of a clean shutdown"
 
 

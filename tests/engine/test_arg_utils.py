@@ -78,5 +78,6 @@ def test_feature_check_follows_the_feature_switch(disabled):
     assert out.returncode == 0, out.stderr[-3000:]
     applied, checks = out.stdout.strip().splitlines()[-2:]
     assert "'startup-validation'" in applied
+    assert "'cpu-ray-dp'" in applied  # every enabler stays on
     assert ("'step-sync-options'" in applied) is not disabled
     assert checks == ("[]" if disabled else "['check_step_sync_options']")

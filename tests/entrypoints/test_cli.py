@@ -53,6 +53,18 @@ def test_unsupported_head_dim_on_cpu(tmp_path):
     _assert_clean_error(result, "head size 16", "supported head sizes: 32, 64")
 
 
+def test_ray_executor_refused_on_cpu(tiny_models):
+    """cpu-ray-dp gives CPU a Ray device key; Ray's executor still cannot
+    start CPU workers, so startup-validation names the backend that can."""
+    model = tiny_models["tiny-mixtral"]
+    args = ["serve", str(model), "--data-parallel-size", "2"]
+    result = _run([vllm_executable(), *args, "--distributed-executor-backend", "ray"])
+    _assert_clean_error(
+        result, "--distributed-executor-backend ray does not run on the CPU platform",
+        "use --distributed-executor-backend mp",
+    )
+
+
 @pytest.mark.parametrize(
     "options, expected",
     [

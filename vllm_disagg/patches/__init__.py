@@ -98,6 +98,35 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream's CPU MoE path handles DP under torch.compile.",
     ),
     Patch(
+        name="cpu-ray-dp",
+        module="vllm_disagg.patches.platforms.cpu",
+        upstream="vllm.platforms.cpu.CpuPlatform.ray_device_key",
+        kind="enabler",
+        why=(
+            "`vllm serve --data-parallel-backend ray` counts each Ray node's "
+            "devices under the platform's Ray device key when it creates the "
+            "DP placement groups; CpuPlatform inherits \"\" (only CUDA, ROCm "
+            "and XPU set \"GPU\"), so on CPU it stops with \"No  found in "
+            "Ray cluster\"."
+        ),
+        how=(
+            "Sets CpuPlatform.ray_device_key to \"CPU\": each DP rank's "
+            "placement group is world_size {\"CPU\": 1} bundles plus one for "
+            "the engine actor, so the local Ray cluster needs "
+            "dp_size * (world_size + 1) logical CPUs; on a small machine set "
+            "RAY_OVERRIDE_RESOURCES='{\"CPU\": 8}' (Ray counts them "
+            "logically). Each DP rank's workers must use the mp executor: "
+            "Ray's asks Ray for resources={\"CPU\": 1}, which Ray refuses. "
+            "Upstream defaults the executor to ray for the Ray DP backend; "
+            "startup-validation turns that default into mp, as the CPU "
+            "platform already turns its default uni into mp (the user asked "
+            "for Ray DP, not Ray workers, and expects the command to run), "
+            "and refuses an explicit --distributed-executor-backend ray with "
+            "a one-line error naming mp."
+        ),
+        drop_when="Upstream's CpuPlatform sets a Ray device key (and the Ray DP path runs on CPU).",
+    ),
+    Patch(
         name="engine-core-spawn",
         module="vllm_disagg.patches.v1.engine.core",
         upstream="vllm.v1.engine.core.EngineCoreProc.run_engine_core",
@@ -127,12 +156,16 @@ PATCHES: tuple[Patch, ...] = (
             "A missing local model directory or a head size the CPU attention "
             "kernel cannot run surface late, deep in an engine process, as "
             "pages of traceback (or as Hugging Face Hub look-ups on an "
-            "offline machine)."
+            "offline machine). On CPU, Ray's executor cannot start workers "
+            "(Ray refuses resources={\"CPU\": 1}), yet upstream picks it by "
+            "default for --data-parallel-backend ray."
         ),
         how=(
             "Wraps __post_init__ (model path, before upstream resolves it) and "
-            "create_engine_config (attention head size on CPU, after upstream "
-            "builds the config); raises ConfigError naming the value and what "
+            "create_engine_config (on CPU: before upstream, an unset executor "
+            "backend with the Ray DP backend becomes mp and an explicit ray "
+            "one is refused; after upstream builds the config, the attention "
+            "head size); raises ConfigError naming the value and what "
             "is allowed. Only upstream's options: this project's own are "
             "checked by feature patches (step-sync-options) that add their "
             "check to the same create_engine_config wrapper."

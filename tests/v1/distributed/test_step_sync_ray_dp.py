@@ -7,16 +7,18 @@ actor per DP rank. The actors must be step-sync engine cores
 lockstep, serve requests pinned to one rank while the other runs only the
 matching dummy passes, send no wave traffic, and stop when the server stops.
 
-Needs ``ray`` (``requirements/ray.txt``; skipped without it). On CPU the Ray
-DP path also needs the CPU platform's Ray device key
-(:mod:`vllm_disagg.testing.ray_cpu`, which launches ``vllm``),
-``--distributed-executor-backend mp`` and more logical CPUs in the local Ray
-cluster than a 2-core machine has (``RAY_OVERRIDE_RESOURCES``).
+Needs ``ray`` (``requirements/ray.txt``, which ``scripts/bootstrap.sh``
+installs; skipped without it). The server is plain ``vllm serve``: the
+``cpu-ray-dp`` enabler gives the CPU platform its Ray device key, and
+``startup-validation`` starts each rank's workers with the ``mp`` executor
+(``--distributed-executor-backend`` is left unset on purpose). The local Ray
+cluster needs ``dp_size * (world_size + 1)`` = 4 logical CPUs, more than a
+2-core CI machine reports, so the test raises Ray's count with
+``RAY_OVERRIDE_RESOURCES`` (logical only: the engines share the real cores).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,7 +36,6 @@ ARGS = [
     "--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--dtype", "float32",
     "--data-parallel-size", "2",
     "--data-parallel-backend", "ray",
-    "--distributed-executor-backend", "mp",
 ]  # fmt: skip
 RAY_ENV = {
     # 2 DP ranks x (1 worker bundle + 1 engine-actor bundle) logical CPUs.
@@ -49,18 +50,10 @@ SETTLE_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 
 
-class RayCpuServer(VllmServer):
-    """``vllm serve`` through the launcher that gives CPU a Ray device key."""
-
-    @property
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "vllm_disagg.testing.ray_cpu", *super().command[1:]]
-
-
 @pytest.fixture(scope="module")
 def ray_dp2_server(tiny_models, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("ray-server-logs")
-    server = RayCpuServer(
+    server = VllmServer(
         tiny_models["tiny-mixtral"],
         ARGS,
         log_path=log_dir / "stepsync-ray-dp2.log",
@@ -106,6 +99,8 @@ def settled_steps(server: VllmServer) -> dict[int, float]:
 
 def test_ray_actors_are_step_sync_engines(ray_dp2_server):
     log = ray_dp2_server.log_text()
+    # Plain `vllm serve`: the executor backend was left unset and became mp.
+    assert "workers with --distributed-executor-backend mp" in log, ray_dp2_server.log_tail()
     for rank in (0, 1):
         assert f"Ray engine actor dp_rank={rank} " in log, ray_dp2_server.log_tail()
         assert f"step sync DP engine core dp_rank={rank}/2" in log, ray_dp2_server.log_tail()

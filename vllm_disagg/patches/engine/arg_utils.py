@@ -11,10 +11,19 @@ Upstream: ``vllm.engine.arg_utils.EngineArgs.__post_init__`` and
 * On the CPU platform, an attention head size the CPU kernel does not
   support is only rejected inside the engine process while the model loads,
   behind several tracebacks.
+* On the CPU platform, Ray's executor (``--distributed-executor-backend
+  ray``) cannot start workers: it asks Ray for ``resources={"CPU": 1}``,
+  which Ray refuses ("Use the 'num_cpus' ... keyword"; before the
+  ``cpu-ray-dp`` patch: "current platform cpu does not support ray"). Yet
+  upstream picks it by default for ``--data-parallel-backend ray``.
 
 The wrappers check the path before upstream's ``__post_init__`` resolves it
-(with ``HF_HUB_OFFLINE=1`` it already asks the Hub client), and the head size
-after upstream builds the config, and raise :class:`vllm_disagg.errors.ConfigError`.
+(with ``HF_HUB_OFFLINE=1`` it already asks the Hub client), the executor
+backend before upstream's ``create_engine_config`` defaults it (unset with
+the Ray DP backend on CPU becomes ``mp``, as the CPU platform already turns
+upstream's default ``uni`` into ``mp``; an explicit ``ray`` is refused), and
+the head size after upstream builds the config, and raise
+:class:`vllm_disagg.errors.ConfigError`.
 
 ``step-sync-options`` (feature, :func:`apply_step_sync_options`), this
 project's options: adds :func:`check_step_sync_options` to the checks the
@@ -33,6 +42,9 @@ from collections.abc import Callable
 from vllm.engine.arg_utils import EngineArgs
 
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.logger import init_logger
+
+logger = init_logger(__name__)
 
 _upstream_post_init = EngineArgs.__post_init__
 _upstream_create_engine_config = EngineArgs.create_engine_config
@@ -86,6 +98,39 @@ def check_cpu_head_size(vllm_config) -> None:
         )
 
 
+def _uses_ray(backend) -> bool:
+    return backend == "ray" or bool(getattr(backend, "uses_ray", False))
+
+
+def check_cpu_executor_backend(engine_args) -> None:
+    """On CPU, Ray's executor cannot start workers; resolve the executor
+    backend before upstream defaults it.
+
+    Unset with ``--data-parallel-backend ray``, upstream would pick ``ray``
+    (a default, not the user's choice): pick ``mp``, as the CPU platform
+    already replaces upstream's default ``uni`` by ``mp``. Asked for
+    explicitly: refuse, naming the value that works.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    backend = engine_args.distributed_executor_backend
+    if backend is None and engine_args.data_parallel_backend == "ray":
+        logger.info(
+            "CPU platform: --data-parallel-backend ray starts each DP rank's "
+            "workers with --distributed-executor-backend mp (Ray's executor "
+            "cannot run on CPU)"
+        )
+        engine_args.distributed_executor_backend = "mp"
+    elif _uses_ray(backend):
+        raise ConfigError(
+            "--distributed-executor-backend ray does not run on the CPU platform "
+            "(Ray's executor asks Ray for resources={'CPU': 1}, which Ray refuses); "
+            "use --distributed-executor-backend mp, or leave it unset"
+        )
+
+
 def check_step_sync_options(vllm_config) -> None:
     """Step-sync options (--additional-config) fail at start-up, not in an
     engine core: the engine reads them again with the same validation."""
@@ -103,6 +148,7 @@ def __post_init__(self):
 
 @functools.wraps(_upstream_create_engine_config)
 def create_engine_config(self, *args, **kwargs):
+    check_cpu_executor_backend(self)
     vllm_config = _upstream_create_engine_config(self, *args, **kwargs)
     check_cpu_head_size(vllm_config)
     for check in _feature_config_checks:

@@ -22,9 +22,6 @@ as ``run_engine_core`` does for engine-core processes.
 
 from __future__ import annotations
 
-import os
-
-from vllm.logger import configure_logging_if_needed
 from vllm.v1.engine.core import EngineCoreActorMixin
 
 from vllm_disagg.logger import init_logger
@@ -35,24 +32,9 @@ logger = init_logger(__name__)
 
 def load_patch_set(vllm_config, dp_rank: int) -> None:
     """Apply the patch set in this (Ray worker) process and verify it."""
-    import vllm_disagg
-    from vllm_disagg.patches import verify_applied
+    from vllm_disagg.patches.v1.engine.core import load_patch_set as load
 
-    # Until vLLM's logging is configured in this process, INFO lines are lost;
-    # upstream's mixin configures it too, just later.
-    if logging_config := getattr(vllm_config, "logging_config", None):
-        configure_logging_if_needed(logging_config)
-    vllm_disagg.register()
-    status = verify_applied()
-    missing = [name for name, ok in status.items() if not ok]
-    if missing:
-        raise RuntimeError(f"vllm_disagg patches not in place in Ray engine actor: {missing}")
-    logger.info(
-        "vllm_disagg: Ray engine actor dp_rank=%d pid=%d verified patches: %s",
-        dp_rank,
-        os.getpid(),
-        ", ".join(status),
-    )
+    load(vllm_config, dp_rank, process="Ray engine actor")
 
 
 class StepSyncDPMoEEngineCoreActor(EngineCoreActorMixin, StepSyncDPEngineCoreProc):

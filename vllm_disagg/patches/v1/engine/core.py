@@ -37,25 +37,32 @@ logger = init_logger(__name__)
 _upstream_run_engine_core = EngineCoreProc.__dict__["run_engine_core"].__func__
 
 
-def run_engine_core(*args, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs):
-    """Engine-core process entry: apply the patch set, then run upstream's."""
+def load_patch_set(vllm_config, dp_rank: int, process: str = "engine core") -> None:
+    """Apply the patch set in a fresh engine process (spawned or a Ray actor)
+    and verify it, before anything picks an engine class."""
     import vllm_disagg
     from vllm_disagg.patches import verify_applied
 
     # Upstream configures logging first thing too; do it before our own line.
-    if logging_config := getattr(kwargs.get("vllm_config"), "logging_config", None):
+    if logging_config := getattr(vllm_config, "logging_config", None):
         configure_logging_if_needed(logging_config)
     vllm_disagg.register()
     status = verify_applied()
     missing = [name for name, ok in status.items() if not ok]
     if missing:
-        raise RuntimeError(f"vllm_disagg patches not in place in engine core: {missing}")
+        raise RuntimeError(f"vllm_disagg patches not in place in {process}: {missing}")
     logger.info(
-        "vllm_disagg: engine core dp_rank=%d pid=%d verified patches: %s",
+        "vllm_disagg: %s dp_rank=%d pid=%d verified patches: %s",
+        process,
         dp_rank,
         os.getpid(),
         ", ".join(status),
     )
+
+
+def run_engine_core(*args, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs):
+    """Engine-core process entry: apply the patch set, then run upstream's."""
+    load_patch_set(kwargs.get("vllm_config"), dp_rank)
     return _upstream_run_engine_core(
         *args, dp_rank=dp_rank, local_dp_rank=local_dp_rank, **kwargs
     )

@@ -127,6 +127,28 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream's CpuPlatform sets a Ray device key (and the Ray DP path runs on CPU).",
     ),
     Patch(
+        name="dp-ipv6-master-port",
+        module="vllm_disagg.patches.config.parallel",
+        apply_fn="apply_ipv6_dp_port",
+        check_fn="is_ipv6_dp_port_applied",
+        upstream="vllm.config.parallel.ParallelConfig._pick_stateless_dp_port",
+        kind="enabler",
+        why=(
+            "To form the DP group, DP rank 0 binds a listening socket to the "
+            "DP master address to pick the group's port, always as IPv4: with "
+            "--data-parallel-address ::1 (any IPv6 address) it fails with "
+            "\"Address family for hostname not supported\" and no DP engine "
+            "starts."
+        ),
+        how=(
+            "Replaces the method: for an IPv6 master address "
+            "(vllm.utils.network_utils.is_valid_ipv6_address) upstream's body "
+            "with an AF_INET6 socket; for any other address, or without a "
+            "coordination store, upstream's method."
+        ),
+        drop_when="Upstream binds the DP master port socket in the address's family.",
+    ),
+    Patch(
         name="engine-core-spawn",
         module="vllm_disagg.patches.v1.engine.core",
         upstream="vllm.v1.engine.core.EngineCoreProc.run_engine_core",

@@ -22,9 +22,12 @@ from vllm_disagg.patches.engine import arg_utils
 BY_NAME = {p.name: p for p in PATCHES}
 
 
-def _config(additional_config, dp_size=2):
+def _config(additional_config, dp_size=2, *, moe=True, fault_tolerance=False):
     return SimpleNamespace(
-        parallel_config=SimpleNamespace(data_parallel_size=dp_size),
+        model_config=SimpleNamespace(is_moe=moe),
+        parallel_config=SimpleNamespace(
+            data_parallel_size=dp_size, enable_fault_tolerance=fault_tolerance
+        ),
         additional_config=additional_config,
     )
 
@@ -53,6 +56,25 @@ def test_bad_step_sync_options_name_the_key(options, key):
 def test_good_or_absent_step_sync_options_pass():
     arg_utils.check_step_sync_options(_config({"step_sync_lookahead": 4}))
     arg_utils.check_step_sync_options(_config(None, dp_size=1))
+
+
+def test_fault_tolerance_is_refused_for_moe_dp():
+    """vLLM's fault-tolerance retry re-forms the DP group, not the step-sync
+    group: refused at start-up, pointing at upstream's waves."""
+    with pytest.raises(
+        ConfigError,
+        match=r"step sync does not support --enable-fault-tolerance.*VLLM_DISAGG_DISABLE=1",
+    ):
+        arg_utils.check_step_sync_options(_config(None, fault_tolerance=True))
+
+
+@pytest.mark.parametrize(
+    "dp_size, moe", [(1, True), (2, False)], ids=["dp1-moe", "dp2-dense"]
+)
+def test_fault_tolerance_without_step_sync_passes(dp_size, moe):
+    """Step sync runs only for MoE models with DP > 1; elsewhere fault
+    tolerance is upstream's business."""
+    arg_utils.check_step_sync_options(_config(None, dp_size, moe=moe, fault_tolerance=True))
 
 
 _APPLY = (

@@ -345,14 +345,20 @@ PATCHES: tuple[Patch, ...] = (
         why=(
             "The step-sync options (step_sync_* keys of --additional-config) "
             "are read in the engine cores; a bad value or a misspelt key would "
-            "only fail there, behind the tracebacks of every DP rank."
+            "only fail there, behind the tracebacks of every DP rank. "
+            "--enable-fault-tolerance cannot work with step sync: vLLM's "
+            "fault-tolerance retry re-forms the DP group after a rank fails "
+            "but not the step-sync group (and on CPU it cannot start at all: "
+            "it needs the deepep_low_latency or nixl_ep all2all backend)."
         ),
         how=(
             "Adds check_step_sync_options to the checks the startup-validation "
             "wrapper of create_engine_config runs on the built config: the same "
-            "StepSyncConfig.from_additional_config the engine cores call, so "
-            "`vllm serve` exits 2 with a message naming the key. Off with the "
-            "other features under VLLM_DISAGG_DISABLE=1."
+            "StepSyncConfig.from_additional_config the engine cores call, and "
+            "for an MoE model with DP > 1 a refusal of "
+            "--enable-fault-tolerance, so `vllm serve` exits 2 with a message "
+            "naming the key or flag (and VLLM_DISAGG_DISABLE=1 for upstream "
+            "waves). Off with the other features under VLLM_DISAGG_DISABLE=1."
         ),
         drop_when="Step sync is upstream and vLLM validates its options itself.",
     ),

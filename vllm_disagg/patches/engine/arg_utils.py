@@ -28,7 +28,8 @@ the head size after upstream builds the config, and raise
 ``step-sync-options`` (feature, :func:`apply_step_sync_options`), this
 project's options: adds :func:`check_step_sync_options` to the checks the
 ``create_engine_config`` wrapper runs on the built config, so a bad
-``step_sync_*`` key in ``--additional-config`` fails there and not in an
+``step_sync_*`` key in ``--additional-config``, or a launch mode step sync
+does not support (``--enable-fault-tolerance``), fails there and not in an
 engine core. Like every feature it is not applied with
 ``VLLM_DISAGG_DISABLE=1``, while the enabler stays on.
 """
@@ -133,10 +134,27 @@ def check_cpu_executor_backend(engine_args) -> None:
 
 def check_step_sync_options(vllm_config) -> None:
     """Step-sync options (--additional-config) fail at start-up, not in an
-    engine core: the engine reads them again with the same validation."""
+    engine core: the engine reads them again with the same validation.
+
+    Also refuses launch modes step sync does not support. Fault tolerance
+    (--enable-fault-tolerance): vLLM's retry re-forms the DP group after a
+    rank fails but not the step-sync group (and needs the
+    deepep_low_latency or nixl_ep all2all backend, so never starts on CPU).
+    """
     from vllm_disagg.v1.engine.step_sync import StepSyncConfig
 
-    dp_size = vllm_config.parallel_config.data_parallel_size
+    parallel_config = vllm_config.parallel_config
+    dp_size = parallel_config.data_parallel_size
+    if (
+        vllm_config.model_config.is_moe
+        and dp_size > 1
+        and parallel_config.enable_fault_tolerance
+    ):
+        raise ConfigError(
+            "step sync does not support --enable-fault-tolerance (vLLM's "
+            "fault-tolerance retry re-forms the DP group but not the step-sync "
+            "group); set VLLM_DISAGG_DISABLE=1 to use upstream DP waves"
+        )
     StepSyncConfig.from_additional_config(vllm_config.additional_config, dp_size)
 
 

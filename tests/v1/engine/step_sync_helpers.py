@@ -208,7 +208,9 @@ def chaos(relay: LossyRelay, seconds: float, seed: int = 0):
 
 
 class FakeScheduler:
-    """Decode work as a count of passes, with vLLM's pause-state semantics."""
+    """Decode work as a count of passes, with vLLM's pause-state semantics:
+    PAUSED_ALL freezes everything, PAUSED_NEW lets running work drain, and
+    work that arrives while paused waits in the queue until unpaused."""
 
     def __init__(self):
         from vllm.v1.core.sched.interface import PauseState
@@ -216,10 +218,19 @@ class FakeScheduler:
         self._states = PauseState
         self.pause_state = PauseState.UNPAUSED
         self.work = 0
+        self.queued = 0
         self.ready_at = 0.0  # e.g. waiting for remote KV until then
 
     def set_pause_state(self, state):
         self.pause_state = state
+        if state == self._states.UNPAUSED:
+            self.work, self.queued = self.work + self.queued, 0
+
+    def add_work(self, passes: int):
+        if self.pause_state == self._states.UNPAUSED:
+            self.work += passes
+        else:
+            self.queued += passes
 
     def has_requests(self) -> bool:
         return self.work > 0 and self.pause_state != self._states.PAUSED_ALL
@@ -234,7 +245,7 @@ class FakeScheduler:
         return self.has_requests() and time.monotonic() >= self.ready_at
 
     def finish_requests(self, request_ids, status):
-        self.work = 0
+        self.work = self.queued = 0
         return []
 
 
@@ -327,7 +338,8 @@ class EngineThread:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def call(self, name, *args, **kwargs):
-        """Queue a utility call; its result (or exception) lands in results."""
+        """Queue a utility call (an engine method name, or any callable) to
+        run on the engine thread; its result (or exception) lands in results."""
         self.calls.put((name, args, kwargs))
 
     def _run(self):
@@ -337,8 +349,9 @@ class EngineThread:
             while engine._handle_shutdown():
                 while not self.calls.empty():
                     name, args, kwargs = self.calls.get_nowait()
+                    method = name if callable(name) else getattr(engine, name)
                     try:
-                        self.results.append((name, getattr(engine, name)(*args, **kwargs)))
+                        self.results.append((name, method(*args, **kwargs)))
                     except RuntimeError as exc:
                         self.results.append((name, exc))
                 engine._process_input_queue()

@@ -89,7 +89,7 @@ def _futures(thread) -> list[Future]:
     return [r for _, r in thread.results if isinstance(r, Future)]
 
 
-OPS = ["pause_keep", "pause_abort", "resume", "sleep0", "sleep1", "wake", "work"]
+OPS = ["pause_keep", "pause_abort", "pause_wait", "resume", "sleep0", "sleep1", "wake", "work"]
 
 
 def _apply(thread, op):
@@ -97,6 +97,8 @@ def _apply(thread, op):
         thread.call("pause_scheduler", mode="keep", clear_cache=False)
     elif op == "pause_abort":
         thread.call("pause_scheduler", mode="abort", clear_cache=False)
+    elif op == "pause_wait":
+        thread.call("pause_scheduler", mode="wait", clear_cache=False)
     elif op == "resume":
         thread.call("resume_scheduler")
     elif op == "sleep0":
@@ -105,9 +107,8 @@ def _apply(thread, op):
         thread.call("sleep", level=1, mode="keep")
     elif op == "wake":
         thread.call("wake_up")
-    elif op == "work":
-        thread.engine.scheduler.work += 3
-        thread.engine.input_queue.put_nowait(("wake", None))  # an ADD would wake it
+    elif op == "work":  # a request arrives (on the engine thread, as an ADD would)
+        thread.call(thread.engine.scheduler.add_work, 3)
 
 
 @settings(
@@ -165,7 +166,7 @@ def test_any_interleaving_of_pause_resume_sleep_and_wake_ends_agreed(make_group,
     _apply(group.threads[1], "work")
     # Work kept through earlier pauses runs too.
     wait_until(
-        lambda: all(e.scheduler.work == 0 for e in group.engines)
+        lambda: all(e.scheduler.work == e.scheduler.queued == 0 for e in group.engines)
         and part.forward_steps >= before + 3
         and group.quiet(),
         timeout_s=10,

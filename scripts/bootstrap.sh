@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment and install the CPU target, the
-# test tools and this package. Safe to run again: it reinstalls only when a
-# requirement file or pyproject.toml changed.
+# test tools (requirements/test.txt, which includes Ray for the Ray DP test)
+# and this package. Safe to run again: it reinstalls only when a requirement
+# file (any requirements/*.txt, included ones too) or pyproject.toml changed.
 #
 #   VLLM_DISAGG_VENV     where the venv lives (default: .venv in the repo)
 #   VLLM_DISAGG_TARGET   cpu (default) or cuda: which requirements/<target>.txt

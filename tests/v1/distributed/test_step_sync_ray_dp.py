@@ -46,6 +46,10 @@ RAY_ENV = {
 }
 PROMPTS = [f"step sync over ray keeps rank {i} in lockstep" for i in range(8)]
 MAX_TOKENS = 12
+# Ray adds its cluster start and actor scheduling to a DP=2 start-up that
+# already takes 2-3 minutes on 2 cores (ready after 171 s in one run); a busy
+# machine pushed it past the default 300 s once.
+STARTUP_TIMEOUT_S = 480.0
 SETTLE_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 60.0
 
@@ -58,6 +62,7 @@ def ray_dp2_server(tiny_models, tmp_path_factory):
         ARGS,
         log_path=log_dir / "stepsync-ray-dp2.log",
         env=cpu_test_env(**RAY_ENV),
+        startup_timeout_s=STARTUP_TIMEOUT_S,
     )
     started = time.monotonic()
     server.start()

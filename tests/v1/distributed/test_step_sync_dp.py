@@ -21,14 +21,17 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 import requests
+import zmq
 
 from vllm_disagg.testing.openai_client import (
     WORDS,
@@ -39,6 +42,7 @@ from vllm_disagg.testing.openai_client import (
 )
 from vllm_disagg.testing.server import VllmServer, get_free_port
 from vllm_disagg.testing.step_sync import step_sync_metric
+from vllm_disagg.v1.engine.step_sync import PROTOCOL_VERSION, RankState
 
 pytestmark = pytest.mark.e2e
 
@@ -219,6 +223,82 @@ def test_no_wave_traffic_on_the_wire(dp2_server):
     malformed = step_sync_metric(dp2_server, "malformed_messages_total")
     assert malformed == {0: 0.0, 1: 0.0}
     assert step_sync_metric(dp2_server, "coordinator_pause_violations_total") == {0: 0.0}
+
+
+def _coordinator_address(server: VllmServer) -> str:
+    match = re.search(r"step sync DP engine core dp_rank=0/\d+ .*coordinator=(tcp://\S+)",
+                      server.log_text())  # fmt: skip
+    assert match, "rank 0 did not log its coordinator address"
+    return match.group(1)
+
+
+def _stranger_frames(rng: random.Random) -> list[bytes]:
+    """What someone without the group secret can send to the coordinator port:
+    garbage, truncated or oversized frames, and registrations and step
+    requests for the real ranks with made-up MACs."""
+    state = RankState(
+        version=PROTOCOL_VERSION, dp_rank=rng.randrange(2), dp_size=2, lookahead=2,
+        incarnation=rng.choice(["intruder", "restarted"]), seq=rng.randint(1, 2**40),
+        requested=rng.randint(0, 10**6), local_step=0, intent=rng.randint(0, 9),
+        want_pause=rng.random() < 0.5, pause_ready=rng.random() < 0.5,
+        leaving=rng.random() < 0.2, left=rng.random() < 0.2,
+    )  # fmt: skip
+    payload = msgspec.msgpack.encode(state)
+    kind = rng.randrange(3)
+    if kind == 0:
+        return [rng.randbytes(rng.randint(0, 300))]
+    if kind == 1:
+        return [payload[: rng.randint(0, len(payload))], rng.randbytes(16)]
+    return [payload, rng.randbytes(16)]
+
+
+def test_foreign_frames_flooding_the_coordinator_change_no_output(dp1_reference, dp2_server):
+    """Thousands of foreign frames at the coordinator port while requests
+    flow: every output equals DP=1, nothing is aborted, all are counted."""
+    address = _coordinator_address(dp2_server)
+    before = step_sync_metric(dp2_server, "coordinator_unauthenticated_messages_total")
+    stop = threading.Event()
+    sent = [0]
+
+    def flood():
+        rng = random.Random(99)
+        # Frames over the 1 KiB bound make ZMQ drop the connection they came
+        # on, so they get a connection of their own.
+        sock, big = (zmq.Context.instance().socket(zmq.DEALER) for _ in range(2))
+        for s in (sock, big):
+            s.setsockopt(zmq.SNDTIMEO, 1000)
+            s.connect(address)
+        deadline = time.monotonic() + 120
+        try:
+            while not stop.is_set() and sent[0] < 5000 and time.monotonic() < deadline:
+                with contextlib.suppress(zmq.ZMQError):
+                    if sent[0] % 10 == 0:
+                        big.send_multipart([rng.randbytes(2000), rng.randbytes(16)], zmq.NOBLOCK)
+                    else:
+                        sock.send_multipart(_stranger_frames(rng))
+                sent[0] += 1
+                if sent[0] % 100 == 0:
+                    time.sleep(0.01)
+        finally:
+            sock.close(linger=2000)
+            big.close(linger=0)
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    try:
+        jobs = [j for j in _workload() if j.mode == "plain"][:32]
+        got = run_all(dp2_server, jobs)
+    finally:
+        flooder.join(150)
+        stop.set()
+    for job in jobs:
+        assert got[job.index] == dp1_reference[job.index], f"request {job.index}"
+    assert sent[0] >= 1000, sent[0]
+    steps = wait_for_settled_steps([dp2_server])
+    assert steps[0] == steps[1]
+    after = step_sync_metric(dp2_server, "coordinator_unauthenticated_messages_total")
+    assert after.get(0, 0.0) - before.get(0, 0.0) > 100, (before, after)
+    assert requests.get(f"{dp2_server.url}/health", timeout=10).status_code == 200
 
 
 def test_idle_group_runs_no_steps(dp2_server):

@@ -61,13 +61,20 @@ class Job:
     mode: str  # "plain" | "stream" | "cancel"
 
 
+# A cancelled stream is cut after its third token. On a loaded machine the
+# API server may batch many steps into one SSE chunk (a 40-token stream once
+# arrived whole before the client could cut it), so cancelled requests ask
+# for far more tokens than one such chunk can hold.
+CANCEL_MAX_TOKENS = 256
+
+
 def _workload() -> list[Job]:
     rng = random.Random(1234)
     jobs = []
     for i in range(NUM_REQUESTS):
         prompt = random_prompt(rng, 1, 48)
         mode = "cancel" if i % 10 == 3 else "stream" if i % 3 == 0 else "plain"
-        max_tokens = 40 if mode == "cancel" else rng.randint(1, 32)
+        max_tokens = CANCEL_MAX_TOKENS if mode == "cancel" else rng.randint(1, 32)
         jobs.append(Job(i, prompt, max_tokens, mode))
     return jobs
 

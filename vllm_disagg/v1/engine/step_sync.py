@@ -682,6 +682,12 @@ class Participant(_NetworkThread):
         # The latest state the engine thread published (the network thread
         # adds seq and local_step when it sends it).
         self._state = self._snapshot()
+        # Network-thread send bookkeeping: the last sequence number used, and
+        # the first one that carried the current state (an acknowledgement
+        # must reach it before the state counts as delivered).
+        self._seq = 0
+        self._state_first_seq = 1
+        self._last_sent_state: RankState | None = None
         self._sock = _socket(zmq.DEALER, coordinator_address)
         self._sock.connect(coordinator_address)
         # Engine thread -> network thread wake-ups: "the state changed".
@@ -861,8 +867,6 @@ class Participant(_NetworkThread):
 
     # --- network thread ---
 
-    _seq = 0
-
     def _run(self) -> None:
         cfg = self.config
         poller = zmq.Poller()
@@ -915,9 +919,6 @@ class Participant(_NetworkThread):
         unacked = group is None or group.ack_seq < self._state_first_seq
         waiting = self._delivered < max(self.requested, self.local_step)
         return unacked or waiting
-
-    _state_first_seq = 1
-    _last_sent_state: RankState | None = None
 
     def _send_state(self) -> float:
         state = self._state

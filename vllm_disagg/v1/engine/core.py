@@ -46,7 +46,6 @@ from vllm_disagg.logger import init_logger
 from vllm_disagg.v1.engine.step_sync import (
     Coordinator,
     GroupPhase,
-    GroupState,
     Participant,
     StepSyncConfig,
     new_group_secret,
@@ -326,7 +325,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             self._pause_reported = True
             # The group may have paused already (this rank re-paused before
             # its resume counted): then nothing new will arrive.
-            self._on_group_state(None)
+            self._on_group_state()
         if not self.is_running() and self._leaving_since is None:
             self.step_sync.set_leaving()
             self._leaving_since = time.monotonic()
@@ -341,7 +340,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
                 self.step_sync.local_step,
             )
         elif request_type is StepSyncInput.GROUP:
-            self._on_group_state(request)
+            self._on_group_state()
         elif request_type is StepSyncInput.FAILED:
             raise StepSyncFailure(f"DP rank {self.dp_rank}: {request}")
         elif request_type == EngineCoreRequestType.START_DP_WAVE:
@@ -374,7 +373,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             self._pause_reported = False
             self._pause_intent = self.step_sync.set_pause_intent(True)
         self._report_drained()
-        self._on_group_state(self.step_sync.group)
+        self._on_group_state()
         return self.pause_phase == PausePhase.PAUSED and not self.has_work()
 
     def _notify_idle_state_callbacks(self) -> None:
@@ -382,12 +381,12 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             return  # idle here, but the group has not agreed on the last step
         super()._notify_idle_state_callbacks()
 
-    def _on_group_state(self, state: GroupState | None) -> None:
+    def _on_group_state(self) -> None:
         """Apply the group's phase to this rank's pause phase. Only a state
         that acknowledges this rank's latest pause/resume call counts, so a
         stale one (sent before the call reached the coordinator) never
         completes it."""
-        state = self.step_sync.group or state
+        state = self.step_sync.group
         if state is None or state.intent_ack != self._pause_intent:
             return
         if (
@@ -425,7 +424,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         # Scheduling restarts when every rank has resumed.
         self.pause_phase = PausePhase.RESUMING
         self._pause_intent = self.step_sync.set_pause_intent(False)
-        self._on_group_state(self.step_sync.group)
+        self._on_group_state()
 
     def is_scheduler_paused(self) -> bool:
         return self.pause_phase != PausePhase.RUNNING or super().is_scheduler_paused()

@@ -679,6 +679,7 @@ class Participant(_NetworkThread):
             "resends",
         )
         self._incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._log = _RateLimitedLog(f"step sync rank {dp_rank}")
         # The latest state the engine thread published (the network thread
         # adds seq and local_step when it sends it).
         self._state = self._snapshot()
@@ -936,7 +937,7 @@ class Participant(_NetworkThread):
         msg, why = _open(self._secret, _TO_PARTICIPANT, frames, _to_participant)
         if msg is None:
             self.counters.inc("malformed_messages")
-            logger.warning("step sync rank %d: dropped frame: %s", self.dp_rank, why)
+            self._log.warning(why, why)
             return False
         if isinstance(msg, Abort):
             self._fail(f"step sync coordinator aborted the DP group: {msg.reason}")

@@ -36,6 +36,9 @@ def check_vllm_version(found: str | None = None) -> None:
 def register() -> None:
     """vLLM general-plugin entry point; safe to call any number of times."""
     check_vllm_version()
+    from vllm_disagg.distributed.kv_transfer import register_connectors
     from vllm_disagg.patches import apply_all
 
     apply_all()
+    # An extension point, not a patch: new connector names, nothing of upstream's changes.
+    register_connectors()

@@ -1,0 +1,873 @@
+"""The P2P engine: one per worker, moves KV blocks to and from peer workers.
+
+Control plane: a ZMQ ROUTER socket bound at this worker's port (the listener
+thread) and one DEALER socket per peer (owned by that peer's thread). Data
+plane: a :class:`~.transport.base.Transport` channel per (sender, receiver)
+pair, created lazily on first contact and reused; each channel carries data
+in one direction, from the side that created it.
+
+One transfer, whatever the send mode, is always the same exchange, started by
+the side that holds the KV (the *sender*):
+
+1. ``Offer(key, num_blocks)`` on the control plane;
+2. the receiver reserves room (receive buffer, else the host pool), queues the
+   expectation on the channel's receive thread and replies with how many
+   leading blocks it already holds (``skip_blocks``: its own prefix cache), or
+   ``no_space`` / ``not_wanted``;
+3. the sender writes one data message per layer with blocks
+   ``[skip_blocks:]``; in PUT_ASYNC it writes layer *i* as soon as the forward
+   pass has computed it.
+
+GET only adds a step 0: the decode side asks the prefill side (``Get``) to
+make the offer now. Because each channel direction has one sending thread that
+finishes one transfer before offering the next, and the receiver queues
+expectations in the order it accepts offers, the n-th message on a channel
+always belongs to the n-th accepted offer: no tags are needed, which is what
+NCCL requires.
+
+Every wait has a deadline. A failed channel is closed and every transfer
+queued on it fails; the next transfer sets up a new one. A receive that does
+not complete by its deadline is reported by the worker as a load failure, and
+vLLM recomputes (``kv_load_failure_policy``).
+
+Threads never touch the KV cache of a request they do not own: the sender
+reads blocks that stay allocated (delayed free) until the worker reports the
+send finished; the receiver writes only into its own buffer, and the model
+thread copies the buffer into the KV cache (:meth:`P2pEngine.take_received`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    Get,
+    Hello,
+    LayoutSpec,
+    Offer,
+    Reply,
+    Status,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import P2pStatsRecorder
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import (
+    PoolAllocation,
+    TensorMemoryPool,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
+    Channel,
+    Transport,
+    TransportError,
+)
+from vllm_disagg.logger import init_logger
+
+logger = init_logger(__name__)
+
+POLL_INTERVAL_S = 0.05
+GET_RETRY_INTERVAL_S = 0.05
+# How long a GET answered "released" is remembered, so a late Get gets "gone".
+TOMBSTONE_TTL_S = 300.0
+LOG_INTERVAL_S = 10.0
+
+
+def format_addr(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def zmq_endpoint(addr: str) -> str:
+    return f"tcp://{addr}"
+
+
+# --- the local KV cache, as blocks of bytes ------------------------------------
+
+
+class KVLayout:
+    """The registered KV cache tensors seen as ``layers x blocks`` of bytes.
+
+    vLLM 0.32 gives every attention layer a view whose dim 0 is the block
+    (logical ``[B, H, N, C]`` for every physical layout, see
+    ``vllm/v1/kv_cache_layout.py``); when each block is contiguous in memory
+    (the CPU backend's LBHNC, most GPU layouts) blocks are sent straight from
+    the cache as byte views, otherwise they are gathered first.
+    """
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int):
+        if not kv_caches:
+            raise ValueError("P2pNcclConnector: no KV cache tensors were registered")
+        self.layer_names = list(kv_caches)
+        self.tensors = [kv_caches[name] for name in self.layer_names]
+        first = self.tensors[0]
+        for name, t in zip(self.layer_names, self.tensors):
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise ValueError(
+                    "P2pNcclConnector needs one KV cache shape for every layer; "
+                    f"{name} has {tuple(t.shape)} {t.dtype}, "
+                    f"{self.layer_names[0]} has {tuple(first.shape)} {first.dtype}"
+                )
+        self.num_blocks = first.shape[0]
+        self.block_size = block_size
+        self.dtype = first.dtype
+        self.device = first.device
+        self.page_bytes = first[0].numel() * first.element_size()
+        self.blocks_contiguous = all(t[0].is_contiguous() for t in self.tensors)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def spec(self) -> LayoutSpec:
+        return LayoutSpec(
+            num_layers=self.num_layers,
+            page_bytes=self.page_bytes,
+            block_size=self.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def read_blocks(self, layer: int, block_ids: list[int]) -> list[torch.Tensor]:
+        """The bytes of ``block_ids`` of one layer, in order, without a copy if possible."""
+        t = self.tensors[layer]
+        if self.blocks_contiguous:
+            return [t[b].reshape(-1).view(torch.uint8) for b in block_ids]
+        index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+        return [t.index_select(0, index).reshape(-1).view(torch.uint8)]
+
+    def write_blocks(self, layer: int, block_ids: list[int], src: torch.Tensor) -> None:
+        """Copy ``len(block_ids)`` pages of bytes from ``src`` into the cache."""
+        t = self.tensors[layer]
+        pages = src.view(t.dtype).view(len(block_ids), *t.shape[1:])
+        if pages.device != t.device:
+            pages = pages.to(t.device, non_blocking=True)
+        index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+        t.index_copy_(0, index, pages)
+
+
+def check_compatible(local: LayoutSpec, remote: LayoutSpec) -> str | None:
+    """Why KV from ``remote`` cannot be copied into ``local`` blocks, or None."""
+    for name in ("num_layers", "page_bytes", "block_size", "dtype"):
+        if getattr(local, name) != getattr(remote, name):
+            return (
+                f"KV layout mismatch: {name} is {getattr(remote, name)} on the peer and "
+                f"{getattr(local, name)} here (same model, dtype and --block-size needed)"
+            )
+    return None
+
+
+# --- receiving ---------------------------------------------------------------
+
+
+class SlotState(enum.Enum):
+    RECEIVING = "receiving"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class RecvSlot:
+    """Room for one transfer: ``num_layers x (num_blocks - skip)`` pages."""
+
+    key: str
+    num_blocks: int  # blocks of the whole prompt on the sender
+    skip_blocks: int
+    page_bytes: int
+    num_layers: int
+    tensor: torch.Tensor  # uint8, the whole transfer, layer-major
+    pool_alloc: PoolAllocation | None
+    deadline: float
+    created: float = field(default_factory=time.monotonic)
+    state: SlotState = SlotState.RECEIVING
+    reason: str = ""
+    # The worker gave up on it while it was receiving: free it when the receive ends.
+    abandoned: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def blocks_held(self) -> int:
+        return self.num_blocks - self.skip_blocks
+
+    def layer(self, i: int) -> torch.Tensor:
+        n = self.blocks_held * self.page_bytes
+        return self.tensor[i * n : (i + 1) * n]
+
+
+@dataclass
+class _Expectation:
+    """Decode knows the request: how many leading blocks it holds already."""
+
+    skip_blocks: int
+    deadline: float
+    abandoned: bool = False
+
+
+class _InboundChannel:
+    """A channel a peer created to send to us, with its receive thread."""
+
+    def __init__(self, engine: P2pEngine, channel_id: str, peer: str, finish, deadline: float):
+        self.engine = engine
+        self.channel_id = channel_id
+        self.peer = peer
+        self.queue: queue.Queue[RecvSlot] = queue.Queue()
+        self.channel: Channel | None = None
+        self.broken = False
+        self._finish = finish
+        self._setup_deadline = deadline
+        self.thread = threading.Thread(
+            target=self._run, name=f"p2p-recv-{peer}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            self.channel = self._finish(self._setup_deadline)
+        except TransportError as e:
+            self._break(f"channel set-up failed: {e}")
+            return
+        while not engine.stopped.is_set() and not self.broken:
+            try:
+                slot = self.queue.get(timeout=POLL_INTERVAL_S)
+            except queue.Empty:
+                continue
+            start = time.monotonic()
+            try:
+                for i in range(slot.num_layers):
+                    engine._recv_layer(self.channel, slot, i)
+            except TransportError as e:
+                engine._finish_slot(slot, ok=False, reason=f"receive failed: {e}")
+                self._break(str(e))
+                return
+            engine.stats.record_recv(slot.nbytes, slot.blocks_held, time.monotonic() - start)
+            engine._finish_slot(slot, ok=True)
+
+    def _break(self, reason: str) -> None:
+        self.broken = True
+        engine = self.engine
+        logger.warning("P2P channel from %s closed: %s", self.peer, reason)
+        if self.channel is not None:
+            self.channel.close()
+        engine._drop_inbound(self)
+        while True:
+            try:
+                slot = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            engine._finish_slot(slot, ok=False, reason=f"channel closed: {reason}")
+
+
+# --- sending -----------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class SendTransfer:
+    """The KV of one finished prefill, on its way to one peer worker."""
+
+    key: str
+    request_id: str
+    peer: str
+    block_ids: list[int]
+    num_layers: int
+    deadline: float
+    layers_ready: int = 0
+    events: dict[int, torch.cuda.Event] = field(default_factory=dict)
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    reason: str = ""
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def layer_saved(self, layer: int, event: torch.cuda.Event | None) -> None:
+        with self.cond:
+            if event is not None:
+                self.events[layer] = event
+            self.layers_ready = max(self.layers_ready, layer + 1)
+            self.cond.notify_all()
+
+    def all_saved(self) -> None:
+        self.layer_saved(self.num_layers - 1, None)
+
+    def wait_layer(self, layer: int) -> None:
+        with self.cond:
+            while self.layers_ready <= layer:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportError(f"layer {layer} was never saved")
+                self.cond.wait(min(left, POLL_INTERVAL_S))
+            event = self.events.get(layer)
+        if event is not None:
+            while not event.query():
+                if time.monotonic() > self.deadline:
+                    raise TransportError(f"layer {layer} compute did not finish")
+                time.sleep(0.0002)
+
+
+@dataclass
+class _GetJob:
+    key: str
+    skip_blocks: int
+    deadline: float
+    on_failure: Callable[[str], None]
+
+
+class _Peer:
+    """Everything we send to one peer worker: control requests and data, in order."""
+
+    def __init__(self, engine: P2pEngine, addr: str):
+        self.engine = engine
+        self.addr = addr
+        self.jobs: queue.Queue[SendTransfer | _GetJob] = queue.Queue()
+        self.channel: Channel | None = None
+        self.channel_id = ""
+        self._sock: zmq.Socket | None = None
+        self._req_no = itertools.count(1)
+        self.thread = threading.Thread(target=self._run, name=f"p2p-peer-{addr}", daemon=True)
+        self.thread.start()
+
+    # control requests
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self.engine.zmq_ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * proto.MAX_FRAME_BYTES)
+            if self.addr.startswith("["):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(zmq_endpoint(self.addr))
+            self._sock = sock
+        return self._sock
+
+    def _reset_socket(self) -> None:
+        # Queued requests of a timed-out exchange must not be delivered late.
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def request(self, make_msg: Callable[[int], proto._Msg], deadline: float) -> Reply:
+        req_no = next(self._req_no)
+        sock = self._socket()
+        sock.send_multipart(proto.seal(self.engine.secret, make_msg(req_no)))
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or self.engine.stopped.is_set():
+                self._reset_socket()
+                raise TransportError(f"no reply from {self.addr} in time")
+            if not sock.poll(min(left_ms, 100)):
+                continue
+            frames = sock.recv_multipart()
+            try:
+                msg = proto.open_frame(self.engine.secret, frames)
+            except proto.FrameError as e:
+                self.engine._reject(e.kind, f"from {self.addr}: {e}")
+                continue
+            if isinstance(msg, Reply) and msg.req_no == req_no:
+                return msg
+            # A late reply to an earlier request: ignore.
+
+    # the thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not engine.stopped.is_set():
+            try:
+                job = self.jobs.get(timeout=POLL_INTERVAL_S)
+            except queue.Empty:
+                continue
+            if isinstance(job, _GetJob):
+                self._get(job)
+            else:
+                self._send(job)
+        self._reset_socket()
+        if self.channel is not None:
+            self.channel.close()
+
+    def _get(self, job: _GetJob) -> None:
+        engine = self.engine
+        while True:
+            try:
+                reply = self.request(
+                    lambda n: Get(req_no=n, sender_addr=engine.addr, key=job.key,
+                                  skip_blocks=job.skip_blocks),
+                    job.deadline,
+                )
+            except TransportError as e:
+                job.on_failure(str(e))
+                return
+            if reply.status == Status.OK:
+                return  # the offer follows on our listener
+            if reply.status != Status.NOT_READY:
+                job.on_failure(f"prefill {self.addr} answered {reply.status} {reply.reason}")
+                return
+            if time.monotonic() + GET_RETRY_INTERVAL_S > job.deadline:
+                job.on_failure(f"prefill {self.addr} did not have the KV ready in time")
+                return
+            if engine.stopped.wait(GET_RETRY_INTERVAL_S):
+                return
+
+    def _ensure_channel(self, deadline: float) -> None:
+        if self.channel is not None:
+            return
+        engine = self.engine
+        setup, finish = engine.transport.initiate()
+        channel_id = secrets.token_hex(8)
+        reply = self.request(
+            lambda n: Hello(
+                version=proto.PROTOCOL_VERSION, req_no=n, sender_addr=engine.addr,
+                channel_id=channel_id, transport=engine.transport.name, setup=setup,
+                layout=engine.layout.spec, send_type=engine.send_type,
+            ),
+            deadline,
+        )
+        if reply.status != Status.OK:
+            raise TransportError(f"peer {self.addr} refused the channel: {reply.reason}")
+        self.channel = finish(reply.setup, deadline)
+        self.channel_id = channel_id
+        logger.info("P2P channel to %s is up (%s)", self.addr, engine.transport.name)
+
+    def _close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = None
+
+    def _send(self, xfer: SendTransfer) -> None:
+        engine = self.engine
+        start = time.monotonic()
+        sent_bytes = 0
+        try:
+            self._ensure_channel(xfer.deadline)
+            reply = self.request(
+                lambda n: Offer(req_no=n, channel_id=self.channel_id, key=xfer.key,
+                                xfer_id=0, num_blocks=len(xfer.block_ids),
+                                request_id=xfer.request_id[:512]),
+                xfer.deadline,
+            )
+            if reply.status != Status.OK:
+                engine._finish_send(xfer, ok=False, reason=f"{reply.status} {reply.reason}")
+                return
+            skip = reply.skip_blocks
+            if skip >= len(xfer.block_ids):
+                engine._finish_send(xfer, ok=False, reason=f"peer claimed skip={skip}")
+                return
+            blocks = xfer.block_ids[skip:]
+            for layer in range(xfer.num_layers):
+                xfer.wait_layer(layer)
+                parts = engine.layout.read_blocks(layer, blocks)
+                self.channel.send(parts, xfer.deadline)
+                sent_bytes += sum(p.numel() for p in parts)
+        except TransportError as e:
+            self._close_channel()
+            engine._finish_send(xfer, ok=False, reason=str(e))
+            return
+        engine.stats.record_send(sent_bytes, len(blocks), time.monotonic() - start)
+        engine._finish_send(xfer, ok=True)
+
+
+# --- the engine --------------------------------------------------------------
+
+
+class P2pEngine:
+    """One worker's end of the P2P KV transfer network (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        layout: KVLayout,
+        host: str,
+        port: int,
+        transport: Transport,
+        send_type: str,
+        kv_buffer_size: int,
+        mem_pool_size_bytes: int,
+        hold_timeout_s: float,
+        secret: bytes | None = None,
+        stats: P2pStatsRecorder | None = None,
+    ):
+        self.layout = layout
+        self.addr = format_addr(host, port)
+        self.transport = transport
+        self.send_type = send_type
+        self.kv_buffer_size = kv_buffer_size
+        self.mem_pool_size_bytes = mem_pool_size_bytes
+        self.hold_timeout_s = hold_timeout_s
+        self.secret = secret or None
+        self.stats = stats or P2pStatsRecorder()
+        self.stopped = threading.Event()
+        self.zmq_ctx = zmq.Context()
+
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._inbound: dict[str, _InboundChannel] = {}
+        self._slots: dict[str, RecvSlot] = {}
+        self._expected: dict[str, _Expectation] = {}
+        self._holds: dict[str, SendTransfer] = {}  # GET: KV kept for a pull
+        self._tombstones: dict[str, float] = {}
+        self._finished_sends: list[SendTransfer] = []
+        self._buffer_used = 0
+        self._pool: TensorMemoryPool | None = None
+        self._log_last: dict[str, float] = {}
+
+        self._router = self.zmq_ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 2 * proto.MAX_FRAME_BYTES)
+        if ":" in host:
+            self._router.setsockopt(zmq.IPV6, 1)
+        try:
+            self._router.bind(zmq_endpoint(self.addr))
+        except zmq.ZMQError as e:
+            self._router.close(linger=0)
+            self.zmq_ctx.term()
+            raise OSError(
+                f"P2pNcclConnector cannot listen on {self.addr} ({e}): the port is "
+                "taken; every worker of every DP rank needs its own port "
+                "(kv_port + dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank), "
+                "so give each instance on a host a kv_port range of its own"
+            ) from e
+        self._listener = threading.Thread(target=self._listen, name="p2p-listener", daemon=True)
+        self._listener.start()
+
+    # --- model-thread API: sending ---
+
+    def start_send(
+        self, key: str, request_id: str, peer: str, block_ids: list[int], *, all_saved: bool
+    ) -> SendTransfer:
+        """Queue the KV of ``block_ids`` for ``peer``; layers follow via layer_saved()."""
+        xfer = SendTransfer(
+            key=key, request_id=request_id, peer=peer, block_ids=list(block_ids),
+            num_layers=self.layout.num_layers,
+            deadline=time.monotonic() + self.hold_timeout_s,
+        )
+        if all_saved:
+            xfer.all_saved()
+        self._peer(peer).jobs.put(xfer)
+        return xfer
+
+    def hold(self, key: str, request_id: str, block_ids: list[int]) -> SendTransfer:
+        """GET mode: keep the KV of ``block_ids`` until a peer pulls it or the hold expires."""
+        xfer = SendTransfer(
+            key=key, request_id=request_id, peer="", block_ids=list(block_ids),
+            num_layers=self.layout.num_layers,
+            deadline=time.monotonic() + self.hold_timeout_s,
+        )
+        xfer.all_saved()
+        with self._lock:
+            self._holds[key] = xfer
+        return xfer
+
+    def take_finished_sends(self) -> list[SendTransfer]:
+        with self._lock:
+            done, self._finished_sends = self._finished_sends, []
+        return done
+
+    # --- model-thread API: receiving ---
+
+    def expect(self, key: str, skip_blocks: int, deadline: float, get_from: str | None) -> None:
+        """Decode knows request ``key``: it holds ``skip_blocks`` leading blocks itself.
+
+        With ``get_from`` (GET mode) the prefill worker at that address is asked
+        to offer the KV now."""
+        with self._lock:
+            self._expected[key] = _Expectation(skip_blocks=skip_blocks, deadline=deadline)
+        if get_from is not None:
+            self._peer(get_from).jobs.put(
+                _GetJob(key=key, skip_blocks=skip_blocks, deadline=deadline,
+                        on_failure=lambda reason: self._fail_expected(key, reason))
+            )
+
+    def poll(self, key: str) -> RecvSlot | None:
+        """The slot of ``key`` once it is complete or failed (then owned by the caller)."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None or slot.state is SlotState.RECEIVING:
+                return None
+            del self._slots[key]
+            self._expected.pop(key, None)
+            return slot
+
+    def copy_into_cache(self, slot: RecvSlot, block_ids: list[int], first_block: int) -> None:
+        """Write blocks ``first_block..`` of the prompt from ``slot`` into ``block_ids``."""
+        offset = first_block - slot.skip_blocks
+        if offset < 0 or offset + len(block_ids) != slot.blocks_held:
+            raise ValueError(
+                f"received blocks {slot.skip_blocks}..{slot.num_blocks} do not cover "
+                f"the {len(block_ids)} blocks from {first_block} this request needs"
+            )
+        pages = self.layout.page_bytes
+        for i in range(slot.num_layers):
+            data = slot.layer(i)[offset * pages :]
+            self.layout.write_blocks(i, block_ids, data)
+
+    def abandon(self, key: str) -> None:
+        """The worker stops waiting for ``key``; its room is freed now or when the receive ends."""
+        with self._lock:
+            exp = self._expected.pop(key, None)
+            slot = self._slots.get(key)
+            if slot is not None and slot.state is SlotState.RECEIVING:
+                slot.abandoned = True
+                return
+            if slot is not None:
+                del self._slots[key]
+            elif exp is not None:
+                # An offer that arrives later is refused.
+                self._tombstones[key] = time.monotonic()
+        if slot is not None:
+            self.release(slot)
+
+    def release(self, slot: RecvSlot) -> None:
+        """Return a slot's bytes to the buffer budget or the pool."""
+        with self._lock:
+            if slot.pool_alloc is not None:
+                self._pool.free(slot.pool_alloc)
+                slot.pool_alloc = None
+            else:
+                self._buffer_used -= slot.nbytes
+            slot.tensor = torch.empty(0, dtype=torch.uint8)
+            self.stats.set_occupancy(self._buffer_used, self._pool_used())
+
+    def occupancy(self) -> tuple[int, int]:
+        """(receive buffer bytes, pool bytes) in use: for tests and metrics."""
+        with self._lock:
+            return self._buffer_used, self._pool_used()
+
+    def close(self) -> None:
+        self.stopped.set()
+        self._listener.join(timeout=2)
+        for peer in list(self._peers.values()):
+            peer.thread.join(timeout=2)
+        for inbound in list(self._inbound.values()):
+            if inbound.channel is not None:
+                inbound.channel.close()
+        self.transport.close()
+        self.zmq_ctx.term()
+
+    # --- internals ---
+
+    def _peer(self, addr: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(addr)
+            if peer is None:
+                peer = self._peers[addr] = _Peer(self, addr)
+            return peer
+
+    def _pool_used(self) -> int:
+        return self._pool.used_bytes if self._pool is not None else 0
+
+    def _reject(self, kind: str, detail: str) -> None:
+        self.stats.record_rejected(kind)
+        now = time.monotonic()
+        if now - self._log_last.get(kind, -LOG_INTERVAL_S) >= LOG_INTERVAL_S:
+            self._log_last[kind] = now
+            logger.warning("P2P engine %s rejected a message (%s): %s", self.addr, kind, detail)
+
+    def _finish_send(self, xfer: SendTransfer, *, ok: bool, reason: str = "") -> None:
+        xfer.ok, xfer.reason = ok, reason
+        if not ok:
+            self.stats.record_failed_send()
+            logger.warning("P2P send of %s to %s failed: %s", xfer.key, xfer.peer, reason)
+        with self._lock:
+            self._finished_sends.append(xfer)
+        xfer.done.set()
+
+    def _fail_expected(self, key: str, reason: str) -> None:
+        with self._lock:
+            if key in self._slots or key not in self._expected:
+                return
+            # A failed slot carries the reason to the worker's poll().
+            self._slots[key] = RecvSlot(
+                key=key, num_blocks=0, skip_blocks=0, page_bytes=0, num_layers=0,
+                tensor=torch.empty(0, dtype=torch.uint8), pool_alloc=None,
+                deadline=0.0, state=SlotState.FAILED, reason=reason,
+            )
+
+    def _finish_slot(self, slot: RecvSlot, *, ok: bool, reason: str = "") -> None:
+        with self._lock:
+            slot.state = SlotState.COMPLETE if ok else SlotState.FAILED
+            slot.reason = reason
+            abandoned = slot.abandoned
+            if abandoned:
+                self._slots.pop(slot.key, None)
+        if not ok:
+            logger.warning("P2P receive of %s failed: %s", slot.key, reason)
+        if abandoned:
+            self.release(slot)
+
+    def _drop_inbound(self, inbound: _InboundChannel) -> None:
+        with self._lock:
+            if self._inbound.get(inbound.channel_id) is inbound:
+                del self._inbound[inbound.channel_id]
+
+    def _recv_layer(self, channel: Channel, slot: RecvSlot, layer: int) -> None:
+        dst = slot.layer(layer)
+        if slot.pool_alloc is not None and not self.transport.receives_into_host:
+            staging = torch.empty(dst.numel(), dtype=torch.uint8, device=self.layout.device)
+            channel.recv([staging], slot.deadline)
+            dst.copy_(staging)
+        else:
+            channel.recv([dst], slot.deadline)
+
+    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, PoolAllocation | None] | None:
+        """Room for ``nbytes``: receive buffer first, then the pool; None if neither."""
+        with self._lock:
+            if self._buffer_used + nbytes <= self.kv_buffer_size:
+                self._buffer_used += nbytes
+                tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.layout.device)
+                self.stats.set_occupancy(self._buffer_used, self._pool_used())
+                return tensor, None
+            if self.mem_pool_size_bytes > 0:
+                if self._pool is None:
+                    self._pool = TensorMemoryPool(self.mem_pool_size_bytes)
+                alloc = self._pool.allocate(nbytes)
+                if alloc is not None:
+                    self.stats.record_spill()
+                    self.stats.set_occupancy(self._buffer_used, self._pool_used())
+                    return alloc.tensor, alloc
+        return None
+
+    # the listener thread
+
+    def _listen(self) -> None:
+        router = self._router
+        last_sweep = time.monotonic()
+        while not self.stopped.is_set():
+            if router.poll(int(POLL_INTERVAL_S * 1000)):
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                if len(frames) < 2:
+                    continue
+                route, body = frames[0], frames[1:]
+                try:
+                    msg = proto.open_frame(self.secret, body)
+                    reply = self._handle(msg)
+                except proto.FrameError as e:
+                    self._reject(e.kind, str(e))
+                    continue
+                except Exception as e:  # noqa: BLE001 - one bad message must not stop the listener
+                    logger.exception("P2P listener failed to handle a message")
+                    reply = Reply(req_no=getattr(msg, "req_no", 0), status=Status.REJECTED,
+                                  reason=str(e)[: proto.MAX_REASON_CHARS])
+                if reply is not None:
+                    router.send_multipart([route, *proto.seal(self.secret, reply)])
+            now = time.monotonic()
+            if now - last_sweep > 0.2:
+                last_sweep = now
+                self._sweep(now)
+        router.close(linger=0)
+
+    def _handle(self, msg) -> Reply | None:
+        if isinstance(msg, Hello):
+            return self._on_hello(msg)
+        if isinstance(msg, Offer):
+            return self._on_offer(msg)
+        if isinstance(msg, Get):
+            return self._on_get(msg)
+        self._reject("unexpected", f"{type(msg).__name__} on the listener")
+        return None
+
+    def _refuse(self, req_no: int, kind: str, reason: str) -> Reply:
+        self._reject(kind, reason)
+        return Reply(req_no=req_no, status=Status.REJECTED, reason=reason[: proto.MAX_REASON_CHARS])
+
+    def _on_hello(self, msg: Hello) -> Reply:
+        if msg.version != proto.PROTOCOL_VERSION:
+            return self._refuse(msg.req_no, "version",
+                                f"protocol version {msg.version}, expected {proto.PROTOCOL_VERSION}")
+        if msg.transport != self.transport.name:
+            return self._refuse(msg.req_no, "transport",
+                                f"peer uses transport {msg.transport}, this worker {self.transport.name}")
+        mismatch = check_compatible(self.layout.spec, msg.layout)
+        if mismatch:
+            return self._refuse(msg.req_no, "layout", mismatch)
+        if msg.send_type != self.send_type:
+            return self._refuse(msg.req_no, "send_type",
+                                f"peer uses send_type {msg.send_type}, this worker {self.send_type}")
+        with self._lock:
+            if msg.channel_id in self._inbound:
+                return self._refuse(msg.req_no, "duplicate", "channel id in use")
+        try:
+            reply_setup, finish = self.transport.accept(msg.setup)
+        except TransportError as e:
+            return self._refuse(msg.req_no, "malformed", f"bad channel set-up: {e}")
+        inbound = _InboundChannel(self, msg.channel_id, msg.sender_addr, finish,
+                                  time.monotonic() + self.hold_timeout_s)
+        with self._lock:
+            self._inbound[msg.channel_id] = inbound
+        return Reply(req_no=msg.req_no, status=Status.OK, setup=reply_setup)
+
+    def _on_offer(self, msg: Offer) -> Reply:
+        with self._lock:
+            inbound = self._inbound.get(msg.channel_id)
+            exp = self._expected.get(msg.key)
+            duplicate = msg.key in self._slots
+            gave_up = msg.key in self._tombstones
+        if inbound is None or inbound.broken:
+            return self._refuse(msg.req_no, "unknown_channel", f"offer on unknown channel {msg.channel_id!r}")
+        if msg.num_blocks > self.layout.num_blocks:
+            return self._refuse(msg.req_no, "oversized",
+                                f"offer of {msg.num_blocks} blocks, the KV cache has {self.layout.num_blocks}")
+        if duplicate:
+            return self._refuse(msg.req_no, "duplicate", f"second offer for {msg.key}")
+        if gave_up or (exp is not None and exp.abandoned):
+            return Reply(req_no=msg.req_no, status=Status.NOT_WANTED)
+        skip = min(exp.skip_blocks, msg.num_blocks - 1) if exp is not None else 0
+        deadline = exp.deadline if exp is not None else time.monotonic() + self.hold_timeout_s
+        nbytes = self.layout.num_layers * (msg.num_blocks - skip) * self.layout.page_bytes
+        room = self._allocate(nbytes)
+        if room is None:
+            self.stats.record_dropped()
+            self._reject("no_space", f"no room for {nbytes} bytes of {msg.key}: receive buffer "
+                         "and pool are full; the request will be recomputed")
+            return Reply(req_no=msg.req_no, status=Status.NO_SPACE)
+        tensor, alloc = room
+        slot = RecvSlot(
+            key=msg.key, num_blocks=msg.num_blocks, skip_blocks=skip,
+            page_bytes=self.layout.page_bytes, num_layers=self.layout.num_layers,
+            tensor=tensor, pool_alloc=alloc, deadline=deadline,
+        )
+        with self._lock:
+            self._slots[msg.key] = slot
+        inbound.queue.put(slot)
+        return Reply(req_no=msg.req_no, status=Status.OK, skip_blocks=skip)
+
+    def _on_get(self, msg: Get) -> Reply:
+        with self._lock:
+            xfer = self._holds.pop(msg.key, None)
+            released = msg.key in self._tombstones
+        if xfer is None:
+            return Reply(req_no=msg.req_no, status=Status.GONE if released else Status.NOT_READY)
+        xfer.peer = msg.sender_addr
+        self._peer(msg.sender_addr).jobs.put(xfer)
+        return Reply(req_no=msg.req_no, status=Status.OK)
+
+    def _sweep(self, now: float) -> None:
+        """Expire holds nobody pulled, orphan slots and old tombstones."""
+        expired_holds, orphans = [], []
+        with self._lock:
+            for key, xfer in list(self._holds.items()):
+                if now > xfer.deadline:
+                    del self._holds[key]
+                    self._tombstones[key] = now
+                    expired_holds.append(xfer)
+            for key, slot in list(self._slots.items()):
+                if slot.state is not SlotState.RECEIVING and key not in self._expected \
+                        and now > slot.created + self.hold_timeout_s:
+                    del self._slots[key]
+                    orphans.append(slot)
+            for key, t in list(self._tombstones.items()):
+                if now - t > TOMBSTONE_TTL_S:
+                    del self._tombstones[key]
+        for xfer in expired_holds:
+            self._finish_send(xfer, ok=False, reason="no peer pulled it before kv_hold_timeout_s")
+        for slot in orphans:
+            logger.warning("P2P: freeing KV of %s that no request claimed", slot.key)
+            self.release(slot)

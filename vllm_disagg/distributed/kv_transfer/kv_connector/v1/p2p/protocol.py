@@ -1,0 +1,163 @@
+"""Control-plane messages between the P2P engines of two instances.
+
+Every message is a msgspec struct (never pickle: the bytes come off the
+network), tagged, with unknown fields forbidden. A frame is
+``[payload, mac]``: the MAC is HMAC-SHA256 (16 bytes) over the payload under
+the shared secret (``VLLM_DISAGG_P2P_SECRET``), or empty when no secret is
+set. Sizes a peer claims are checked against the local KV layout by the
+engine before anything is allocated.
+
+The protocol version is checked on the first contact (``Hello``); a peer with
+another version is refused with the reason.
+
+Data itself never travels here: after an ``Offer`` is accepted, the sender
+writes ``num_layers`` messages (one per layer, the blocks from
+``skip_blocks`` on) to the data channel named in the offer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import msgspec
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    PROTOCOL_VERSION,
+)
+
+MAC_BYTES = 16
+MAX_FRAME_BYTES = 8192
+MAX_KEY_CHARS = 128
+MAX_ADDR_CHARS = 300
+MAX_REASON_CHARS = 300
+
+
+class _Msg(msgspec.Struct, array_like=True, forbid_unknown_fields=True, tag=True):
+    pass
+
+
+class LayoutSpec(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """What both sides' KV caches must agree on for blocks to be copied as bytes."""
+
+    num_layers: int
+    page_bytes: int  # bytes of one block of one layer
+    block_size: int  # tokens per block
+    dtype: str
+
+
+class Hello(_Msg, tag="hello"):
+    """First contact: set up a data channel. Sent by the side that needs one."""
+
+    version: int
+    req_no: int
+    sender_addr: str  # the sender's control address ("host:port"), for replies of its own
+    channel_id: str
+    transport: str
+    setup: bytes
+    layout: LayoutSpec
+    send_type: str
+
+
+class Offer(_Msg, tag="offer"):
+    """The sender has (or will have, layer by layer) the KV of ``key``."""
+
+    req_no: int
+    channel_id: str
+    key: str
+    xfer_id: int
+    num_blocks: int  # blocks of the whole prompt
+    request_id: str = ""  # sender's internal id, for logs only
+
+
+class Get(_Msg, tag="get"):
+    """Decode asks prefill to offer ``key`` now (GET mode)."""
+
+    req_no: int
+    sender_addr: str
+    key: str
+    skip_blocks: int
+
+
+class Reply(_Msg, tag="reply"):
+    """The answer to any request: ``status`` is one of the ``Status`` values."""
+
+    req_no: int
+    status: str
+    reason: str = ""
+    setup: bytes = b""  # Hello: the transport's reply
+    skip_blocks: int = 0  # Offer: blocks the receiver already holds
+
+
+class Status:
+    OK = "ok"
+    REJECTED = "rejected"  # permanent: bad message, version, layout, unknown channel
+    NO_SPACE = "no_space"  # receive buffer and pool full: the receiver will recompute
+    NOT_READY = "not_ready"  # GET before prefill finished: ask again
+    GONE = "gone"  # GET for KV that was released or never existed
+    NOT_WANTED = "not_wanted"  # Offer for a request the receiver gave up on
+
+
+Message = Hello | Offer | Get | Reply
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def _mac(secret: bytes, payload: bytes) -> bytes:
+    return hmac.new(secret, b"p2p-kv" + payload, hashlib.sha256).digest()[:MAC_BYTES]
+
+
+def seal(secret: bytes | None, msg: _Msg) -> list[bytes]:
+    payload = _encoder.encode(msg)
+    return [payload, _mac(secret, payload) if secret else b""]
+
+
+class FrameError(ValueError):
+    """A frame was rejected; the message says why (for counted, rate-limited logs)."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+def open_frame(secret: bytes | None, frames: list[bytes]) -> Message:
+    """Authenticate, bound and decode ``[payload, mac]``; raises FrameError."""
+    if len(frames) != 2:
+        raise FrameError("malformed", f"{len(frames)} frames, expected 2")
+    payload, mac = frames
+    if len(payload) > MAX_FRAME_BYTES:
+        raise FrameError("oversized", f"{len(payload)} bytes")
+    if secret:
+        if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, payload)):
+            raise FrameError("unauthenticated", "bad or missing MAC")
+    try:
+        msg = _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise FrameError("malformed", str(e)[:200]) from None
+    _check_bounds(msg)
+    return msg
+
+
+def _check_bounds(msg: Message) -> None:
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise FrameError("malformed", what)
+
+    if isinstance(msg, Hello):
+        need(len(msg.sender_addr) <= MAX_ADDR_CHARS, "sender_addr too long")
+        need(len(msg.channel_id) <= 64, "channel_id too long")
+        need(len(msg.transport) <= 16, "transport name too long")
+        need(len(msg.send_type) <= 16, "send_type too long")
+    elif isinstance(msg, Offer):
+        need(0 < len(msg.key) <= MAX_KEY_CHARS, "key length")
+        need(len(msg.channel_id) <= 64, "channel_id too long")
+        need(len(msg.request_id) <= 512, "request_id too long")
+        need(msg.num_blocks > 0, "num_blocks must be positive")
+    elif isinstance(msg, Get):
+        need(0 < len(msg.key) <= MAX_KEY_CHARS, "key length")
+        need(len(msg.sender_addr) <= MAX_ADDR_CHARS, "sender_addr too long")
+        need(msg.skip_blocks >= 0, "negative skip_blocks")
+    elif isinstance(msg, Reply):
+        need(len(msg.reason) <= MAX_REASON_CHARS, "reason too long")
+        need(msg.skip_blocks >= 0, "negative skip_blocks")

@@ -1,0 +1,240 @@
+"""Worker side of the P2P connector: drives the P2P engine from vLLM's hooks.
+
+Per step (see ``kv_connector_model_runner_mixin.py``):
+
+* ``start_load_kv``: new loads are registered with the engine (GET asks the
+  prefill worker for them); new sends start (PUT_ASYNC) or wait for the end of
+  the forward pass (PUT, GET).
+* ``save_kv_layer``: PUT_ASYNC hands each layer to the sender as soon as the
+  forward pass computed it (on CUDA with an event, so the sender never reads
+  a layer still being written).
+* ``wait_for_save``: PUT sends and waits (blocking the model, its documented
+  cost); GET keeps the blocks for the decode side to pull.
+* ``get_transfer_results``: copies finished receives from the receive buffer
+  into the KV cache (on the model thread and stream: explicit ordering), and
+  reports finished sends and receives. A load that failed, or did not arrive
+  by ``kv_load_timeout_s``, is still reported finished, and its blocks are
+  reported invalid so vLLM's ``kv_load_failure_policy`` applies (recompute by
+  default): one slow or dead prefill never blocks the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig, SendType
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
+    KVLayout,
+    P2pEngine,
+    SendTransfer,
+    SlotState,
+    format_addr,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.specs import (
+    LoadSpec,
+    P2pConnectorMetadata,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
+    P2pKVConnectorStats,
+    P2pStatsRecorder,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import create_transport
+from vllm_disagg.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+
+def shift_port(addr: str, offset: int) -> str:
+    """``host:port`` of the peer worker ``offset`` ports after the instance address."""
+    host, _, port = addr.rpartition(":")
+    return f"{host}:{int(port) + offset}"
+
+
+class P2pWorkerConnector:
+    def __init__(self, vllm_config: VllmConfig, config: P2pConfig):
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        self.config = config
+        self.block_size = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
+        # Symmetric parallelism: worker (pp, tp) talks to worker (pp, tp) of the peer.
+        self.rank_offset = pp_rank * tp_size + tp_rank
+        self.port = config.worker_port(
+            dp_rank=parallel.data_parallel_rank, tp_size=tp_size, pp_size=pp_size,
+            tp_rank=tp_rank, pp_rank=pp_rank,
+        )
+        self.stats = P2pStatsRecorder()
+        self.engine: P2pEngine | None = None
+        self.layer_index: dict[str, int] = {}
+
+        self._meta: P2pConnectorMetadata | None = None
+        self._loads: dict[str, tuple[LoadSpec, float]] = {}  # request id -> (spec, deadline)
+        self._streaming: list[SendTransfer] = []  # PUT_ASYNC sends of this step
+        self._sends: dict[str, SendTransfer] = {}  # request id -> its send, until reported
+        self._finished_requests: set[str] = set()  # of those in _sends
+        self._load_errors: set[int] = set()
+
+    # --- set-up ---
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = KVLayout(kv_caches, self.block_size)
+        self.layer_index = {name: i for i, name in enumerate(layout.layer_names)}
+        config = self.config
+        transport = create_transport(config.transport, layout.device, config.host)
+        self.engine = P2pEngine(
+            layout=layout,
+            host=config.host,
+            port=self.port,
+            transport=transport,
+            send_type=config.send_type.value,
+            kv_buffer_size=config.kv_buffer_size,
+            mem_pool_size_bytes=config.mem_pool_size_bytes,
+            hold_timeout_s=config.kv_hold_timeout_s,
+            secret=config.secret,
+            stats=self.stats,
+        )
+        logger.info(
+            "P2P engine listening on %s: role %s, send_type %s, transport %s, %d layers x "
+            "%d blocks of %d bytes",
+            self.engine.addr, config.role, config.send_type.value, transport.name,
+            layout.num_layers, layout.num_blocks, layout.page_bytes,
+        )
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    # --- per step ---
+
+    def bind(self, meta: P2pConnectorMetadata) -> None:
+        self._meta = meta
+
+    def clear(self) -> None:
+        self._meta = None
+
+    def start_load_kv(self) -> None:
+        meta, engine = self._meta, self.engine
+        if meta is None or engine is None:
+            return
+        now = time.monotonic()
+        get_mode = self.config.send_type is SendType.GET
+        for load in meta.loads:
+            deadline = now + self.config.kv_load_timeout_s
+            self._loads[load.request_id] = (load, deadline)
+            engine.expect(
+                load.key, load.first_block, deadline,
+                get_from=shift_port(load.prefill_addr, self.rank_offset) if get_mode else None,
+            )
+        if self.config.send_type is SendType.PUT_ASYNC:
+            for save in meta.saves:
+                xfer = engine.start_send(
+                    save.key, save.request_id, shift_port(save.decode_addr, self.rank_offset),
+                    save.block_ids, all_saved=False,
+                )
+                self._streaming.append(xfer)
+                self._sends[save.request_id] = xfer
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self._streaming:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        event = None
+        if self.engine.layout.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        for xfer in self._streaming:
+            xfer.layer_saved(layer, event)
+
+    def wait_for_save(self) -> None:
+        meta, engine = self._meta, self.engine
+        for xfer in self._streaming:
+            xfer.all_saved()  # layers whose hook did not run (none expected) go now
+        self._streaming.clear()
+        if meta is None or engine is None or not meta.saves:
+            return
+        send_type = self.config.send_type
+        if send_type is SendType.PUT:
+            started = [
+                engine.start_send(
+                    s.key, s.request_id, shift_port(s.decode_addr, self.rank_offset),
+                    s.block_ids, all_saved=True,
+                )
+                for s in meta.saves
+            ]
+            for xfer in started:
+                self._sends[xfer.request_id] = xfer
+                xfer.done.wait(max(0.0, xfer.deadline - time.monotonic()))
+        elif send_type is SendType.GET:
+            for s in meta.saves:
+                self._sends[s.request_id] = engine.hold(s.key, s.request_id, s.block_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        engine = self.engine
+        if engine is None:
+            return results
+        # Sends: report once the send ended *and* vLLM finished the request.
+        self._finished_requests |= finished_req_ids & self._sends.keys()
+        done = {x.request_id for x in engine.take_finished_sends()}
+        for req_id in list(self._finished_requests):
+            xfer = self._sends[req_id]
+            if xfer.done.is_set() or req_id in done:
+                results.finished_sending.add(req_id)
+                self._finished_requests.discard(req_id)
+                del self._sends[req_id]
+        # Loads.
+        now = time.monotonic()
+        for req_id, (load, deadline) in list(self._loads.items()):
+            if req_id in finished_req_ids:  # aborted while waiting
+                engine.abandon(load.key)
+                del self._loads[req_id]
+                results.finished_recving.add(req_id)
+                continue
+            slot = engine.poll(load.key)
+            if slot is None:
+                if now <= deadline:
+                    continue
+                engine.abandon(load.key)
+                self._fail_load(load, f"no KV from {load.prefill_addr} within "
+                                f"kv_load_timeout_s={self.config.kv_load_timeout_s}")
+            elif slot.state is SlotState.COMPLETE:
+                try:
+                    engine.copy_into_cache(slot, load.block_ids, load.first_block)
+                except ValueError as e:
+                    self._fail_load(load, str(e))
+                finally:
+                    engine.release(slot)
+            else:
+                engine.release(slot)
+                self._fail_load(load, slot.reason)
+            del self._loads[req_id]
+            results.finished_recving.add(req_id)
+        return results
+
+    def _fail_load(self, load: LoadSpec, reason: str) -> None:
+        self.stats.record_failed_load()
+        self._load_errors.update(load.block_ids)
+        logger.warning("request %s: KV load failed (%s); recomputing it", load.request_id, reason)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_stats(self) -> P2pKVConnectorStats | None:
+        return self.stats.take()
+
+    @property
+    def addr(self) -> str:
+        return format_addr(self.config.host, self.port)

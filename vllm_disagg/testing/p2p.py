@@ -1,0 +1,90 @@
+"""Drive a prefill/decode pair the way the design document's proxy does.
+
+``disaggregated_completion`` sends the request to the prefill instance with
+``max_tokens=1`` (non-streaming), then the original request to the decode
+instance with the same ``X-Request-Id``: the seed's id that names both
+peers' KV addresses, or (``via_params=True``) a plain id with the peers in
+``kv_transfer_params``, as the router does.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    make_kv_transfer_params,
+    make_request_id,
+)
+from vllm_disagg.testing import openai_client
+from vllm_disagg.testing.server import VllmServer, get_free_port
+
+
+def kv_transfer_config(role: str, kv_port: int, **extra: Any) -> str:
+    """The ``--kv-transfer-config`` JSON of the design document for loopback tests."""
+    return json.dumps(
+        {
+            "kv_connector": "P2pNcclConnector",
+            "kv_role": role,
+            "kv_buffer_size": str(extra.pop("kv_buffer_size", "1e9")),
+            "kv_port": str(kv_port),
+            "kv_connector_extra_config": {"kv_ip": "127.0.0.1", **extra},
+        }
+    )
+
+
+class P2pInstance:
+    """A started ``vllm serve`` with its connector's address (TP rank 0 worker)."""
+
+    def __init__(self, server: VllmServer, kv_port: int):
+        self.server = server
+        self.kv_port = kv_port
+
+    @property
+    def kv_addr(self) -> str:
+        return f"127.0.0.1:{self.kv_port}"
+
+    def __getattr__(self, name: str):
+        return getattr(self.server, name)
+
+
+def free_kv_port(span: int = 4) -> int:
+    """A free port with ``span - 1`` more after it likely free (one per worker)."""
+    for _ in range(50):
+        port = get_free_port()
+        if port + span < 65535:
+            return port
+    raise RuntimeError("no free port range")
+
+
+def disaggregated_completion(
+    prefill: P2pInstance,
+    decode: P2pInstance,
+    prompt: str | list[int],
+    *,
+    max_tokens: int,
+    via_params: bool = False,
+    key: str | None = None,
+    timeout_s: float = 120.0,
+    **params: Any,
+) -> dict:
+    """Prefill on ``prefill`` (1 token), then the whole request on ``decode``: decode's response."""
+    key = key or uuid.uuid4().hex
+    if via_params:
+        request_id = f"router-{key}"
+        body_extra = {
+            "kv_transfer_params": make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, key)
+        }
+    else:
+        request_id = make_request_id(prefill.kv_addr, decode.kv_addr, key)
+        body_extra = {}
+    headers = {"X-Request-Id": request_id}
+    openai_client.complete(
+        prefill, prompt, headers=headers, timeout_s=timeout_s,
+        max_tokens=1, temperature=0.0, **body_extra, **params,
+    )  # fmt: skip
+    return openai_client.complete(
+        decode, prompt, headers=headers, timeout_s=timeout_s,
+        max_tokens=max_tokens, temperature=0.0, **body_extra, **params,
+    )  # fmt: skip

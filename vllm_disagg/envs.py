@@ -24,6 +24,7 @@ VLLM_DISAGG_PROBE = "VLLM_DISAGG_PROBE"
 VLLM_DISAGG_METRICS_DIR = "VLLM_DISAGG_METRICS_DIR"
 VLLM_DISAGG_VENV = "VLLM_DISAGG_VENV"
 VLLM_DISAGG_TARGET = "VLLM_DISAGG_TARGET"
+VLLM_DISAGG_P2P_SECRET = "VLLM_DISAGG_P2P_SECRET"
 
 VARIABLES: dict[str, EnvVar] = {
     var.name: var
@@ -51,6 +52,14 @@ VARIABLES: dict[str, EnvVar] = {
             "counts (read by the benchmark). Inherited by every child process.",
         ),
         EnvVar(
+            VLLM_DISAGG_P2P_SECRET,
+            "empty: no authentication",
+            "Shared secret of the P2pNcclConnector control plane (HMAC of every "
+            "message between instances); set the same value on every prefill and "
+            "decode instance. An environment variable, not a --kv-transfer-config "
+            "key, because command lines are visible to every user in `ps`.",
+        ),
+        EnvVar(
             VLLM_DISAGG_VENV,
             ".venv in the repository",
             "Where scripts/bootstrap.sh, demo.sh and test.sh keep the virtual environment.",
@@ -76,6 +85,12 @@ def features_disabled() -> bool:
 
 def probes_enabled() -> bool:
     return _truthy(os.environ.get(VLLM_DISAGG_PROBE))
+
+
+def p2p_secret() -> bytes | None:
+    """The P2P control-plane secret as UTF-8 bytes, or None when unset or empty."""
+    value = os.environ.get(VLLM_DISAGG_P2P_SECRET)
+    return value.encode() if value else None
 
 
 def metrics_dir() -> str | None:

@@ -102,4 +102,4 @@ def test_feature_check_follows_the_feature_switch(disabled):
     assert "'startup-validation'" in applied
     assert "'cpu-ray-dp'" in applied  # every enabler stays on
     assert ("'step-sync-options'" in applied) is not disabled
-    assert checks == ("[]" if disabled else "['check_step_sync_options']")
+    assert checks == ("[]" if disabled else "['check_step_sync_options', 'check_p2p_config']")

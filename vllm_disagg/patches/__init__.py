@@ -363,6 +363,41 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Step sync is upstream and vLLM validates its options itself.",
     ),
     Patch(
+        name="p2p-kv-transfer-json",
+        module="vllm_disagg.patches.engine.arg_utils",
+        apply_fn="apply_p2p_kv_transfer_json",
+        check_fn="is_p2p_kv_transfer_json_applied",
+        upstream=(
+            "vllm.engine.arg_utils.EngineArgs.add_cli_args / __post_init__ / "
+            "create_engine_config"
+        ),
+        kind="feature",
+        why=(
+            "Users select P2pNcclConnector with the seed design document's JSON, "
+            "which puts kv_buffer_size (and the old kv_ip, kv_rank, "
+            "kv_parallel_size) at the top level; 0.32's KVTransferConfig forbids "
+            "unknown fields and has none of them, so `vllm serve "
+            "--kv-transfer-config '{...\"kv_buffer_size\":\"1e1\"...}'` exits 2 at "
+            "argument parsing with \"kv_buffer_size: Unexpected keyword argument\"."
+        ),
+        how=(
+            "Wraps add_cli_args: the --kv-transfer-config argparse type (which the "
+            "dotted --kv-transfer-config.key=value form also reaches) normalises "
+            "P2pNcclConnector JSON with normalize_kv_transfer_json (legacy keys "
+            "into kv_connector_extra_config, kv_load_failure_policy recompute by "
+            "default), hands it to upstream's type, then parses P2pConfig so a bad "
+            "value is one argparse error naming the key. A dict given to "
+            "EngineArgs is normalised in the startup-validation wrappers of "
+            "__post_init__ and create_engine_config, and check_p2p_config (port "
+            "plan included) joins the checks on the built config. Other "
+            "connectors' JSON reaches upstream untouched."
+        ),
+        drop_when=(
+            "The connector is upstream with its options in kv_connector_extra_config "
+            "(or KVTransferConfig has kv_buffer_size again) and vLLM validates them."
+        ),
+    ),
+    Patch(
         name="forward-pass-probe",
         module="vllm_disagg.patches.v1.engine.core",
         apply_fn="apply_probe",

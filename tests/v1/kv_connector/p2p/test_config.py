@@ -1,0 +1,332 @@
+"""P2pNcclConnector options: the seed document's JSON normalised for vLLM
+0.32's KVTransferConfig, every value typed and checked, one-line errors that
+name the key, and the per-worker port plan."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+from vllm.config.kv_transfer import KVTransferConfig
+
+from vllm_disagg import envs
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import config as p2p_config
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
+    CONNECTOR_NAME,
+    EXTRA_CONFIG_KEYS,
+    GIB,
+    LEGACY_TOP_LEVEL_KEYS,
+    P2pConfig,
+    SendType,
+    check_p2p_config,
+    normalize_kv_transfer_json,
+)
+from vllm_disagg.errors import ConfigError
+
+SEED_PRODUCER = {
+    "kv_connector": "P2pNcclConnector",
+    "kv_role": "kv_producer",
+    "kv_buffer_size": "1e1",
+    "kv_port": "21001",
+    "kv_connector_extra_config": {
+        "proxy_ip": "10.0.1.1",
+        "proxy_port": "30001",
+        "http_port": "20001",
+    },
+}
+
+
+def _config(extra=None, *, role="kv_consumer", port=22001, **top) -> P2pConfig:
+    """P2pConfig from the real KVTransferConfig, the way vLLM builds it."""
+    obj = {"kv_connector": CONNECTOR_NAME, "kv_role": role, "kv_port": port, **top}
+    obj["kv_connector_extra_config"] = {"kv_ip": "127.0.0.1", **(extra or {})}
+    return P2pConfig.from_kv_transfer_config(KVTransferConfig(**normalize_kv_transfer_json(obj)))
+
+
+def _error(fn, *args, **kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# --- normalize_kv_transfer_json ---------------------------------------------
+
+
+def test_seed_json_is_normalised_for_kv_transfer_config():
+    out = normalize_kv_transfer_json(SEED_PRODUCER)
+    assert out == {
+        "kv_connector": "P2pNcclConnector",
+        "kv_role": "kv_producer",
+        "kv_port": 21001,
+        "kv_connector_extra_config": {
+            "proxy_ip": "10.0.1.1",
+            "proxy_port": "30001",
+            "http_port": "20001",
+            "kv_buffer_size": "1e1",
+        },
+        "kv_load_failure_policy": "recompute",
+    }
+    assert SEED_PRODUCER["kv_buffer_size"] == "1e1"  # a copy; the input is untouched
+    assert "kv_buffer_size" not in SEED_PRODUCER["kv_connector_extra_config"]
+    config = P2pConfig.from_kv_transfer_config(KVTransferConfig(**out))
+    assert (config.role, config.base_port, config.kv_buffer_size) == ("kv_producer", 21001, 10)
+    assert (config.proxy_ip, config.proxy_port, config.http_port) == ("10.0.1.1", 30001, 20001)
+
+
+def test_stock_kv_transfer_config_rejects_the_seed_json():
+    """Why the normalisation exists (measured on 0.32)."""
+    with pytest.raises(Exception, match="kv_buffer_size"):
+        KVTransferConfig(**SEED_PRODUCER)
+
+
+def test_other_connectors_are_untouched():
+    obj = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_size": "1e1"}
+    assert normalize_kv_transfer_json(obj) is obj
+
+
+def test_explicit_failure_policy_is_kept():
+    out = normalize_kv_transfer_json({**SEED_PRODUCER, "kv_load_failure_policy": "fail"})
+    assert out["kv_load_failure_policy"] == "fail"
+
+
+def test_kv_ip_moves_and_rank_keys_are_dropped_with_one_warning(monkeypatch):
+    warnings = []
+    monkeypatch.setattr(p2p_config, "_warned", set())
+    monkeypatch.setattr(p2p_config.logger, "warning", lambda *a: warnings.append(a))
+    obj = {**SEED_PRODUCER, "kv_ip": "10.0.0.5", "kv_rank": 0, "kv_parallel_size": 2}
+    out = normalize_kv_transfer_json(obj)
+    normalize_kv_transfer_json(obj)
+    assert set(LEGACY_TOP_LEVEL_KEYS).isdisjoint(out)
+    assert out["kv_connector_extra_config"]["kv_ip"] == "10.0.0.5"
+    assert sorted(w[1] for w in warnings) == ["kv_parallel_size", "kv_rank"]
+    assert _config({"kv_ip": "10.0.0.5"}).host == "10.0.0.5"
+
+
+def test_key_in_both_places():
+    same = {**SEED_PRODUCER, "kv_connector_extra_config": {"kv_buffer_size": "1e1"}}
+    assert normalize_kv_transfer_json(same)["kv_connector_extra_config"] == {
+        "kv_buffer_size": "1e1"
+    }
+    differ = {**SEED_PRODUCER, "kv_connector_extra_config": {"kv_buffer_size": "2e1"}}
+    message = _error(normalize_kv_transfer_json, differ)
+    assert message.startswith("kv_buffer_size: given at the top level ('1e1')")
+
+
+@pytest.mark.parametrize(
+    "port", ["abc", "", "21001.5", "21_001", "65536", 0, 65536, -1, True, 21001.0, None]
+)
+def test_bad_kv_port(port):
+    message = _error(normalize_kv_transfer_json, {**SEED_PRODUCER, "kv_port": port})
+    assert message.startswith("kv_port: ") and "1..65535" in message
+
+
+def test_extra_config_must_be_an_object():
+    obj = {**SEED_PRODUCER, "kv_connector_extra_config": "proxy"}
+    assert _error(normalize_kv_transfer_json, obj).startswith("kv_connector_extra_config: ")
+
+
+# --- P2pConfig --------------------------------------------------------------
+
+
+def test_defaults(monkeypatch):
+    monkeypatch.delenv(envs.VLLM_DISAGG_P2P_SECRET, raising=False)
+    config = _config()
+    assert config == P2pConfig(role="kv_consumer", base_port=22001, host="127.0.0.1")
+    assert config.send_type is SendType.PUT_ASYNC
+    assert config.kv_buffer_size == 10**9
+    assert config.mem_pool_size_bytes == GIB and config.mem_pool_size_gb == 1.0
+    assert config.transport == "auto"
+    assert (config.kv_load_timeout_s, config.kv_hold_timeout_s) == (30.0, 60.0)
+    assert (config.proxy_ip, config.proxy_port, config.http_port, config.secret) == (None,) * 4
+
+
+def test_default_host_is_vllms_ip(monkeypatch):
+    monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
+    obj = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both"}
+    assert P2pConfig.from_kv_transfer_config(KVTransferConfig(**obj)).host == "10.1.2.3"
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("1e1", 10), ("8e9", 8 * 10**9), (" 1e9 ", 10**9), (1e9, 10**9), (5, 5), ("0", 0),
+     (2.5, 2)],  # fmt: skip
+)
+def test_kv_buffer_size(value, expected):
+    assert _config({"kv_buffer_size": value}).kv_buffer_size == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", -1, "nan", "inf", True, None, [1], "1e20"])
+def test_bad_kv_buffer_size(value):
+    message = _error(_config, {"kv_buffer_size": value})
+    assert message.startswith("kv_connector_extra_config.kv_buffer_size: ")
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("PUT", SendType.PUT), ("get", SendType.GET), ("Put_Async", SendType.PUT_ASYNC),
+     (SendType.GET, SendType.GET)],  # fmt: skip
+)
+def test_send_type_is_case_insensitive(value, expected):
+    assert _config({"send_type": value}).send_type is expected
+
+
+def test_bad_send_type_names_key_and_choices():
+    assert _error(_config, {"send_type": "PUSH"}) == (
+        "kv_connector_extra_config.send_type: 'PUSH' is not one of PUT, GET, PUT_ASYNC"
+    )
+
+
+@pytest.mark.parametrize("gb, expected", [(0, 0), ("0.5", GIB // 2), (2, 2 * GIB)])
+def test_mem_pool_size(gb, expected):
+    assert _config({"mem_pool_size_gb": gb}).mem_pool_size_bytes == expected
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ({"mem_pool_size_gb": -1}, "mem_pool_size_gb"),
+        ({"transport": "rdma"}, "transport"),
+        ({"kv_load_timeout_s": 0}, "kv_load_timeout_s"),
+        ({"kv_hold_timeout_s": "soon"}, "kv_hold_timeout_s"),
+        ({"kv_ip": "a_b"}, "kv_ip"),
+        ({"kv_ip": "999.1.1.1"}, "kv_ip"),
+        ({"kv_ip": "fe80::1%eth0"}, "kv_ip"),
+        ({"kv_ip": ""}, "kv_ip"),
+        ({"proxy_ip": "10.0.0.1", "proxy_port": "abc", "http_port": 1}, "proxy_port"),
+        ({"proxy_ip": "10.0.0.1", "proxy_port": 1, "http_port": 0}, "http_port"),
+        ({"proxy_ip": "10.0.0.1"}, "proxy_ip"),
+        ({"proxy_port": 30001}, "proxy_ip"),
+        ({"proxy_ip": "10.0.0.1", "proxy_port": 30001}, "http_port"),
+    ],
+)
+def test_bad_values_name_the_key(extra, key):
+    assert _error(_config, extra).startswith(f"kv_connector_extra_config.{key}")
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("TCP", "tcp"), ("gloo", "gloo"), ("nccl", "nccl"), ("fake", "fake"), ("auto", "auto")],
+)
+def test_transport(value, expected):
+    assert _config({"transport": value}).transport == expected
+
+
+@pytest.mark.parametrize(
+    "host, expected",
+    [("::1", "::1"), ("[::1]", "::1"), ("host-1.example.com", "host-1.example.com"),
+     ("10.0.0.1", "10.0.0.1")],  # fmt: skip
+)
+def test_hosts(host, expected):
+    assert _config({"kv_ip": host}).host == expected
+
+
+def test_unknown_extra_key_lists_the_allowed_keys():
+    message = _error(_config, {"send_typ": "PUT"})
+    assert message.startswith("kv_connector_extra_config.send_typ: unknown key")
+    assert "did you mean 'send_type'?" in message
+    assert ", ".join(EXTRA_CONFIG_KEYS) in message
+    assert _error(_config, {"kv_rank": 0}).startswith("kv_connector_extra_config.kv_rank")
+
+
+def test_role_and_connector_are_checked():
+    ktc = SimpleNamespace(
+        kv_connector=CONNECTOR_NAME, kv_role="kv_sender", kv_port=1, kv_connector_extra_config={}
+    )
+    assert _error(P2pConfig.from_kv_transfer_config, ktc).startswith("kv_role: 'kv_sender'")
+    ktc.kv_connector = "NixlConnector"
+    assert _error(P2pConfig.from_kv_transfer_config, ktc).startswith("kv_connector: ")
+
+
+def test_secret_comes_from_the_environment_and_is_not_printed(monkeypatch):
+    monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET, "s3cr3t")
+    config = _config()
+    assert config.secret == b"s3cr3t"
+    assert "s3cr3t" not in repr(config)
+    monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET, "")
+    assert _config().secret is None
+    assert "secret" not in EXTRA_CONFIG_KEYS
+
+
+def test_direct_construction_is_checked_and_frozen():
+    config = P2pConfig(role="kv_both", base_port="21001", send_type="get", transport="TCP")
+    assert (config.base_port, config.send_type, config.transport) == (21001, SendType.GET, "tcp")
+    with pytest.raises(AttributeError):
+        config.base_port = 1  # type: ignore[misc]
+    assert _error(P2pConfig, role="kv_both", base_port=0).startswith("base_port: ")
+    assert _error(P2pConfig, role="x", base_port=1).startswith("role: ")
+    assert _error(P2pConfig, role="kv_both", base_port=1, kv_buffer_size=-1).startswith(
+        "kv_buffer_size: "
+    )
+
+
+# --- the port plan ----------------------------------------------------------
+
+
+def test_every_worker_of_every_dp_rank_gets_its_own_port():
+    config = P2pConfig(role="kv_both", base_port=21001)
+    dp, tp, pp = 3, 2, 2
+    ports = [
+        config.worker_port(dp_rank=d, tp_size=tp, pp_size=pp, tp_rank=t, pp_rank=p)
+        for d, p, t in itertools.product(range(dp), range(pp), range(tp))
+    ]
+    assert ports == list(range(21001, 21001 + dp * tp * pp))
+    assert config.instance_port(1, tp, pp) == 21001 + 4
+    assert config.worker_port(dp_rank=2, tp_size=2, pp_size=2, tp_rank=1, pp_rank=1) == (
+        21001 + 2 * 4 + 1 * 2 + 1
+    )
+    with pytest.raises(ValueError):
+        config.worker_port(dp_rank=0, tp_size=2, pp_size=1, tp_rank=2, pp_rank=0)
+
+
+def test_ports_beyond_65535_are_a_config_error():
+    config = P2pConfig(role="kv_both", base_port=65535)
+    assert config.instance_port(0, 1, 1) == 65535
+    message = _error(config.worker_port, dp_rank=0, tp_size=2, pp_size=1, tp_rank=1, pp_rank=0)
+    assert message.startswith("kv_port: ") and "at most 65534" in message
+    parallel = SimpleNamespace(
+        data_parallel_size=2, tensor_parallel_size=4, pipeline_parallel_size=1
+    )
+    message = _error(P2pConfig(role="kv_both", base_port=65530).check_port_plan, parallel)
+    assert message.startswith("kv_port: 65530 needs ports 65530..65537")
+    assert "at most 65528" in message
+    assert P2pConfig(role="kv_both", base_port=65528).check_port_plan(parallel) == range(
+        65528, 65536
+    )
+
+
+def test_http_port_inside_the_kv_ports_is_refused():
+    config = P2pConfig(
+        role="kv_both", base_port=20000, proxy_ip="10.0.0.1", proxy_port=30001, http_port=20001
+    )
+    parallel = SimpleNamespace(
+        data_parallel_size=1, tensor_parallel_size=2, pipeline_parallel_size=1
+    )
+    assert _error(config.check_port_plan, parallel).startswith(
+        "kv_connector_extra_config.http_port: 20001 is one of the workers' KV ports"
+    )
+
+
+def _vllm_config(kv_transfer_config, dp=1, tp=1, pp=1):
+    parallel = SimpleNamespace(
+        data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp
+    )
+    return SimpleNamespace(kv_transfer_config=kv_transfer_config, parallel_config=parallel)
+
+
+def test_check_p2p_config():
+    assert check_p2p_config(_vllm_config(None)) is None
+    other = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    assert check_p2p_config(_vllm_config(other)) is None
+    good = KVTransferConfig(**normalize_kv_transfer_json(SEED_PRODUCER))
+    assert check_p2p_config(_vllm_config(good, dp=2, tp=2)) is None
+    assert _error(check_p2p_config, _vllm_config(good, dp=50000)).startswith("kv_port: 21001")
+    bad = KVTransferConfig(
+        kv_connector=CONNECTOR_NAME, kv_role="kv_both",
+        kv_connector_extra_config={"send_type": "PUSH"},
+    )  # fmt: skip
+    assert _error(check_p2p_config, _vllm_config(bad)).startswith(
+        "kv_connector_extra_config.send_type"
+    )

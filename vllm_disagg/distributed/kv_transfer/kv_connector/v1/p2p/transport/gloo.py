@@ -17,7 +17,10 @@ Gloo cannot interrupt a wait from another thread (neither ``abort`` nor
 which fails every pending operation on both ends. ``close`` relies on that.
 
 Gloo picks the interface of its own connections from the host name (or
-``GLOO_SOCKET_IFNAME``); only the store listens on ``bind_host``.
+``GLOO_SOCKET_IFNAME``); only the store listens on ``bind_host``. Gloo
+aborts the process when a message is larger than the buffer posted for it,
+so a peer that sends more data than its own header announced (which this
+code never does) can crash the receiver: tcp has no such failure mode.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ class GlooChannel(Channel):
             total = int(self._recv_header[0])
             if total != expected:
                 raise TransportError(f"peer sent {total} bytes, receiver expects {expected}")
+            # Only now is the data receive posted: gloo aborts the whole
+            # process when a message is larger than the buffer posted for it.
             if len(parts) == 1:
                 self._wait(self._pg.recv(parts, self._peer, _DATA_TAG), deadline)
             elif parts:

@@ -444,13 +444,22 @@ class _Peer:
         start = time.monotonic()
         sent_bytes = 0
         try:
-            self._ensure_channel(xfer.deadline)
-            reply = self.request(
-                lambda n: Offer(req_no=n, channel_id=self.channel_id, key=xfer.key,
-                                xfer_id=0, num_blocks=len(xfer.block_ids),
-                                request_id=xfer.request_id[:512]),
-                xfer.deadline,
-            )
+            for attempt in range(2):
+                self._ensure_channel(xfer.deadline)
+                reply = self.request(
+                    lambda n: Offer(req_no=n, channel_id=self.channel_id, key=xfer.key,
+                                    xfer_id=0, num_blocks=len(xfer.block_ids),
+                                    request_id=xfer.request_id[:512]),
+                    xfer.deadline,
+                )
+                if reply.status == Status.REJECTED and "unknown channel" in reply.reason:
+                    # The receiver dropped its end of the channel (a receive of its
+                    # failed after we had sent every byte): ours is useless, and kept
+                    # it would get every later offer refused. Offer again on a new one.
+                    self._close_channel()
+                    if attempt == 0:
+                        continue
+                break
             if reply.status != Status.OK:
                 engine._finish_send(xfer, ok=False, reason=f"{reply.status} {reply.reason}")
                 return

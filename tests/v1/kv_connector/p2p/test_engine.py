@@ -1,0 +1,782 @@
+"""The P2P engine, two (or three) real engines in one process over loopback.
+
+Fake KV caches (3 layers x 64 blocks of [1, 32, 128]) stand in for the model;
+the tests drive the engine API the worker uses (start_send / layer_saved /
+hold on the sender, expect / poll / copy_into_cache / release / abandon on
+the receiver) and check bytes, stats and memory accounting exactly.
+Every wait is bounded; every engine is closed by the ``make_engine`` fixture.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import threading
+import time
+from collections import Counter
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import engine as engine_mod
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
+    KVLayout,
+    P2pEngine,
+    SendTransfer,
+    SlotState,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    Hello,
+    LayoutSpec,
+    Offer,
+    Reply,
+    Status,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import COUNTERS
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
+    TransportError,
+    create_transport,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import FakeTransport
+from vllm_disagg.testing.server import get_free_port
+
+LAYERS = 3
+BLOCKS = 64
+BLOCK_SHAPE = (1, 32, 128)
+BLOCK_SIZE = 32
+PAGE = 32 * 128 * 4  # bytes of one float32 block of one layer
+HOST = "127.0.0.1"
+WAIT_S = 10.0  # upper bound of any wait for something that should happen soon
+
+TRANSPORTS = ["fake", "tcp"]
+
+
+class Node:
+    """An engine, its fake KV cache and its stats totals (take() drains them)."""
+
+    def __init__(self, engine: P2pEngine, kv: dict[str, torch.Tensor]):
+        self.engine = engine
+        self.kv = kv
+        self.layers = list(kv.values())
+        self._totals: Counter = Counter()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def totals(self) -> Counter:
+        snap = self.engine.stats.take()
+        if snap is not None:
+            for key in COUNTERS:
+                self._totals[key] += snap.data[key]
+        return Counter(self._totals)
+
+    def block_bytes(self, layer: int, block_ids: list[int]) -> torch.Tensor:
+        return self.layers[layer][block_ids].contiguous().view(torch.uint8).clone()
+
+
+@pytest.fixture
+def make_engine():
+    nodes: list[Node] = []
+
+    def make(
+        transport: str = "fake",
+        send_type: str = "PUT_ASYNC",
+        *,
+        buf: int = 1 << 26,
+        pool: int = 0,
+        hold: float = 5.0,
+        secret: bytes | None = None,
+        layers: int = LAYERS,
+        shape: tuple[int, ...] = BLOCK_SHAPE,
+        dtype: torch.dtype = torch.float32,
+        block_size: int = BLOCK_SIZE,
+        seed: int = 0,
+    ) -> Node:
+        gen = torch.Generator().manual_seed(seed)
+        kv = {
+            f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, *shape, generator=gen).to(dtype)
+            for i in range(layers)
+        }
+        for attempt in range(5):
+            try:
+                engine = P2pEngine(
+                    layout=KVLayout(kv, block_size), host=HOST, port=get_free_port(),
+                    transport=create_transport(transport, torch.device("cpu"), HOST),
+                    send_type=send_type, kv_buffer_size=buf, mem_pool_size_bytes=pool,
+                    hold_timeout_s=hold, secret=secret,
+                )
+                break
+            except OSError:  # the free port was taken in between
+                if attempt == 4:
+                    raise
+        node = Node(engine, kv)
+        nodes.append(node)
+        return node
+
+    try:
+        yield make
+    finally:
+        for node in nodes:
+            node.engine.close()
+
+
+# --- helpers -----------------------------------------------------------------
+
+
+def wait_for(pred, what: str, timeout: float = WAIT_S):
+    end = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def wait_slot(node: Node, key: str, timeout: float = WAIT_S):
+    return wait_for(lambda: node.poll(key), f"slot {key}", timeout)
+
+
+def wait_done(xfer: SendTransfer, timeout: float = WAIT_S) -> SendTransfer:
+    assert xfer.done.wait(timeout), f"send of {xfer.key} did not finish in {timeout}s"
+    return xfer
+
+
+def deadline(seconds: float = WAIT_S) -> float:
+    return time.monotonic() + seconds
+
+
+def assert_blocks_equal(dst: Node, dst_ids: list[int], src: Node, src_ids: list[int]) -> None:
+    for layer in range(len(src.layers)):
+        got = dst.block_bytes(layer, dst_ids)
+        want = src.block_bytes(layer, src_ids)
+        assert torch.equal(got, want), f"layer {layer}: blocks {dst_ids} != source {src_ids}"
+
+
+def assert_nothing_held(node: Node) -> None:
+    assert node.occupancy() == (0, 0)
+    with node.engine._lock:
+        assert not node.engine._slots, list(node.engine._slots)
+        assert not node.engine._expected, list(node.engine._expected)
+
+
+def assert_nothing_allocated(node: Node) -> None:
+    assert node.occupancy() == (0, 0)
+    with node.engine._lock:
+        assert not node.engine._slots
+
+
+def send(sender: Node, receiver: Node, key: str, src_ids: list[int], *, mode: str,
+         skip: int = 0, expect: bool = True, exp_deadline: float | None = None):
+    """Start one transfer in ``mode``; returns the sender's SendTransfer."""
+    if mode == "GET":
+        xfer = sender.hold(key, f"req-{key}", src_ids)
+        receiver.expect(key, skip, exp_deadline or deadline(), get_from=sender.addr)
+        return xfer
+    if expect:
+        receiver.expect(key, skip, exp_deadline or deadline(), get_from=None)
+    xfer = sender.start_send(key, f"req-{key}", receiver.addr, src_ids, all_saved=mode == "PUT")
+    if mode == "PUT_ASYNC":
+        for layer in range(sender.engine.layout.num_layers):
+            xfer.layer_saved(layer, None)
+    return xfer
+
+
+def receive(receiver: Node, key: str, dst_ids: list[int], first_block: int):
+    slot = wait_slot(receiver, key)
+    assert slot.state is SlotState.COMPLETE, (slot.state, slot.reason)
+    receiver.copy_into_cache(slot, dst_ids, first_block)
+    receiver.release(slot)
+    return slot
+
+
+class WarningCounter(logging.Handler):
+    """Counts the engine logger's warning lines (vLLM's loggers do not propagate)."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self):
+        engine_mod.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        engine_mod.logger.removeHandler(self)
+
+
+# --- the three send modes ----------------------------------------------------
+
+
+@pytest.mark.parametrize("skip", [0, 2])
+@pytest.mark.parametrize("mode", ["PUT_ASYNC", "PUT", "GET"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_transfer_lands_byte_equal(make_engine, transport, mode, skip):
+    prefill = make_engine(transport, mode, seed=1)
+    decode = make_engine(transport, mode, seed=2)
+    src = [5, 7, 9, 11, 13]
+    dst = [40, 41, 42, 43, 44][skip:]
+    before = [t.clone() for t in decode.layers]
+    held = len(src) - skip
+    nbytes = LAYERS * held * PAGE
+
+    if mode == "PUT_ASYNC":
+        # layers are saved one by one from this (the model) thread; the
+        # transfer cannot complete before the last one is saved
+        decode.expect("k", skip, deadline(), get_from=None)
+        xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False)
+        xfer.layer_saved(0, None)
+        wait_for(lambda: decode.occupancy() == (nbytes, 0), "the offer to reserve room")
+        xfer.layer_saved(1, None)
+        time.sleep(0.15)
+        assert decode.poll("k") is None
+        assert not xfer.done.is_set()
+        xfer.layer_saved(2, None)
+    else:
+        xfer = send(prefill, decode, "k", src, mode=mode, skip=skip)
+
+    slot = wait_slot(decode, "k")
+    assert slot.state is SlotState.COMPLETE, slot.reason
+    assert (slot.num_blocks, slot.skip_blocks, slot.blocks_held) == (len(src), skip, held)
+    assert decode.occupancy() == (nbytes, 0)
+    decode.copy_into_cache(slot, dst, skip)
+    decode.release(slot)
+    assert_nothing_held(decode)
+
+    assert_blocks_equal(decode, dst, prefill, src[skip:])
+    untouched = [b for b in range(BLOCKS) if b not in dst]
+    for layer in range(LAYERS):
+        assert torch.equal(decode.layers[layer][untouched], before[layer][untouched])
+    assert_blocks_equal(prefill, src, prefill, src)  # the source is left as it was
+
+    assert wait_done(xfer).ok, xfer.reason
+    assert prefill.take_finished_sends() == [xfer]
+    got, sent = decode.totals(), prefill.totals()
+    assert got["blocks_received"] == held and got["bytes_received"] == nbytes
+    assert sent["blocks_sent"] == held and sent["bytes_sent"] == nbytes
+    for node in (got, sent):
+        assert node["failed_sends"] == node["rejected_messages"] == node["dropped"] == 0
+        assert node["spills"] == 0
+
+
+def test_bf16_blocks_and_a_capped_skip(make_engine):
+    # bf16 KV, and a decode claiming to hold every block: the receiver caps the
+    # skip so that at least the last block is always sent
+    prefill = make_engine("fake", "PUT", dtype=torch.bfloat16, seed=3)
+    decode = make_engine("fake", "PUT", dtype=torch.bfloat16, seed=4)
+    src = [1, 2, 3]
+    xfer = send(prefill, decode, "k", src, mode="PUT", skip=5)
+    slot = wait_slot(decode, "k")
+    assert slot.state is SlotState.COMPLETE and slot.skip_blocks == 2
+    with pytest.raises(ValueError):
+        decode.copy_into_cache(slot, [60, 61], 1)  # more blocks than were sent
+    decode.copy_into_cache(slot, [60], 2)
+    decode.release(slot)
+    assert_blocks_equal(decode, [60], prefill, [3])
+    assert wait_done(xfer).ok
+    assert decode.totals()["bytes_received"] == LAYERS * 32 * 128 * 2
+    assert_nothing_held(decode)
+
+
+# --- receive buffer and pool -------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_tiny_buffer_spills_to_the_pool(make_engine, transport):
+    prefill = make_engine(transport, "PUT", seed=1)
+    decode = make_engine(transport, "PUT", buf=1, pool=1 << 22, seed=2)
+    src, dst = [3, 4, 5, 6], [10, 11, 12, 13]
+    nbytes = LAYERS * len(src) * PAGE
+    xfer = send(prefill, decode, "k", src, mode="PUT")
+    slot = wait_slot(decode, "k")
+    assert slot.state is SlotState.COMPLETE, slot.reason
+    assert slot.pool_alloc is not None
+    buffer_used, pool_used = decode.occupancy()
+    assert buffer_used == 0 and pool_used >= nbytes
+    decode.copy_into_cache(slot, dst, 0)
+    decode.release(slot)
+    assert_blocks_equal(decode, dst, prefill, src)
+    assert_nothing_held(decode)
+    assert wait_done(xfer).ok
+    got = decode.totals()
+    assert got["spills"] == 1 and got["bytes_received"] == nbytes and got["dropped"] == 0
+
+
+def test_buffer_first_then_pool_accounting_is_exact(make_engine):
+    nbytes = LAYERS * 2 * PAGE
+    prefill = make_engine("fake", "PUT", seed=1)
+    decode = make_engine("fake", "PUT", buf=nbytes, pool=1 << 22, seed=2)
+    x1 = send(prefill, decode, "a", [1, 2], mode="PUT")
+    s1 = wait_slot(decode, "a")
+    x2 = send(prefill, decode, "b", [3, 4], mode="PUT")
+    s2 = wait_slot(decode, "b")
+    assert s1.state is s2.state is SlotState.COMPLETE
+    assert s1.pool_alloc is None and s2.pool_alloc is not None
+    assert decode.occupancy() == (nbytes, s2.pool_alloc.size)
+    decode.copy_into_cache(s2, [20, 21], 0)
+    decode.release(s2)
+    assert decode.occupancy() == (nbytes, 0)
+    # the buffer is free again: the next transfer does not spill
+    x3 = send(prefill, decode, "c", [5, 6], mode="PUT")
+    decode.release(s1)
+    s3 = wait_slot(decode, "c")
+    decode.copy_into_cache(s3, [22, 23], 0)
+    decode.release(s3)
+    assert_nothing_held(decode)
+    assert_blocks_equal(decode, [20, 21, 22, 23], prefill, [3, 4, 5, 6])
+    assert all(wait_done(x).ok for x in (x1, x2, x3))
+    assert decode.totals()["spills"] == 1
+
+
+@pytest.mark.parametrize("mode", ["PUT", "GET"])
+def test_no_room_sender_gets_no_space_and_nothing_is_held(make_engine, mode):
+    prefill = make_engine("fake", mode, seed=1)
+    decode = make_engine("fake", mode, buf=1, pool=0, seed=2)
+    xfer = send(prefill, decode, "k", [1, 2, 3], mode=mode)
+    assert not wait_done(xfer).ok
+    assert Status.NO_SPACE in xfer.reason
+    got = decode.totals()
+    assert got["dropped"] == 1 and got["blocks_received"] == 0
+    # the decode side never gets a complete slot: its worker's deadline decides
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        assert decode.poll("k") is None
+        time.sleep(0.02)
+    decode.abandon("k")
+    assert_nothing_held(decode)
+    # an offer for an abandoned key is not wanted
+    if mode == "PUT":
+        again = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True)
+        assert not wait_done(again).ok and Status.NOT_WANTED in again.reason
+        assert_nothing_held(decode)
+
+
+# --- deadlines ---------------------------------------------------------------
+
+
+def test_an_expectation_nobody_serves_is_left_to_the_worker(make_engine):
+    # The engine never times out an expectation by itself (no offer, no
+    # slot): the worker's deadline logic reports the load failure and abandons.
+    decode = make_engine("fake", "PUT_ASYNC", hold=0.2, seed=2)
+    decode.expect("k", 1, deadline(0.1), get_from=None)
+    time.sleep(0.5)  # past the deadline and the hold timeout, two sweeps
+    assert decode.poll("k") is None
+    with decode.engine._lock:
+        assert "k" in decode.engine._expected
+    decode.abandon("k")
+    assert_nothing_held(decode)
+
+
+@pytest.mark.parametrize("abandon", [False, True], ids=["release", "abandon"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_layers_never_saved_fail_at_the_sender_deadline(make_engine, transport, abandon):
+    hold = 0.8
+    prefill = make_engine(transport, "PUT_ASYNC", hold=hold, seed=1)
+    decode = make_engine(transport, "PUT_ASYNC", hold=30.0, seed=2)
+    src = [1, 2, 3]
+    decode.expect("k", 0, deadline(30.0), get_from=None)  # the receiver waits long
+    start = time.monotonic()
+    xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False)
+    nbytes = LAYERS * len(src) * PAGE
+    wait_for(lambda: decode.occupancy() == (nbytes, 0), "the offer to reserve room")
+    if abandon:
+        decode.abandon("k")  # while receiving: freed when the receive ends, not now
+        with decode.engine._lock:
+            slot = decode.engine._slots.get("k")
+            if slot is not None and slot.state is SlotState.RECEIVING:
+                assert slot.abandoned and decode.engine._buffer_used == nbytes
+
+    assert not wait_done(xfer).ok
+    assert "never saved" in xfer.reason
+    assert time.monotonic() - start >= hold - 0.05
+    assert prefill.totals()["failed_sends"] == 1
+
+    if abandon:
+        wait_for(lambda: decode.occupancy() == (0, 0), "the abandoned slot to be freed")
+        assert decode.poll("k") is None
+    else:
+        slot = wait_slot(decode, "k")  # failed by the broken channel, long before its deadline
+        assert slot.state is SlotState.FAILED and "receive failed" in slot.reason
+        assert time.monotonic() - start < 10.0
+        assert decode.occupancy() == (nbytes, 0)
+        decode.release(slot)
+    assert_nothing_held(decode)
+    assert decode.totals()["blocks_received"] == 0
+    old_channel = prefill.engine._peers[decode.addr].channel_id
+    assert prefill.engine._peers[decode.addr].channel is None
+
+    # the next transfer sets up a new channel and succeeds
+    xfer2 = send(prefill, decode, "k2", [4, 5], mode="PUT_ASYNC")
+    receive(decode, "k2", [50, 51], 0)
+    assert wait_done(xfer2).ok, xfer2.reason
+    assert prefill.engine._peers[decode.addr].channel_id != old_channel
+    assert_blocks_equal(decode, [50, 51], prefill, [4, 5])
+    assert_nothing_held(decode)
+
+
+def test_get_for_a_key_never_held_fails_at_the_deadline(make_engine):
+    prefill = make_engine("fake", "GET", seed=1)
+    decode = make_engine("fake", "GET", seed=2)
+    start = time.monotonic()
+    exp_deadline = start + 1.0
+    decode.expect("k", 0, exp_deadline, get_from=prefill.addr)
+    time.sleep(0.3)
+    if time.monotonic() < exp_deadline - 0.2:  # (a heavily loaded machine may oversleep)
+        assert decode.poll("k") is None  # NOT_READY: the GET is retried until the deadline
+    slot = wait_slot(decode, "k", timeout=5.0)
+    assert slot.state is SlotState.FAILED
+    assert "in time" in slot.reason and prefill.addr in slot.reason
+    assert time.monotonic() >= exp_deadline - engine_mod.GET_RETRY_INTERVAL_S - 0.01
+    decode.release(slot)
+    assert_nothing_held(decode)
+    assert prefill.take_finished_sends() == []
+    assert prefill.totals()["rejected_messages"] == 0
+
+
+def test_hold_expires_and_a_late_get_is_gone(make_engine):
+    hold = 0.3
+    prefill = make_engine("fake", "GET", hold=hold, seed=1)
+    decode = make_engine("fake", "GET", seed=2)
+    start = time.monotonic()
+    xfer = prefill.hold("k", "req-k", [1, 2])
+    finished = wait_for(prefill.take_finished_sends, "the hold to expire", timeout=5.0)
+    assert finished == [xfer] and xfer.done.is_set()
+    assert not xfer.ok and "kv_hold_timeout_s" in xfer.reason
+    assert time.monotonic() - start >= hold
+    assert prefill.totals()["failed_sends"] == 1
+
+    decode.expect("k", 0, deadline(5.0), get_from=prefill.addr)
+    slot = wait_slot(decode, "k", timeout=3.0)  # well before the decode's deadline
+    assert slot.state is SlotState.FAILED and Status.GONE in slot.reason
+    decode.release(slot)
+    assert_nothing_held(decode)
+
+
+def test_a_hold_is_pulled_once(make_engine):
+    prefill = make_engine("fake", "GET", seed=1)
+    decode = make_engine("fake", "GET", seed=2)
+    xfer = send(prefill, decode, "k", [1, 2], mode="GET")
+    receive(decode, "k", [3, 4], 0)
+    assert wait_done(xfer).ok
+    # the hold is gone after the pull: a second GET is retried until its deadline
+    decode.expect("k", 0, deadline(0.3), get_from=prefill.addr)
+    slot = wait_slot(decode, "k", timeout=3.0)
+    assert slot.state is SlotState.FAILED
+    decode.release(slot)
+    assert_nothing_held(decode)
+
+
+# --- refused channels --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "decode_kw, field",
+    [
+        pytest.param(dict(shape=(1, 16, 128)), "page_bytes", id="page-size"),
+        pytest.param(dict(layers=2), "num_layers", id="layer-count"),
+        pytest.param(dict(block_size=16), "block_size", id="block-size"),
+        pytest.param(dict(shape=(1, 32, 256), dtype=torch.bfloat16), "dtype", id="dtype"),
+    ],
+)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_layout_mismatch_refuses_the_hello(make_engine, transport, decode_kw, field):
+    prefill = make_engine(transport, "PUT", seed=1)
+    decode = make_engine(transport, "PUT", seed=2, **decode_kw)
+    xfer = send(prefill, decode, "k", [1, 2], mode="PUT")
+    assert not wait_done(xfer).ok
+    assert "KV layout mismatch" in xfer.reason and field in xfer.reason, xfer.reason
+    assert decode.totals()["rejected_messages"] == 1
+    assert_nothing_allocated(decode)
+    assert not decode.engine._inbound
+
+
+@pytest.mark.parametrize(
+    "prefill_kw, decode_kw, words",
+    [
+        pytest.param(dict(send_type="PUT"), dict(send_type="PUT_ASYNC"), "send_type",
+                     id="send-type"),
+        pytest.param(dict(transport="fake"), dict(transport="tcp"), "transport", id="transport"),
+    ],
+)
+def test_mismatched_peers_are_refused(make_engine, prefill_kw, decode_kw, words):
+    prefill = make_engine(**{"transport": "fake", "send_type": "PUT", **prefill_kw})
+    decode = make_engine(**{"transport": "fake", "send_type": "PUT", **decode_kw})
+    xfer = send(prefill, decode, "k", [1, 2], mode="PUT")
+    assert not wait_done(xfer).ok
+    assert "refused the channel" in xfer.reason and words in xfer.reason, xfer.reason
+    assert decode.totals()["rejected_messages"] == 1
+    assert_nothing_allocated(decode)
+
+
+# --- concurrency -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_many_concurrent_transfers_land_in_the_right_blocks(make_engine, transport):
+    senders = [make_engine(transport, "PUT_ASYNC", seed=10 + i) for i in range(2)]
+    decode = make_engine(transport, "PUT_ASYNC", seed=2)
+    rng = random.Random(1234)
+    plan = []  # (sender, key, src ids, skip, dst ids)
+    free_dst = list(range(BLOCKS))
+    rng.shuffle(free_dst)
+    for s, sender in enumerate(senders):
+        src_pool = list(range(BLOCKS))
+        rng.shuffle(src_pool)
+        for j in range(10):
+            n, skip = 2 + j % 3, j % 2
+            src = [src_pool.pop() for _ in range(n)]
+            dst = [free_dst.pop() for _ in range(n - skip)]
+            plan.append((sender, f"s{s}-req{j}", src, skip, dst))
+    for _, key, _, skip, _ in plan:
+        decode.expect(key, skip, deadline(), get_from=None)
+    xfers = [sender.start_send(key, key, decode.addr, src, all_saved=False)
+             for sender, key, src, _, _ in plan]
+    for layer in range(LAYERS):  # interleaved layer saves, as two forward passes would
+        order = list(xfers)
+        rng.shuffle(order)
+        for i, xfer in enumerate(order):
+            xfer.layer_saved(layer, None)
+            if i % 7 == 0:
+                time.sleep(0.001)
+    for _sender, key, _src, skip, dst in plan:
+        receive(decode, key, dst, skip)
+    for sender, key, src, skip, dst in plan:
+        assert_blocks_equal(decode, dst, sender, src[skip:])
+    assert all(wait_done(x).ok for x in xfers), [x.reason for x in xfers if not x.ok]
+    assert_nothing_held(decode)
+    expected_blocks = sum(len(dst) for *_, dst in plan)
+    got = decode.totals()
+    assert got["blocks_received"] == expected_blocks
+    assert got["bytes_received"] == expected_blocks * LAYERS * PAGE
+    assert sum(s.totals()["blocks_sent"] for s in senders) == expected_blocks
+
+
+# --- hostile peers -----------------------------------------------------------
+
+
+def _flood_frames(n: int, secret: bytes | None) -> list[list[bytes]]:
+    """``n`` frames the listener must each reject exactly once (count them)."""
+    layout = LayoutSpec(num_layers=LAYERS, page_bytes=PAGE, block_size=BLOCK_SIZE, dtype="float32")
+    foreign = b"not the secret"
+    kinds = [
+        lambda i: [b"\xc1garbage %d" % i],  # one frame
+        lambda i: [b"a", b"b", b"c %d" % i],  # three frames
+        lambda i: [b"\x00" * (proto.MAX_FRAME_BYTES + 1 + i % 7), b""],  # oversized
+        lambda i: [msgspec.msgpack.encode(["nope", i]), b""],  # unknown tag
+        lambda i: [b"\x92\xa5offer", b""],  # truncated
+        # a well-formed message under another secret (or none)
+        lambda i: proto.seal(foreign, Offer(req_no=i, channel_id="feed", key=f"k{i}",
+                                            xfer_id=0, num_blocks=2)),
+        lambda i: proto.seal(None, Reply(req_no=i, status=Status.OK)),
+        lambda i: proto.seal(foreign, Hello(
+            version=-1, req_no=i, sender_addr="127.0.0.1:1", channel_id=f"c{i}",
+            transport="fake", setup=b"", layout=layout, send_type="PUT_ASYNC")),
+    ]
+    if secret is not None:
+        # out-of-bounds and garbage content with a valid MAC: "malformed"
+        def garbage_with_mac(i):
+            payload = msgspec.msgpack.encode(["offer", i, "c", "", 0, 1, ""])
+            return [payload, proto._mac(secret, payload)]
+
+        kinds.append(garbage_with_mac)
+    return [kinds[i % len(kinds)](i) for i in range(n)]
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret"], ids=["no-secret", "secret"])
+def test_a_flood_of_bad_frames_does_not_disturb_a_transfer(make_engine, secret):
+    n_frames = 2000
+    prefill = make_engine("fake", "PUT_ASYNC", secret=secret, seed=1)
+    decode = make_engine("fake", "PUT_ASYNC", secret=secret, seed=2)
+    frames = _flood_frames(n_frames, secret)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.SNDTIMEO, 5000)  # a blocked send fails instead of hanging
+    dealer.connect(engine_mod.zmq_endpoint(decode.addr))
+    flood_error: list[BaseException] = []
+
+    def flood():
+        try:
+            for i, msg in enumerate(frames):
+                dealer.send_multipart(msg)
+                if i % 100 == 0:
+                    time.sleep(0.001)  # spread the flood over the transfers
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            flood_error.append(e)
+
+    try:
+        with WarningCounter() as warnings:
+            thread = threading.Thread(target=flood, daemon=True)
+            thread.start()
+            xfers = []
+            for k in range(4):
+                src = [k * 3 + 1, k * 3 + 2, k * 3 + 3]
+                xfers.append(send(prefill, decode, f"k{k}", src, mode="PUT_ASYNC"))
+                receive(decode, f"k{k}", [40 + k * 3, 41 + k * 3, 42 + k * 3], 0)
+                assert_blocks_equal(decode, [40 + k * 3, 41 + k * 3, 42 + k * 3], prefill, src)
+            thread.join(WAIT_S)
+            assert not thread.is_alive() and not flood_error, flood_error
+            wait_for(lambda: decode.totals()["rejected_messages"] >= n_frames,
+                     "the listener to reject every frame")
+            time.sleep(0.1)
+        assert all(wait_done(x).ok for x in xfers), [x.reason for x in xfers]
+        got = decode.totals()
+        assert got["rejected_messages"] == n_frames
+        assert got["blocks_received"] == 12
+        assert prefill.totals()["rejected_messages"] == 0
+        assert_nothing_held(decode)
+        # rejections are logged at most once per kind per interval
+        lines = [r.getMessage() for r in warnings.records]
+        assert len(lines) <= 8, lines
+        assert all("rejected a message" in line for line in lines), lines
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+
+
+def test_raw_tcp_garbage_at_the_listener_is_harmless(make_engine):
+    prefill = make_engine("fake", "PUT", seed=1)
+    decode = make_engine("fake", "PUT", seed=2)
+    host, port = decode.addr.rsplit(":", 1)
+    for junk in [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(range(256)) * 4,
+                 b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00NULL" + b"\x00" * 60, b""]:
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            raw.sendall(junk)
+    xfer = send(prefill, decode, "k", [1, 2], mode="PUT")
+    receive(decode, "k", [3, 4], 0)
+    assert wait_done(xfer).ok, xfer.reason
+    assert_blocks_equal(decode, [3, 4], prefill, [1, 2])
+    assert_nothing_held(decode)
+
+
+def test_engines_sharing_a_secret_transfer(make_engine):
+    secret = b"shared"
+    prefill = make_engine("tcp", "GET", secret=secret, seed=1)
+    decode = make_engine("tcp", "GET", secret=secret, seed=2)
+    xfer = send(prefill, decode, "k", [1, 2, 3], mode="GET", skip=1)
+    receive(decode, "k", [7, 8], 1)
+    assert_blocks_equal(decode, [7, 8], prefill, [2, 3])
+    assert wait_done(xfer).ok
+    assert decode.totals()["rejected_messages"] == prefill.totals()["rejected_messages"] == 0
+
+
+@pytest.mark.parametrize("intruder_secret", [b"another", None], ids=["other-secret", "no-secret"])
+def test_an_engine_with_another_secret_is_refused(make_engine, intruder_secret):
+    decode = make_engine("fake", "PUT", secret=b"right", seed=2)
+    intruder = make_engine("fake", "PUT", secret=intruder_secret, hold=0.5, seed=1)
+    decode.expect("k", 0, deadline(), get_from=None)
+    xfer = intruder.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True)
+    assert not wait_done(xfer).ok
+    assert "no reply" in xfer.reason
+    assert decode.totals()["rejected_messages"] == 1  # the Hello, unauthenticated
+    assert decode.occupancy() == (0, 0)
+    assert not decode.engine._inbound and not decode.engine._slots
+    assert decode.poll("k") is None
+    decode.abandon("k")
+    assert_nothing_held(decode)
+
+
+# --- injected transport failures ---------------------------------------------
+
+
+def test_a_failed_send_breaks_the_channel_and_the_next_transfer_recovers(make_engine):
+    prefill = make_engine("fake", "PUT", seed=1)
+    decode = make_engine("fake", "PUT", seed=2)
+    x1 = send(prefill, decode, "a", [1, 2], mode="PUT")
+    receive(decode, "a", [10, 11], 0)
+    assert wait_done(x1).ok
+    peer = prefill.engine._peers[decode.addr]
+    first_channel = peer.channel_id
+    peer.channel.fail_next_send = True
+
+    x2 = send(prefill, decode, "b", [3, 4], mode="PUT")
+    assert not wait_done(x2).ok and "injected send failure" in x2.reason
+    slot = wait_slot(decode, "b")
+    assert slot.state is SlotState.FAILED and "injected send failure" in slot.reason
+    decode.release(slot)
+    assert_nothing_held(decode)
+
+    x3 = send(prefill, decode, "c", [5, 6], mode="PUT")
+    receive(decode, "c", [12, 13], 0)
+    assert wait_done(x3).ok, x3.reason
+    assert peer.channel_id != first_channel
+    assert_blocks_equal(decode, [10, 11, 12, 13], prefill, [1, 2, 5, 6])
+    assert_nothing_held(decode)
+
+
+def test_an_outage_mid_transfer_fails_it_and_the_next_transfer_recovers(make_engine):
+    prefill = make_engine("fake", "PUT_ASYNC", seed=1)
+    decode = make_engine("fake", "PUT_ASYNC", seed=2)
+    decode.expect("a", 0, deadline(), get_from=None)
+    x1 = prefill.start_send("a", "req-a", decode.addr, [1, 2, 3], all_saved=False)
+    x1.layer_saved(0, None)
+    wait_for(lambda: decode.occupancy()[0] > 0, "the offer to reserve room")
+    FakeTransport.break_all("injected outage")
+    x1.layer_saved(1, None)
+    x1.layer_saved(2, None)
+    assert not wait_done(x1).ok and "outage" in x1.reason
+    slot = wait_slot(decode, "a")
+    assert slot.state is SlotState.FAILED and "outage" in slot.reason
+    decode.release(slot)
+    assert_nothing_held(decode)
+
+    x2 = send(prefill, decode, "b", [4, 5], mode="PUT_ASYNC")
+    receive(decode, "b", [20, 21], 0)
+    assert wait_done(x2).ok, x2.reason
+    assert_blocks_equal(decode, [20, 21], prefill, [4, 5])
+    assert_nothing_held(decode)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_receive_that_fails_after_the_sender_finished_does_not_wedge_the_peer(
+    make_engine, transport
+):
+    # The receiver's end breaks after the sender has written every byte (its
+    # receive deadline passed while the bytes sat in socket buffers, say): the
+    # sender's channel looks fine, but the receiver dropped its end. The next
+    # transfers must not be refused forever as offers on an unknown channel.
+    prefill = make_engine(transport, "PUT", seed=1)
+    decode = make_engine(transport, "PUT", seed=2)
+    x1 = send(prefill, decode, "a", [1, 2], mode="PUT")
+    receive(decode, "a", [10, 11], 0)
+    assert wait_done(x1).ok
+
+    real_recv_layer = decode.engine._recv_layer
+    x2_holder: list[SendTransfer] = []
+
+    def recv_after_the_sender_is_done(channel, slot, layer):
+        if slot.key == "b":
+            wait_for(lambda: x2_holder and x2_holder[0].done.is_set(), "the send of b")
+            raise TransportError("injected: receive deadline passed")
+        real_recv_layer(channel, slot, layer)
+
+    decode.engine._recv_layer = recv_after_the_sender_is_done
+    x2_holder.append(send(prefill, decode, "b", [3, 4], mode="PUT"))
+    assert wait_done(x2_holder[0]).ok  # as far as the sender can tell
+    slot = wait_slot(decode, "b")
+    assert slot.state is SlotState.FAILED
+    decode.release(slot)
+    wait_for(lambda: not decode.engine._inbound, "the receiver to drop its channel end")
+
+    stale_channel = prefill.engine._peers[decode.addr].channel_id
+    for key, dst in [("c", [12, 13]), ("d", [14, 15])]:
+        xfer = send(prefill, decode, key, [5, 6], mode="PUT")
+        assert wait_done(xfer).ok, xfer.reason
+        slot = wait_slot(decode, key)
+        assert slot.state is SlotState.COMPLETE, slot.reason
+        decode.copy_into_cache(slot, dst, 0)
+        decode.release(slot)
+        assert_blocks_equal(decode, dst, prefill, [5, 6])
+    assert prefill.engine._peers[decode.addr].channel_id != stale_channel
+    # the stale offer was refused once, and retried on a new channel
+    assert decode.totals()["rejected_messages"] == 1
+    assert prefill.totals()["failed_sends"] == 0
+    assert_nothing_held(decode)

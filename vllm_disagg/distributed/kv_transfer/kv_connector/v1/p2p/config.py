@@ -80,6 +80,7 @@ EXTRA_CONFIG_KEYS = (
     "transport",
     "kv_load_timeout_s",
     "kv_hold_timeout_s",
+    "skip_cached_blocks",
     "proxy_ip",
     "proxy_port",
     "http_port",
@@ -294,6 +295,9 @@ class P2pConfig:
     kv_load_timeout_s: float = DEFAULT_KV_LOAD_TIMEOUT_S
     # Prefill: how long a finished request's blocks wait for a peer to take them.
     kv_hold_timeout_s: float = DEFAULT_KV_HOLD_TIMEOUT_S
+    # Decode: receive only the blocks its own prefix cache lacks (false: the
+    # whole prompt, as the old connector did; kept for measurement).
+    skip_cached_blocks: bool = True
     # Service discovery (the router): where to register, and this
     # instance's API server port the router forwards to.
     proxy_ip: str | None = None
@@ -388,6 +392,11 @@ class P2pConfig:
         for name in ("kv_load_timeout_s", "kv_hold_timeout_s"):
             if name in extra:
                 kwargs[name] = parse_seconds(key(name), extra[name])
+        if "skip_cached_blocks" in extra:
+            value = extra["skip_cached_blocks"]
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key('skip_cached_blocks')}: {_show(value)} is not true or false")
+            kwargs["skip_cached_blocks"] = value
         if "proxy_ip" in extra:
             kwargs["proxy_ip"] = parse_host(key("proxy_ip"), extra["proxy_ip"])
         for name in ("proxy_port", "http_port"):

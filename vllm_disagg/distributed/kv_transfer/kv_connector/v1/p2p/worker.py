@@ -2,9 +2,9 @@
 
 Per step (see ``kv_connector_model_runner_mixin.py``):
 
+* ``bind_connector_metadata`` (before the forward pass): PUT_ASYNC sends start.
 * ``start_load_kv``: new loads are registered with the engine (GET asks the
-  prefill worker for them); new sends start (PUT_ASYNC) or wait for the end of
-  the forward pass (PUT, GET).
+  prefill worker for them).
 * ``save_kv_layer``: PUT_ASYNC hands each layer to the sender as soon as the
   forward pass computed it (on CUDA with an event, so the sender never reads
   a layer still being written).
@@ -118,6 +118,17 @@ class P2pWorkerConnector:
 
     def bind(self, meta: P2pConnectorMetadata) -> None:
         self._meta = meta
+        # PUT_ASYNC sends start here, before the forward pass (vLLM calls
+        # start_load_kv after it when a step has no synchronous loads), so
+        # save_kv_layer can hand each layer over as soon as it is computed.
+        if self.engine is not None and self.config.send_type is SendType.PUT_ASYNC:
+            for save in meta.saves:
+                xfer = self.engine.start_send(
+                    save.key, save.request_id, shift_port(save.decode_addr, self.rank_offset),
+                    save.block_ids, all_saved=False,
+                )
+                self._streaming.append(xfer)
+                self._sends[save.request_id] = xfer
 
     def clear(self) -> None:
         self._meta = None
@@ -131,18 +142,12 @@ class P2pWorkerConnector:
         for load in meta.loads:
             deadline = now + self.config.kv_load_timeout_s
             self._loads[load.request_id] = (load, deadline)
+            # Blocks the decode side holds are not moved, unless measuring without it.
+            skip = load.first_block if self.config.skip_cached_blocks else 0
             engine.expect(
-                load.key, load.first_block, deadline,
+                load.key, skip, deadline,
                 get_from=shift_port(load.prefill_addr, self.rank_offset) if get_mode else None,
             )
-        if self.config.send_type is SendType.PUT_ASYNC:
-            for save in meta.saves:
-                xfer = engine.start_send(
-                    save.key, save.request_id, shift_port(save.decode_addr, self.rank_offset),
-                    save.block_ids, all_saved=False,
-                )
-                self._streaming.append(xfer)
-                self._sends[save.request_id] = xfer
 
     def save_kv_layer(self, layer_name: str) -> None:
         if not self._streaming:

@@ -1,0 +1,255 @@
+"""End to end: real prefill and decode `vllm serve` instances on the tiny Llama.
+
+Driven the way the design document's proxy drives them (prefill gets the
+request with ``max_tokens=1``, then decode gets the original with the same
+id). Decode's greedy token ids (float32) must equal a colocated run, and its
+metrics must show which path the KV took: the connector
+(``vllm:external_prefix_cache_hits``, ``vllm:p2p_bytes_received``), the host
+pool (``vllm:p2p_spills``) or a local recompute (``vllm:p2p_failed_loads``).
+
+Server sets are module fixtures, started concurrently: the PUT_ASYNC set
+(2 prefills, 3 decodes with different buffers) and the GET + PUT set.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from vllm_disagg.testing.p2p import (
+    P2pInstance,
+    disaggregated_completion,
+    free_kv_port,
+    kv_transfer_config,
+)
+
+pytestmark = pytest.mark.e2e
+
+BLOCK_SIZE = 32
+MAX_BATCHED = 256
+COMMON_ARGS = [
+    "--max-model-len", "1024", "--max-num-seqs", "16", "--seed", "0", "--dtype", "float32",
+    "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED),
+    # No torch.compile: a compile of a new shape at run time holds the worker's
+    # GIL for tens of seconds on these 2-core machines and starves the P2P threads.
+    "--enforce-eager",
+]  # fmt: skip
+# Shorter than a block, one block, three blocks + 5, longer than one chunk.
+PROMPT_LENGTHS = (1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, MAX_BATCHED + 2 * BLOCK_SIZE + 7)
+MAX_TOKENS = 12
+LOAD_TIMEOUT_S = 6.0
+
+
+def token_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(length)]
+
+
+_rng = random.Random(20261122)
+LENGTH_PROMPTS = [token_prompt(_rng, n) for n in PROMPT_LENGTHS]
+# Many requests in flight: shared prefixes too, so prefix-cache hits happen on both sides.
+_shared = token_prompt(_rng, 2 * BLOCK_SIZE)
+MANY_PROMPTS = [
+    (_shared if i % 3 == 0 else []) + token_prompt(_rng, _rng.randint(5, 150)) for i in range(32)
+]
+ALL_PROMPTS = [*LENGTH_PROMPTS, *MANY_PROMPTS]
+
+
+def _ids(response: dict) -> list[int]:
+    return list(response["choices"][0]["token_ids"])
+
+
+def _key(prompt: list[int]) -> tuple[int, ...]:
+    return tuple(prompt)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models, start_server) -> dict[tuple[int, ...], list[int]]:
+    """Greedy token ids of a colocated run for every prompt of this module."""
+    server = start_server(tiny_models["tiny-llama"], COMMON_ARGS, name="p2p-colocated")
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(
+                lambda p: _ids(server.complete(p, max_tokens=MAX_TOKENS, temperature=0.0,
+                                               return_token_ids=True)),
+                ALL_PROMPTS,
+            ))  # fmt: skip
+        return {_key(p): o for p, o in zip(ALL_PROMPTS, outs)}
+    finally:
+        server.stop()
+
+
+def _start(start_server, model, name, role, *, env=None, **extra) -> P2pInstance:
+    port = free_kv_port()
+    server = start_server(
+        model,
+        [*COMMON_ARGS, "--kv-transfer-config", kv_transfer_config(role, port, **extra)],
+        name=name,
+        wait=False,
+        **(env or {}),
+    )
+    return P2pInstance(server, port)
+
+
+def _wait_all(instances: dict[str, P2pInstance]) -> None:
+    for inst in instances.values():
+        inst.server.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def put_async_set(tiny_models, start_server, reference):
+    model = tiny_models["tiny-llama"]
+    common = {"kv_load_timeout_s": LOAD_TIMEOUT_S}
+    instances = {
+        "p1": _start(start_server, model, "p2p-pa-p1", "kv_producer", **common),
+        "p2": _start(start_server, model, "p2p-pa-p2", "kv_producer", **common),
+        "d1": _start(start_server, model, "p2p-pa-d1", "kv_consumer", **common),
+        # receive buffer of one byte: every transfer goes to the host pool
+        "d_pool": _start(start_server, model, "p2p-pa-dpool", "kv_consumer",
+                         kv_buffer_size="1", mem_pool_size_gb=0.25, **common),
+        # no buffer, no pool: every transfer is refused and recomputed
+        "d_none": _start(start_server, model, "p2p-pa-dnone", "kv_consumer",
+                         kv_buffer_size="1", mem_pool_size_gb=0, **common),
+    }  # fmt: skip
+    _wait_all(instances)
+    yield instances
+    for inst in instances.values():
+        inst.server.stop()
+
+
+def _metric(inst: P2pInstance, name: str) -> float:
+    values = inst.server.metrics(prefix=name)
+    return sum(v for metric, labels in values.items() if metric in (name, f"{name}_total")
+               for v in labels.values())
+
+
+def _check_lengths(prefill, decode, reference, *, via_params=False) -> None:
+    for length, prompt in zip(PROMPT_LENGTHS, LENGTH_PROMPTS):
+        out = disaggregated_completion(
+            prefill, decode, prompt, max_tokens=MAX_TOKENS, via_params=via_params,
+            return_token_ids=True,
+        )
+        assert _ids(out) == reference[_key(prompt)], f"prompt of {length} tokens"
+
+
+def _wait_metric(inst, name, at_least, timeout_s=15.0) -> float:
+    # Stats reach the API server with the engine's periodic outputs.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = _metric(inst, name)
+        if value >= at_least or time.monotonic() > deadline:
+            return value
+        time.sleep(0.5)
+
+
+def test_put_async_every_prompt_length_equals_colocated(put_async_set, reference):
+    p, d = put_async_set["p1"], put_async_set["d1"]
+    hits_before = _metric(d, "vllm:external_prefix_cache_hits")
+    _check_lengths(p, d, reference)
+    # Every prompt token but the last is loaded (decode recomputes the last one).
+    expected_hits = sum(PROMPT_LENGTHS)
+    hits = _wait_metric(d, "vllm:external_prefix_cache_hits", hits_before + expected_hits - 4)
+    assert hits - hits_before >= expected_hits - len(PROMPT_LENGTHS)
+    assert _wait_metric(d, "vllm:p2p_bytes_received", 1) > 0
+    assert _metric(d, "vllm:p2p_failed_loads") == 0
+    assert _wait_metric(p, "vllm:p2p_bytes_sent", 1) > 0
+
+
+def test_peers_in_kv_transfer_params_work_like_the_request_id(put_async_set, reference):
+    _check_lengths(put_async_set["p2"], put_async_set["d1"], reference, via_params=True)
+
+
+def test_a_full_receive_buffer_spills_to_the_host_pool(put_async_set, reference):
+    d = put_async_set["d_pool"]
+    _check_lengths(put_async_set["p1"], d, reference)
+    assert _wait_metric(d, "vllm:p2p_spills", len(PROMPT_LENGTHS)) >= len(PROMPT_LENGTHS)
+    assert _metric(d, "vllm:p2p_failed_loads") == 0
+
+
+def test_no_room_anywhere_recomputes_with_the_same_output(put_async_set, reference):
+    d = put_async_set["d_none"]
+    _check_lengths(put_async_set["p1"], d, reference)
+    assert _wait_metric(d, "vllm:p2p_failed_loads", len(PROMPT_LENGTHS)) >= len(PROMPT_LENGTHS)
+    assert _metric(d, "vllm:p2p_dropped") >= len(PROMPT_LENGTHS)
+    assert _metric(d, "vllm:p2p_bytes_received") == 0
+
+
+def test_1p2d_and_2p1d_with_many_requests_in_flight_have_no_cross_talk(put_async_set, reference):
+    pairs = [
+        (put_async_set["p1"], put_async_set["d1"]),
+        (put_async_set["p1"], put_async_set["d_pool"]),  # 1P2D
+        (put_async_set["p2"], put_async_set["d1"]),  # 2P1D
+    ]
+
+    def run(i_prompt):
+        i, prompt = i_prompt
+        p, d = pairs[i % len(pairs)]
+        return _ids(disaggregated_completion(p, d, prompt, max_tokens=MAX_TOKENS,
+                                             return_token_ids=True))
+
+    failed_before = _metric(put_async_set["d1"], "vllm:p2p_failed_loads")
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(run, enumerate(MANY_PROMPTS)))
+    for i, (prompt, out) in enumerate(zip(MANY_PROMPTS, outs)):
+        assert out == reference[_key(prompt)], f"request {i}"
+    assert _metric(put_async_set["d1"], "vllm:p2p_failed_loads") == failed_before
+
+
+@pytest.fixture(scope="module")
+def get_put_set(tiny_models, start_server, reference):
+    model = tiny_models["tiny-llama"]
+    common = {"kv_load_timeout_s": LOAD_TIMEOUT_S}
+    instances = {
+        "p_get": _start(start_server, model, "p2p-get-p", "kv_producer", send_type="GET", **common),
+        "d_get": _start(start_server, model, "p2p-get-d", "kv_consumer", send_type="GET", **common),
+        "p_put": _start(start_server, model, "p2p-put-p", "kv_producer", send_type="PUT", **common),
+        "d_put": _start(start_server, model, "p2p-put-d", "kv_consumer", send_type="PUT", **common),
+    }  # fmt: skip
+    _wait_all(instances)
+    yield instances
+    for inst in instances.values():
+        inst.server.stop()
+
+
+@pytest.mark.parametrize("mode", ["get", "put"])
+def test_get_and_put_every_prompt_length_equals_colocated(get_put_set, reference, mode):
+    p, d = get_put_set[f"p_{mode}"], get_put_set[f"d_{mode}"]
+    _check_lengths(p, d, reference)
+    assert _wait_metric(d, "vllm:p2p_bytes_received", 1) > 0
+    assert _metric(d, "vllm:p2p_failed_loads") == 0
+
+
+def test_get_pulls_only_blocks_missing_from_the_decode_prefix_cache(get_put_set, reference):
+    p, d = get_put_set["p_get"], get_put_set["d_get"]
+    prompt = MANY_PROMPTS[0]  # starts with the two-block shared prefix
+    disaggregated_completion(p, d, prompt, max_tokens=2, return_token_ids=True)
+    blocks_before = _wait_metric(d, "vllm:p2p_blocks_received", 1)
+    # Same shared prefix, different tail: decode holds the first two blocks itself.
+    other = MANY_PROMPTS[3]
+    assert other[: 2 * BLOCK_SIZE] == prompt[: 2 * BLOCK_SIZE]
+    out = disaggregated_completion(p, d, other, max_tokens=MAX_TOKENS, return_token_ids=True)
+    assert _ids(out) == reference[_key(other)]
+    total_blocks = -(-len(other) // BLOCK_SIZE)
+    received = _wait_metric(d, "vllm:p2p_blocks_received", blocks_before + 1) - blocks_before
+    assert received == total_blocks - 2
+
+
+def test_a_dead_prefill_costs_a_recompute_within_the_deadline(get_put_set, reference):
+    p, d = get_put_set["p_get"], get_put_set["d_get"]
+    p.server.kill()
+    prompt = LENGTH_PROMPTS[2]
+    # The prefill is gone, so only the decode half of the proxy flow runs.
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import make_request_id
+    from vllm_disagg.testing.openai_client import complete
+
+    start = time.monotonic()
+    out = complete(
+        d, prompt, headers={"X-Request-Id": make_request_id(p.kv_addr, d.kv_addr)},
+        max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert _ids(out) == reference[_key(prompt)]
+    assert elapsed < LOAD_TIMEOUT_S + 10
+    assert _wait_metric(d, "vllm:p2p_failed_loads", 1) >= 1

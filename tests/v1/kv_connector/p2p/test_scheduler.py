@@ -624,7 +624,7 @@ def test_params_win_over_id_on_kv_both(harness, params_say):
     assert [save.key for save in meta.saves] == (["pk"] if params_say == "prefill" else [])
 
 
-# --- known bugs in scheduler.py (strict xfail: fix the code, then drop the mark) ---
+# --- prompt-embeds requests, and a known limit (strict xfail) ---
 
 
 def prompt_embeds(num_tokens: int):
@@ -633,16 +633,6 @@ def prompt_embeds(num_tokens: int):
     return torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(num_tokens))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason=(
-        "scheduler.py P2pSchedulerConnector.get_num_new_matched_tokens (and "
-        "update_state_after_alloc) take len(request.prompt_token_ids), which is None "
-        "for a prompt-embeds request: TypeError inside Scheduler.schedule(), i.e. the "
-        "engine core dies. Should use request.num_prompt_tokens."
-    ),
-)
 def test_decode_prompt_embeds_request_is_loaded(harness):
     h = harness("kv_consumer")
     rid = wrapped_id(PREFILL, OWN, "key21")
@@ -651,16 +641,6 @@ def test_decode_prompt_embeds_request_is_loaded(harness):
     assert load.num_blocks == 2 and load.block_ids == h.block_ids(rid)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "scheduler.py P2pSchedulerConnector.build_connector_meta takes the prompt "
-        "length as len(new.prompt_token_ids or ()), 0 for a prompt-embeds request, so "
-        "_maybe_save never issues its SaveSpec and request_finished frees it at once: "
-        "the decode instance waits for KV that never comes (kv_load_timeout_s). "
-        "Should use NewRequestData.prompt_len."
-    ),
-)
 def test_prefill_prompt_embeds_request_is_saved(harness):
     h = harness("kv_producer")
     rid = wrapped_id(OWN, DECODE, "key22")

@@ -112,7 +112,7 @@ class P2pSchedulerConnector:
         peer = self._peers.get(request.request_id)
         if peer is None or request.request_id in self._loaded or not self._is_decode(peer):
             return 0, False
-        remote = len(request.prompt_token_ids) - num_computed_tokens
+        remote = request.num_prompt_tokens - num_computed_tokens
         if remote <= 0:
             return 0, False
         return remote, True
@@ -124,7 +124,7 @@ class P2pSchedulerConnector:
         peer = self._peers.get(req_id)
         if num_external_tokens <= 0 or peer is None or req_id in self._loaded:
             return
-        num_prompt = len(request.prompt_token_ids)
+        num_prompt = request.num_prompt_tokens
         num_local = num_prompt - num_external_tokens
         num_blocks = cdiv(num_prompt, self.block_size)
         first_block = num_local // self.block_size
@@ -150,7 +150,7 @@ class P2pSchedulerConnector:
             peer = self._peers.get(new.req_id)
             if peer is None or not self._is_prefill(peer):
                 continue
-            prefill = _Prefill(peer, len(new.prompt_token_ids or ()), list(new.block_ids[0]))
+            prefill = _Prefill(peer, new.prompt_len, list(new.block_ids[0]))
             self._prefills[new.req_id] = prefill
             self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
 

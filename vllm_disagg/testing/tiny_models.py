@@ -79,16 +79,29 @@ def _build_tokenizer(outdir: Path) -> None:
     (outdir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _config(kind: str, vocab_size: int, bos_id: int, eos_id: int):
+def _shape(**overrides: int) -> dict[str, int]:
+    """The model's dimensions: the module constants, with ``overrides``."""
+    shape = dict(
+        layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, hidden=HIDDEN, intermediate=INTERMEDIATE
+    )
+    unknown = set(overrides) - set(shape)
+    if unknown:
+        raise TypeError(f"unknown model dimensions: {sorted(unknown)}")
+    shape.update(overrides)
+    return shape
+
+
+def _config(kind: str, vocab_size: int, bos_id: int, eos_id: int, **dims: int):
     from transformers import LlamaConfig, MixtralConfig
 
+    d = _shape(**dims)
     common = dict(
         vocab_size=vocab_size,
-        hidden_size=HIDDEN,
-        intermediate_size=INTERMEDIATE,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
+        hidden_size=d["hidden"],
+        intermediate_size=d["intermediate"],
+        num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=bos_id,
@@ -104,44 +117,55 @@ def _config(kind: str, vocab_size: int, bos_id: int, eos_id: int):
 ARCHITECTURES = {"tiny-llama": "LlamaForCausalLM", "tiny-mixtral": "MixtralForCausalLM"}
 
 
-def checkpoint_shapes(kind: str, vocab_size: int, head_dim: int) -> list[tuple[str, tuple]]:
+def checkpoint_shapes(
+    kind: str, vocab_size: int, head_dim: int, **dims: int
+) -> list[tuple[str, tuple]]:
     """Tensor names and shapes in the original Hugging Face checkpoint format.
 
     Written out by hand rather than taken from a transformers model, whose
     in-memory names change between releases (transformers 5 fuses experts).
+    ``dims`` (layers, heads, kv_heads, hidden, intermediate) override the
+    module's constants.
     """
-    shapes = [("model.embed_tokens.weight", (vocab_size, HIDDEN))]
-    for i in range(LAYERS):
+    d = _shape(**dims)
+    hidden, inter, heads, kv_heads = d["hidden"], d["intermediate"], d["heads"], d["kv_heads"]
+    shapes = [("model.embed_tokens.weight", (vocab_size, hidden))]
+    for i in range(d["layers"]):
         p = f"model.layers.{i}"
         shapes += [
-            (f"{p}.input_layernorm.weight", (HIDDEN,)),
-            (f"{p}.post_attention_layernorm.weight", (HIDDEN,)),
-            (f"{p}.self_attn.q_proj.weight", (HEADS * head_dim, HIDDEN)),
-            (f"{p}.self_attn.k_proj.weight", (KV_HEADS * head_dim, HIDDEN)),
-            (f"{p}.self_attn.v_proj.weight", (KV_HEADS * head_dim, HIDDEN)),
-            (f"{p}.self_attn.o_proj.weight", (HIDDEN, HEADS * head_dim)),
+            (f"{p}.input_layernorm.weight", (hidden,)),
+            (f"{p}.post_attention_layernorm.weight", (hidden,)),
+            (f"{p}.self_attn.q_proj.weight", (heads * head_dim, hidden)),
+            (f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
+            (f"{p}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
+            (f"{p}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
         ]
         if kind == "tiny-llama":
             shapes += [
-                (f"{p}.mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN)),
-                (f"{p}.mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
-                (f"{p}.mlp.down_proj.weight", (HIDDEN, INTERMEDIATE)),
+                (f"{p}.mlp.gate_proj.weight", (inter, hidden)),
+                (f"{p}.mlp.up_proj.weight", (inter, hidden)),
+                (f"{p}.mlp.down_proj.weight", (hidden, inter)),
             ]
         else:
-            shapes.append((f"{p}.block_sparse_moe.gate.weight", (NUM_EXPERTS, HIDDEN)))
+            shapes.append((f"{p}.block_sparse_moe.gate.weight", (NUM_EXPERTS, hidden)))
             for e in range(NUM_EXPERTS):
                 q = f"{p}.block_sparse_moe.experts.{e}"
                 shapes += [
-                    (f"{q}.w1.weight", (INTERMEDIATE, HIDDEN)),
-                    (f"{q}.w2.weight", (HIDDEN, INTERMEDIATE)),
-                    (f"{q}.w3.weight", (INTERMEDIATE, HIDDEN)),
+                    (f"{q}.w1.weight", (inter, hidden)),
+                    (f"{q}.w2.weight", (hidden, inter)),
+                    (f"{q}.w3.weight", (inter, hidden)),
                 ]
-    shapes += [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (vocab_size, HIDDEN))]
+    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab_size, hidden))]
     return shapes
 
 
-def build_model(kind: str, outdir: Path, head_dim: int = HEAD_DIM) -> Path:
-    """Write one tiny model (``kind`` in MODEL_NAMES) into ``outdir/kind``."""
+def build_model(kind: str, outdir: Path, head_dim: int = HEAD_DIM, **dims: int) -> Path:
+    """Write one tiny model (``kind`` in MODEL_NAMES) into ``outdir/kind``.
+
+    ``dims`` (``layers``, ``heads``, ``kv_heads``, ``hidden``,
+    ``intermediate``) override the module's constants, for larger models
+    (benchmarks that need megabytes of KV per request); the defaults are the
+    tiny models above."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -155,12 +179,13 @@ def build_model(kind: str, outdir: Path, head_dim: int = HEAD_DIM) -> Path:
         tokenizer.get_vocab_size(),
         tokenizer.token_to_id("<s>"),
         tokenizer.token_to_id("</s>"),
+        **dims,
     )
     config.head_dim = head_dim
 
     generator = torch.Generator().manual_seed(SEED)
     state = {}
-    for name, shape in checkpoint_shapes(kind, config.vocab_size, head_dim):
+    for name, shape in checkpoint_shapes(kind, config.vocab_size, head_dim, **dims):
         if name.endswith("norm.weight"):
             value = torch.ones(shape)
         else:

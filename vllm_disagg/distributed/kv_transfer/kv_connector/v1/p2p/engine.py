@@ -51,6 +51,7 @@ import torch
 import zmq
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Get,
     Hello,
@@ -78,10 +79,6 @@ GET_RETRY_INTERVAL_S = 0.05
 # How long a GET answered "released" is remembered, so a late Get gets "gone".
 TOMBSTONE_TTL_S = 300.0
 LOG_INTERVAL_S = 10.0
-
-
-def format_addr(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def zmq_endpoint(addr: str) -> str:

@@ -23,12 +23,12 @@ import hmac
 import msgspec
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    MAX_KEY_CHARS,
     PROTOCOL_VERSION,
 )
 
 MAC_BYTES = 16
 MAX_FRAME_BYTES = 8192
-MAX_KEY_CHARS = 128
 MAX_ADDR_CHARS = 300
 MAX_REASON_CHARS = 300
 

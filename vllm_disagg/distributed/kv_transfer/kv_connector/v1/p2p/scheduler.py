@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.utils.math_utils import cdiv
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import format_addr
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    format_addr,
     PeerInfo,
     PeerInfoError,
     parse_peer_info,

@@ -32,8 +32,8 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     P2pEngine,
     SendTransfer,
     SlotState,
-    format_addr,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.specs import (
     LoadSpec,
     P2pConnectorMetadata,

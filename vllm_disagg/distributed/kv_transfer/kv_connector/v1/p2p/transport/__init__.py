@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
@@ -11,6 +13,13 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
 )
 
 TRANSPORT_NAMES = ("auto", "tcp", "gloo", "nccl", "fake")
+# name -> (submodule, class); imported on first use
+_CLASSES = {
+    "tcp": ("tcp", "TcpTransport"),
+    "gloo": ("gloo", "GlooTransport"),
+    "nccl": ("nccl", "NcclTransport"),
+    "fake": ("fake", "FakeTransport"),
+}
 
 __all__ = ["TRANSPORT_NAMES", "Channel", "Transport", "TransportError", "create_transport"]
 
@@ -24,30 +33,9 @@ def create_transport(name: str, device: torch.device, bind_host: str) -> Transpo
     imported on demand: nccl and gloo pull in vLLM's device communicators."""
     if name == "auto":
         name = "nccl" if device.type == "cuda" else "tcp"
-    if name == "tcp":
-        from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.tcp import (
-            TcpTransport,
-        )
-
-        return TcpTransport(device, bind_host)
-    if name == "gloo":
-        from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.gloo import (
-            GlooTransport,
-        )
-
-        return GlooTransport(device, bind_host)
-    if name == "nccl":
-        from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.nccl import (
-            NcclTransport,
-        )
-
-        return NcclTransport(device, bind_host)
-    if name == "fake":
-        from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import (
-            FakeTransport,
-        )
-
-        return FakeTransport(device, bind_host)
+    if name in _CLASSES:
+        module, cls = _CLASSES[name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(device, bind_host)
     raise ValueError(
         f"unknown P2P transport {name!r}; allowed values: {', '.join(TRANSPORT_NAMES)}"
     )

@@ -208,3 +208,27 @@ def test_writer_without_a_destination_does_nothing(monkeypatch):
         raise AssertionError("nothing to publish to, so nothing to snapshot")
 
     StepSyncMetricsWriter(0, snapshot).close()
+
+
+def test_the_vllm_command_never_shares_an_inherited_snapshot_directory(tmp_path):
+    """A launcher that applied the patch set in-process (a test runner) has the
+    variable set; servers it starts must not read each other's snapshots."""
+    inherited = tmp_path / "inherited"
+    inherited.mkdir()
+    code = (
+        "import os, sys\n"
+        "import vllm_disagg.entrypoints.cli.main as cli\n"
+        "import vllm.entrypoints.cli.main as upstream\n"
+        "upstream.main = lambda: print(os.environ['VLLM_DISAGG_METRICS_DIR'])\n"
+        "sys.exit(cli.main())\n"
+    )
+    env = clean_env(**{envs.VLLM_DISAGG_METRICS_DIR: str(inherited)})
+    dirs = [
+        subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+            check=True,
+        ).stdout.strip()
+        for _ in range(2)
+    ]
+    assert str(inherited) not in dirs
+    assert dirs[0] != dirs[1] and all(dirs)

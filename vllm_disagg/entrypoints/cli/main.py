@@ -37,10 +37,11 @@ def main() -> int | None:
     from vllm_disagg.patches.entrypoints.cli import main as dist_alias
 
     dist_alias.apply()
-    from vllm_disagg.v1.metrics.step_sync import ensure_metrics_dir
+    from vllm_disagg.v1.metrics.step_sync import new_metrics_dir
 
-    # Before any API server or engine core starts: they all inherit it.
-    ensure_metrics_dir()
+    # Before any API server or engine core starts: they all inherit it, and
+    # no other server shares it.
+    new_metrics_dir()
     from vllm.entrypoints.cli.main import main as upstream_main
 
     try:

@@ -110,10 +110,21 @@ METRICS: dict[str, tuple[str, str, str]] = {
 
 
 def ensure_metrics_dir() -> Path:
-    """Create the snapshot directory once per process tree (children inherit
-    the environment variable); removed when the creating process exits."""
+    """The snapshot directory of this process tree, created on first use
+    (children inherit the environment variable)."""
     if path := envs.metrics_dir():
         return Path(path)
+    return new_metrics_dir()
+
+
+def new_metrics_dir() -> Path:
+    """A fresh snapshot directory for the process tree rooted here, removed
+    when this process exits.
+
+    The ``vllm`` command always starts a new one: a directory inherited from
+    whatever launched it (a test runner or script that applied the patch set
+    in-process) would make unrelated servers read each other's snapshots.
+    """
     path = tempfile.mkdtemp(prefix="vllm-disagg-metrics-")
     envs.set_metrics_dir(path)
     owner = os.getpid()

@@ -26,6 +26,7 @@ VLLM_DISAGG_VENV = "VLLM_DISAGG_VENV"
 VLLM_DISAGG_TARGET = "VLLM_DISAGG_TARGET"
 VLLM_DISAGG_P2P_SECRET = "VLLM_DISAGG_P2P_SECRET"
 VLLM_DISAGG_P2P_E2E = "VLLM_DISAGG_P2P_E2E"
+VLLM_DISAGG_ROUTER_TOKEN = "VLLM_DISAGG_ROUTER_TOKEN"
 
 VARIABLES: dict[str, EnvVar] = {
     var.name: var
@@ -68,6 +69,14 @@ VARIABLES: dict[str, EnvVar] = {
             "key, because command lines are visible to every user in `ps`.",
         ),
         EnvVar(
+            VLLM_DISAGG_ROUTER_TOKEN,
+            "empty: registrations are not authenticated",
+            "Shared token of the router's service discovery: instances (the connector's "
+            "registration client) sign every registration with it (HMAC) and the router "
+            "(`--registration-token` or this variable) refuses unsigned or badly signed "
+            "ones. An environment variable so the token never shows in `ps`.",
+        ),
+        EnvVar(
             VLLM_DISAGG_VENV,
             ".venv in the repository",
             "Where scripts/bootstrap.sh, demo.sh and test.sh keep the virtual environment.",
@@ -98,6 +107,12 @@ def probes_enabled() -> bool:
 def p2p_secret() -> bytes | None:
     """The P2P control-plane secret as UTF-8 bytes, or None when unset or empty."""
     value = os.environ.get(VLLM_DISAGG_P2P_SECRET)
+    return value.encode() if value else None
+
+
+def router_token() -> bytes | None:
+    """The service-discovery token as UTF-8 bytes, or None when unset or empty."""
+    value = os.environ.get(VLLM_DISAGG_ROUTER_TOKEN)
     return value.encode() if value else None
 
 

@@ -1,0 +1,4 @@
+"""The xPyD router: service discovery, selection policies and the HTTP front end.
+
+registry.py and policy.py import neither quart nor vLLM.
+"""

@@ -1,0 +1,168 @@
+"""Service discovery between instances and routers (ZMQ, msgspec, versioned).
+
+An instance (the P2pNcclConnector's registration client, in the engine-core
+process of every DP rank) sends ``Register`` to every router named in
+``proxy_ip`` every ``interval_s`` (3 s), from one DEALER socket per router, to
+the router's ROUTER socket on ``proxy_port`` (30001). Each ``Register`` is the
+instance's whole state, so a lost one heals with the next heartbeat and a
+restarted router learns the fleet within one interval. The router answers
+every message with ``Ack`` (accepted or the reason it was refused). On a clean
+shutdown the instance sends ``Deregister``.
+
+A frame is ``[payload, mac]``: the MAC is HMAC-SHA256 (16 bytes) over the
+payload under the shared registration token (``VLLM_DISAGG_ROUTER_TOKEN``),
+empty when no token is set. ``sent_at`` (wall clock) bounds replays of a
+captured, signed frame to ``MAX_CLOCK_SKEW_S``. Never pickle: msgspec structs,
+tagged, unknown fields forbidden, every string bounded.
+
+This module imports neither vLLM nor quart: the router and the connector both
+use it.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import re
+import time
+
+import msgspec
+
+# History:
+#   1: first version (Register / Deregister / Ack).
+DISCOVERY_VERSION = 1
+
+DEFAULT_DISCOVERY_PORT = 30001
+DEFAULT_HTTP_PORT = 10001
+HEARTBEAT_INTERVAL_S = 3.0
+
+MAC_BYTES = 16
+MAX_FRAME_BYTES = 4096
+MAX_ADDR_CHARS = 261  # a host name (253) + brackets + ":" + port
+MAX_ID_CHARS = 128
+MAX_MODEL_CHARS = 256
+MAX_REASON_CHARS = 300
+MAX_CLOCK_SKEW_S = 300.0
+
+_ADDR_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$")
+_ID_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]{1,128}$")
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"  # kv_both: may serve either side
+
+    @classmethod
+    def from_kv_role(cls, kv_role: str) -> Role:
+        return {"kv_producer": cls.PREFILL, "kv_consumer": cls.DECODE, "kv_both": cls.BOTH}[
+            kv_role
+        ]
+
+
+class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True):
+    pass
+
+
+class Register(_Msg, tag="register"):
+    """The whole state of one instance (one DP rank of one `vllm serve`)."""
+
+    version: int
+    instance_id: str  # unique per process incarnation
+    role: Role
+    http_addr: str  # "host:port" of its OpenAI server
+    kv_addr: str  # "host:port" of its P2P control plane (TP rank 0)
+    model: str  # served model name
+    dp_rank: int = 0
+    dp_size: int = 1
+    seq: int = 0  # heartbeat counter of this incarnation
+    interval_s: float = HEARTBEAT_INTERVAL_S
+    sent_at: float = 0.0  # sender's time.time()
+
+
+class Deregister(_Msg, tag="deregister"):
+    version: int
+    instance_id: str
+    sent_at: float = 0.0
+
+
+class Ack(_Msg, tag="ack"):
+    version: int
+    instance_id: str
+    accepted: bool
+    reason: str = ""
+
+
+Message = Register | Deregister | Ack
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class DiscoveryError(ValueError):
+    """A frame was rejected; ``kind`` is the counter label, the text says why."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+
+def _mac(token: bytes, payload: bytes) -> bytes:
+    return hmac.new(token, b"vllm-disagg-discovery" + payload, hashlib.sha256).digest()[:MAC_BYTES]
+
+
+def seal(token: bytes | None, msg: Message) -> list[bytes]:
+    payload = _encoder.encode(msg)
+    return [payload, _mac(token, payload) if token else b""]
+
+
+def open_frame(token: bytes | None, frames: list[bytes], *, now: float | None = None) -> Message:
+    """Authenticate, bound, decode and validate ``[payload, mac]``.
+
+    Raises DiscoveryError (kinds: malformed, oversized, unauthenticated,
+    stale, version).
+    """
+    if len(frames) != 2:
+        raise DiscoveryError("malformed", f"{len(frames)} frames, expected 2")
+    payload, mac = frames
+    if len(payload) > MAX_FRAME_BYTES:
+        raise DiscoveryError("oversized", f"{len(payload)} bytes > {MAX_FRAME_BYTES}")
+    if token and (len(mac) != MAC_BYTES or not hmac.compare_digest(mac, _mac(token, payload))):
+        raise DiscoveryError("unauthenticated", "bad or missing registration token")
+    try:
+        msg = _decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise DiscoveryError("malformed", str(e)[:200]) from None
+    if msg.version != DISCOVERY_VERSION:
+        raise DiscoveryError(
+            "version", f"discovery protocol {msg.version}, this side speaks {DISCOVERY_VERSION}"
+        )
+    validate(msg)
+    if token and not isinstance(msg, Ack):
+        now = time.time() if now is None else now
+        if abs(now - msg.sent_at) > MAX_CLOCK_SKEW_S:
+            raise DiscoveryError("stale", f"sent_at is {now - msg.sent_at:.0f}s off")
+    return msg
+
+
+def validate(msg: Message) -> None:
+    """Bounds every field a peer controls; raises DiscoveryError("malformed")."""
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise DiscoveryError("malformed", what)
+
+    need(bool(_ID_RE.match(msg.instance_id)), "instance_id must be 1-128 of [A-Za-z0-9._:@[]-]")
+    if isinstance(msg, Register):
+        for name in ("http_addr", "kv_addr"):
+            value = getattr(msg, name)
+            need(len(value) <= MAX_ADDR_CHARS and bool(_ADDR_RE.match(value)),
+                 f"{name} must be host:port")  # fmt: skip
+            need(0 < int(value.rsplit(":", 1)[1]) < 65536, f"{name} port out of range")
+        need(0 < len(msg.model) <= MAX_MODEL_CHARS, "model name length")
+        need(1 <= msg.dp_size <= 1024 and 0 <= msg.dp_rank < msg.dp_size, "dp_rank/dp_size")
+        need(msg.seq >= 0, "negative seq")
+        need(0.05 <= msg.interval_s <= 600, "interval_s out of [0.05, 600]")
+    elif isinstance(msg, Ack):
+        need(len(msg.reason) <= MAX_REASON_CHARS, "reason too long")

@@ -309,10 +309,11 @@ def test_http_port_inside_the_kv_ports_is_refused():
     )
 
 
-def _vllm_config(kv_transfer_config, dp=1, tp=1, pp=1):
+def _vllm_config(kv_transfer_config, dp=1, tp=1, pp=1, external_lb=False):
     parallel = SimpleNamespace(
-        data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp
-    )
+        data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        data_parallel_external_lb=external_lb,
+    )  # fmt: skip
     return SimpleNamespace(kv_transfer_config=kv_transfer_config, parallel_config=parallel)
 
 
@@ -330,3 +331,129 @@ def test_check_p2p_config():
     assert _error(check_p2p_config, _vllm_config(bad)).startswith(
         "kv_connector_extra_config.send_type"
     )
+
+
+# --- DP behind one API server (internal load balancing) -----------------------
+
+
+def _ktc(role, send_type):
+    return KVTransferConfig(
+        kv_connector=CONNECTOR_NAME, kv_role=role, kv_port=21001,
+        kv_connector_extra_config={"kv_ip": "127.0.0.1", "send_type": send_type},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "role, send_type",
+    [("kv_consumer", "PUT"), ("kv_consumer", "PUT_ASYNC"), ("kv_producer", "GET"),
+     ("kv_both", "PUT_ASYNC"), ("kv_both", "GET")],  # fmt: skip
+)
+def test_internal_lb_refuses_what_needs_the_named_rank(role, send_type):
+    message = _error(check_p2p_config, _vllm_config(_ktc(role, send_type), dp=2))
+    assert message.startswith(
+        f"P2pNcclConnector: kv_role {role} with send_type {send_type} cannot run 2 DP ranks "
+        "behind one API server (internal load balancing): "
+    )
+    assert message.endswith(
+        "run one `vllm serve` per DP rank (--data-parallel-rank N, external load "
+        "balancing) so each rank registers as its own instance"
+    )
+    # The same deployment with one `vllm serve` per rank starts.
+    assert check_p2p_config(_vllm_config(_ktc(role, send_type), dp=2, external_lb=True)) is None
+
+
+@pytest.mark.parametrize(
+    "role, send_type",
+    [("kv_consumer", "GET"), ("kv_producer", "PUT"), ("kv_producer", "PUT_ASYNC")],
+)
+def test_internal_lb_allows_what_works_on_any_rank(role, send_type):
+    assert check_p2p_config(_vllm_config(_ktc(role, send_type), dp=2)) is None
+
+
+def test_internal_lb_check_needs_more_than_one_rank():
+    assert check_p2p_config(_vllm_config(_ktc("kv_consumer", "PUT"), dp=1)) is None
+
+
+# --- service discovery: routers, http address ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, proxy_ip, routers",
+    [
+        ({"proxy_ip": "10.0.0.1", "proxy_port": 30001}, "10.0.0.1", [("10.0.0.1", 30001)]),
+        ({"proxy_ip": "10.0.0.1,10.0.0.2", "proxy_port": "30001"}, "10.0.0.1,10.0.0.2",
+         [("10.0.0.1", 30001), ("10.0.0.2", 30001)]),
+        ({"proxy_ip": " r1.example.com , 10.0.0.2:30002 ", "proxy_port": 30001},
+         "r1.example.com,10.0.0.2:30002", [("r1.example.com", 30001), ("10.0.0.2", 30002)]),
+        ({"proxy_ip": ["10.0.0.1", "[::1]:30002", "::2"], "proxy_port": 30001},
+         "10.0.0.1,[::1]:30002,::2", [("10.0.0.1", 30001), ("::1", 30002), ("::2", 30001)]),
+        ({"proxy_ip": '["10.0.0.1:1", "10.0.0.1:2"]'}, "10.0.0.1:1,10.0.0.1:2",
+         [("10.0.0.1", 1), ("10.0.0.1", 2)]),
+        ({"proxy_ip": "[::1]", "proxy_port": 30001}, "::1", [("::1", 30001)]),
+    ],
+)  # fmt: skip
+def test_proxy_ip_lists_one_or_several_routers(extra, proxy_ip, routers):
+    config = _config({**extra, "http_port": 20001})
+    assert config.proxy_ip == proxy_ip
+    assert config.routers == tuple(routers)
+    # The canonical text parses to the same routers (direct construction).
+    again = P2pConfig(
+        role="kv_consumer", base_port=22001, proxy_ip=config.proxy_ip,
+        proxy_port=config.proxy_port, http_port=20001,
+    )  # fmt: skip
+    assert again.routers == config.routers
+
+
+@pytest.mark.parametrize(
+    "proxy_ip",
+    ["", ",", "10.0.0.1,", "a_b", "10.0.0.1:0", "10.0.0.1:x", "[::1]:70000", "[::1:1",
+     '["10.0.0.1", 5]', '["10.0.0.1"', "[]", [], 5, {"host": "10.0.0.1"}],
+)  # fmt: skip
+def test_bad_proxy_ip_names_the_key_and_the_allowed_values(proxy_ip):
+    message = _error(_config, {"proxy_ip": proxy_ip, "proxy_port": 30001, "http_port": 1})
+    assert message.startswith("kv_connector_extra_config.proxy_ip: ")
+    assert message.endswith(
+        "is not a router address: host or host:port ([IPv6]:port), or a comma-separated "
+        "string or JSON list of them"
+    )
+
+
+def test_proxy_ip_refusals_with_their_own_reason():
+    def error(**extra):
+        return _error(_config, {"proxy_port": 30001, "http_port": 1, **extra})
+
+    assert error(proxy_ip="0.0.0.0") == (
+        "kv_connector_extra_config.proxy_ip: '0.0.0.0' is a wildcard address; give one "
+        "that other machines can connect to"
+    )
+    assert error(proxy_ip="10.0.0.1,10.0.0.1:30001") == (
+        "kv_connector_extra_config.proxy_ip: router 10.0.0.1:30001 is listed twice"
+    )
+    many = ",".join(f"10.0.0.{i}" for i in range(p2p_config.MAX_ROUTERS + 1))
+    assert error(proxy_ip=many).startswith("kv_connector_extra_config.proxy_ip: 17 routers")
+
+
+def test_proxy_port_may_be_left_out_only_when_every_router_has_its_port():
+    assert _config({"proxy_ip": "10.0.0.1:30001", "http_port": 1}).routers == (
+        ("10.0.0.1", 30001),
+    )
+    message = _error(_config, {"proxy_ip": "10.0.0.1:30001,10.0.0.2", "http_port": 1})
+    assert message.startswith(
+        "kv_connector_extra_config.proxy_ip, kv_connector_extra_config.proxy_port: give both"
+    )
+    assert "every router needs its port (host:port)" in message
+
+
+def test_http_addr_defaults_to_the_kv_host():
+    config = _config({"kv_ip": "10.0.0.5", "proxy_ip": "r", "proxy_port": 1, "http_port": 8000})
+    assert (config.http_ip, config.http_addr) == (None, "10.0.0.5:8000")
+    config = _config({"http_ip": "[fd00::7]", "proxy_ip": "r", "proxy_port": 1, "http_port": 80})
+    assert (config.http_ip, config.http_addr) == ("fd00::7", "[fd00::7]:80")
+    assert _config().http_addr is None
+
+
+@pytest.mark.parametrize("http_ip", ["a_b", "", "::", "0.0.0.0", 5])
+def test_bad_http_ip(http_ip):
+    message = _error(_config, {"http_ip": http_ip})
+    assert message.startswith("kv_connector_extra_config.http_ip: ")
+    assert _error(P2pConfig, role="kv_both", base_port=1, http_ip=http_ip).startswith("http_ip: ")

@@ -30,6 +30,10 @@ Decisions:
   environment variable; unset or empty means no authentication.
 * ``kv_load_failure_policy`` defaults to ``"recompute"`` for this connector:
   a lost transfer costs time, never a failed request.
+* ``proxy_ip`` names one router or several (router replicas behind a load
+  balancer must all know the fleet): a host, ``host:port``, or a
+  comma-separated string or JSON list of them; items without a port use
+  ``proxy_port``. Every DP rank registers with every router (registration.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import difflib
 import enum
 import ipaddress
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_disagg import envs
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 
@@ -84,6 +90,7 @@ EXTRA_CONFIG_KEYS = (
     "proxy_ip",
     "proxy_port",
     "http_port",
+    "http_ip",
 )
 
 DEFAULT_KV_BUFFER_SIZE = 10**9
@@ -96,6 +103,7 @@ MAX_PORT = 65535
 MAX_KV_BUFFER_SIZE = 1 << 50  # 1 PiB: anything larger is a typo
 MAX_MEM_POOL_SIZE_GB = 16384.0
 MAX_TIMEOUT_S = 86400.0
+MAX_ROUTERS = 16
 GIB = 1 << 30
 
 _EXTRA = "kv_connector_extra_config"
@@ -211,6 +219,82 @@ def parse_host(key: str, value: Any) -> str:
     return host
 
 
+def parse_advertised_host(key: str, value: Any) -> str:
+    """A host another machine connects to: :func:`parse_host`, but not a
+    wildcard address (``0.0.0.0``, ``::``), which names no machine."""
+    host = parse_host(key, value)
+    try:
+        wildcard = ipaddress.ip_address(host).is_unspecified
+    except ValueError:  # a host name
+        wildcard = False
+    if wildcard:
+        raise ConfigError(f"{key}: {_show(value)} is a wildcard address; give one that "
+                          "other machines can connect to")  # fmt: skip
+    return host
+
+
+_ROUTERS_WHAT = (
+    "a router address: host or host:port ([IPv6]:port), or a comma-separated "
+    "string or JSON list of them"
+)
+
+
+def _parse_router(key: str, item: Any) -> tuple[str, int | None]:
+    """One ``proxy_ip`` item: ``host`` or ``host:port`` (IPv6 bracketed with
+    a port, brackets optional without)."""
+    if not isinstance(item, str):
+        raise ConfigError(f"{key}: {_show(item)} is not {_ROUTERS_WHAT}")
+    host, port = item.strip(), None
+    if host.startswith("[") and "]:" in host:
+        inner, port = host[1:].split("]:", 1)
+        host = f"[{inner}]"
+    elif host.count(":") == 1:  # IPv6 addresses have at least two
+        host, port = host.split(":")
+    try:
+        host = parse_host(key, host)
+        port = None if port is None else parse_port(key, port)
+    except ConfigError:
+        raise ConfigError(f"{key}: {_show(item)} is not {_ROUTERS_WHAT}") from None
+    return parse_advertised_host(key, host), port
+
+
+def parse_routers(
+    key: str, value: Any, default_port: int | None, port_key: str = "proxy_port"
+) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """``proxy_ip``: one router or several. Returns its canonical text (a
+    single host stays that host) and the ``(host, port)`` of every router;
+    items without a port use ``default_port``."""
+    items = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("[") and '"' in text:  # a JSON list given as a string
+            try:
+                items = json.loads(text)
+            except ValueError:
+                raise ConfigError(f"{key}: {_show(value)} is not {_ROUTERS_WHAT}") from None
+        else:
+            items = text.split(",")
+    if not isinstance(items, list | tuple) or not items:
+        raise ConfigError(f"{key}: {_show(value)} is not {_ROUTERS_WHAT}")
+    if len(items) > MAX_ROUTERS:
+        raise ConfigError(f"{key}: {len(items)} routers; at most {MAX_ROUTERS}")
+    canonical: list[str] = []
+    routers: list[tuple[str, int]] = []
+    for item in items:
+        host, port = _parse_router(key, item)
+        if port is None and default_port is None:
+            raise ConfigError(
+                f"{key}, {port_key}: give both (register with a router) or neither; "
+                f"without {port_key} every router needs its port (host:port)"
+            )
+        router = (host, default_port if port is None else port)
+        if router in routers:
+            raise ConfigError(f"{key}: router {format_addr(*router)} is listed twice")
+        routers.append(router)
+        canonical.append(host if port is None else format_addr(host, port))
+    return ",".join(canonical), tuple(routers)
+
+
 def _default_host() -> str:
     from vllm.utils.network_utils import get_ip
 
@@ -298,13 +382,17 @@ class P2pConfig:
     # Decode: receive only the blocks its own prefix cache lacks (false: the
     # whole prompt, as the old connector did; kept for measurement).
     skip_cached_blocks: bool = True
-    # Service discovery (the router): where to register, and this
-    # instance's API server port the router forwards to.
-    proxy_ip: str | None = None
+    # Service discovery (the routers): where to register (proxy_ip: one host
+    # or several, see parse_routers), and this instance's API server address
+    # the routers forward to (http_ip defaults to host).
+    proxy_ip: str | list[str] | tuple[str, ...] | None = None
     proxy_port: int | None = None
     http_port: int | None = None
+    http_ip: str | None = None
     # Control-plane HMAC key (VLLM_DISAGG_P2P_SECRET); None: no authentication.
     secret: bytes | None = field(default=None, repr=False)
+    # Derived from proxy_ip and proxy_port: (host, port) of every router.
+    routers: tuple[tuple[str, int], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         # Direct construction gets the same checks as the JSON (field names).
@@ -322,15 +410,19 @@ class P2pConfig:
         set_(self, "transport", parse_choice("transport", self.transport, TRANSPORTS))
         for name in ("kv_load_timeout_s", "kv_hold_timeout_s"):
             set_(self, name, parse_seconds(name, getattr(self, name)))
-        if self.proxy_ip is not None:
-            set_(self, "proxy_ip", parse_host("proxy_ip", self.proxy_ip))
         for name in ("proxy_port", "http_port"):
             if getattr(self, name) is not None:
                 set_(self, name, parse_port(name, getattr(self, name)))
-        if (self.proxy_ip is None) != (self.proxy_port is None):
+        if self.proxy_ip is not None:
+            proxy_ip, routers = parse_routers("proxy_ip", self.proxy_ip, self.proxy_port)
+            set_(self, "proxy_ip", proxy_ip)
+            set_(self, "routers", routers)
+        elif self.proxy_port is not None:
             raise ConfigError(
                 "proxy_ip, proxy_port: give both (register with a router) or neither"
             )
+        if self.http_ip is not None:
+            set_(self, "http_ip", parse_advertised_host("http_ip", self.http_ip))
         if self.proxy_ip is not None and self.http_port is None:
             raise ConfigError(
                 "http_port: required with proxy_ip/proxy_port (the port of this "
@@ -343,6 +435,13 @@ class P2pConfig:
     @property
     def mem_pool_size_gb(self) -> float:
         return self.mem_pool_size_bytes / GIB
+
+    @property
+    def http_addr(self) -> str | None:
+        """``host:port`` of this instance's API server, for the routers."""
+        if self.http_port is None:
+            return None
+        return format_addr(self.http_ip or self.host, self.http_port)
 
     @classmethod
     def from_kv_transfer_config(cls, kv_transfer_config) -> P2pConfig:
@@ -397,16 +496,20 @@ class P2pConfig:
             if not isinstance(value, bool):
                 raise ConfigError(f"{key('skip_cached_blocks')}: {_show(value)} is not true or false")
             kwargs["skip_cached_blocks"] = value
-        if "proxy_ip" in extra:
-            kwargs["proxy_ip"] = parse_host(key("proxy_ip"), extra["proxy_ip"])
         for name in ("proxy_port", "http_port"):
             if name in extra:
                 kwargs[name] = parse_port(key(name), extra[name])
-        if ("proxy_ip" in kwargs) != ("proxy_port" in kwargs):
+        if "proxy_ip" in extra:
+            kwargs["proxy_ip"], _ = parse_routers(
+                key("proxy_ip"), extra["proxy_ip"], kwargs.get("proxy_port"), key("proxy_port")
+            )
+        elif "proxy_port" in kwargs:
             raise ConfigError(
                 f"{key('proxy_ip')}, {key('proxy_port')}: give both (register with "
                 "a router) or neither"
             )
+        if "http_ip" in extra:
+            kwargs["http_ip"] = parse_advertised_host(key("http_ip"), extra["http_ip"])
         if "proxy_ip" in kwargs and "http_port" not in kwargs:
             raise ConfigError(
                 f"{key('http_port')}: required with proxy_ip/proxy_port (the port of "
@@ -468,10 +571,56 @@ class P2pConfig:
         return ports
 
 
+    def check_dp_load_balancing(self, parallel_config) -> None:
+        """Refuse the combinations that cannot work when one API server
+        fronts several DP ranks (internal load balancing, hybrid included:
+        vLLM makes a hybrid deployment with one local rank external).
+
+        The router names one DP rank of each side per request (its KV
+        address), but the API server hands the request to whichever rank it
+        picks. What depends on the request landing on the named rank fails:
+
+        * kv_consumer, PUT/PUT_ASYNC: prefill pushes the KV to the named
+          decode rank, so a request on another rank never gets it;
+        * kv_producer, GET: decode pulls from the named prefill rank, which
+          does not hold the KV when the prefill ran on another rank;
+        * kv_both: picks its side by comparing the named addresses with its
+          own rank's address, so on another rank it transfers nothing.
+
+        The others work: a consumer in GET mode pulls with its own worker's
+        address in the ``Get`` and the prefill sends there (engine._on_get);
+        a producer in PUT modes pushes from whichever rank ran the prefill,
+        and decode files received KV by the request's key, not by sender.
+        """
+        dp = parallel_config.data_parallel_size
+        if dp <= 1 or parallel_config.data_parallel_external_lb:
+            return
+        push = self.send_type is not SendType.GET
+        if self.role == "kv_consumer" and push:
+            why = ("prefill pushes the KV to the decode rank the request names, but the "
+                   "API server may hand the request to another rank")  # fmt: skip
+        elif self.role == "kv_producer" and not push:
+            why = ("decode pulls the KV from the prefill rank the request names, but the "
+                   "API server may have run the prefill on another rank")  # fmt: skip
+        elif self.role == "kv_both":
+            why = ("kv_both picks its side by comparing the request's addresses with its "
+                   "own rank's, and the API server may hand the request to another rank")
+        else:
+            return
+        raise ConfigError(
+            f"{CONNECTOR_NAME}: kv_role {self.role} with send_type {self.send_type.value} "
+            f"cannot run {dp} DP ranks behind one API server (internal load balancing): "
+            f"{why}; run one `vllm serve` per DP rank (--data-parallel-rank N, external "
+            "load balancing) so each rank registers as its own instance"
+        )
+
+
 def check_p2p_config(vllm_config) -> None:
     """Start-up check (run in the API server before engines start): a bad
     P2pNcclConnector configuration fails here, in one line."""
     kv_transfer_config = vllm_config.kv_transfer_config
     if kv_transfer_config is None or kv_transfer_config.kv_connector != CONNECTOR_NAME:
         return
-    P2pConfig.from_vllm_config(vllm_config).check_port_plan(vllm_config.parallel_config)
+    config = P2pConfig.from_vllm_config(vllm_config)
+    config.check_port_plan(vllm_config.parallel_config)
+    config.check_dp_load_balancing(vllm_config.parallel_config)

@@ -127,6 +127,8 @@ class P2pNcclConnector(KVConnectorBase_V1):
         return self._worker.take_stats() if self._worker is not None else None
 
     def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()
 

@@ -29,6 +29,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     PeerInfoError,
     parse_peer_info,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import (
+    start_registration,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.specs import (
     LoadSpec,
     P2pConnectorMetadata,
@@ -74,6 +77,16 @@ class P2pSchedulerConnector:
         self._prefills: dict[str, _Prefill] = {}
         self._sending: set[str] = set()  # prefills handed to the workers: delay their free
         self._last_bad_peer_log = -BAD_PEER_LOG_INTERVAL_S
+        # One registration per engine core, i.e. per DP rank, named by the
+        # rank's own control address (proxy_ip set; else None).
+        self._registration = start_registration(vllm_config, config, self.addr)
+
+    def shutdown(self) -> None:
+        """Deregister from the routers (EngineCore.shutdown -> Scheduler.shutdown
+        -> connector.shutdown)."""
+        if self._registration is not None:
+            self._registration.close()
+            self._registration = None
 
     # --- which side of the transfer a request is on ---
 

@@ -46,12 +46,15 @@ def free_port() -> int:
 
 class FakeRouter:
     """A ROUTER socket that opens every frame as the router would and answers
-    with an Ack (``accept``/``reason`` decide which)."""
+    with an Ack (``accept``/``reason`` decide which). A frame that does not
+    open is answered as the router does, refused with the reason and no
+    instance id (``rejected`` counts them)."""
 
     def __init__(self, port: int | None = None, token: bytes | None = None):
         self.token = token
         self.accept = True
         self.reason = ""
+        self.rejected = 0
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -74,7 +77,14 @@ class FakeRouter:
             if not self.sock.poll(int(left * 1000) + 1):
                 break
             identity, *frames = self.sock.recv_multipart()
-            msg = open_frame(self.token, frames)
+            try:
+                msg = open_frame(self.token, frames)
+            except DiscoveryError as e:
+                self.rejected += 1
+                ack = Ack(version=DISCOVERY_VERSION, instance_id="unknown", accepted=False,
+                          reason=str(e))  # fmt: skip
+                self.sock.send_multipart([identity, *seal(self.token, ack)])
+                continue
             ack = Ack(version=DISCOVERY_VERSION, instance_id=msg.instance_id,
                       accepted=self.accept, reason=self.reason)  # fmt: skip
             self.sock.send_multipart([identity, *seal(self.token, ack)])
@@ -189,6 +199,19 @@ def test_token_signs_and_a_refusal_is_logged_once_while_the_client_keeps_going(
     )
 
 
+def test_a_wrong_token_is_refused_and_the_reason_logged(routers, clients, logs):
+    """A router with another token cannot open the frame, so its refusal names
+    no instance; the client still logs the reason."""
+    router = routers(token=b"router-token")
+    client = clients([router.addr], token=b"other-token")
+    assert router.serve_until(lambda: logs["warning"])
+    assert router.rejected >= 1
+    assert logs["warning"] == [
+        f"router 127.0.0.1:{router.port} refused the registration of {client.instance_id}: "
+        "unauthenticated: bad or missing registration token"
+    ]
+
+
 def test_two_routers_both_receive_registrations(routers, clients):
     first, second = routers(), routers()
     client = clients([first.addr, second.addr])
@@ -250,7 +273,9 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
                        proxy_ip=f"127.0.0.1:{router.port}", http_port=http_port)  # fmt: skip
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(served_model_name=["served", "alias"], model="/m"),
-        parallel_config=SimpleNamespace(data_parallel_rank=1, data_parallel_size=2),
+        parallel_config=SimpleNamespace(
+            data_parallel_rank=1, data_parallel_size=2, data_parallel_external_lb=True
+        ),
     )
     assert start_registration(vllm_config, P2pConfig(role="kv_both", base_port=1), "x:1") is None
     client = start_registration(vllm_config, config, "127.0.0.1:21002")
@@ -263,6 +288,25 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
         )
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    "external_lb, hybrid_lb, index, local_rank, registers",
+    [
+        (True, False, 1, 0, True),  # one `vllm serve` per rank: every rank
+        (False, False, 0, None, True),  # no DP, or rank 0 behind one API server
+        (False, False, 1, 1, False),  # rank 1 behind the same API server
+        (False, False, 2, 0, False),  # rank 2 on a headless node
+        (False, True, 2, 0, True),  # hybrid: the first rank of each node's API server
+        (False, True, 3, 1, False),
+    ],
+)
+def test_one_registration_per_api_server(external_lb, hybrid_lb, index, local_rank, registers):
+    parallel = SimpleNamespace(
+        data_parallel_external_lb=external_lb, data_parallel_hybrid_lb=hybrid_lb,
+        data_parallel_index=index, data_parallel_rank_local=local_rank,
+    )  # fmt: skip
+    assert registration.registers_for_its_api_server(parallel) is registers
 
 
 def test_scheduler_shutdown_deregisters(routers, tmp_path, monkeypatch):

@@ -2,7 +2,9 @@
 
 The scheduler-side connector starts one :class:`RegistrationClient` per
 engine core, so one per DP rank: with one ``vllm serve`` per rank (external
-load balancing) every rank is an instance a router can address. Its daemon
+load balancing) every rank is an instance a router can address (behind one
+API server only its first rank registers, see
+:func:`registers_for_its_api_server`). Its daemon
 thread sends every router named in ``proxy_ip`` a ``Register`` (the whole
 state of the instance, see ``vllm_disagg/router/protocol.py``) every
 ``interval_s``, from one DEALER socket per router, and a ``Deregister`` on
@@ -259,7 +261,9 @@ class RegistrationClient:
             except DiscoveryError as e:
                 self._warn(router, "unreadable answer from router %s: %s", router.addr, e)
                 continue
-            if not isinstance(msg, Ack) or msg.instance_id != self.instance_id:
+            # Only we send on this socket, so every Ack answers us; a router
+            # that could not open our frame (token, clock) cannot name us.
+            if not isinstance(msg, Ack):
                 continue
             router.unanswered = 0
             if msg.accepted:
@@ -298,12 +302,29 @@ class RegistrationClient:
             logger.warning(fmt, *args)
 
 
+def registers_for_its_api_server(parallel_config) -> bool:
+    """One registration per API server, since a router knows an instance by
+    its HTTP address (a new registration at a known address replaces the old
+    one). With one ``vllm serve`` per DP rank (external LB) that is every
+    rank; where one API server fronts several ranks (internal LB, and hybrid
+    LB per node; only the combinations config.check_dp_load_balancing allows,
+    which work whatever rank the request lands on) it is the first rank it
+    fronts. ``data_parallel_index``: vLLM resets ``data_parallel_rank`` to 0
+    in the engine cores of a dense (non-MoE) model."""
+    if parallel_config.data_parallel_external_lb:
+        return True
+    if parallel_config.data_parallel_hybrid_lb:
+        return not parallel_config.data_parallel_rank_local
+    return parallel_config.data_parallel_index == 0
+
+
 def start_registration(
     vllm_config: VllmConfig, config: P2pConfig, kv_addr: str
 ) -> RegistrationClient | None:
     """Start registering this DP rank (its control address ``kv_addr``) with
-    the routers named in ``proxy_ip``; None when none is."""
-    if not config.routers:
+    the routers named in ``proxy_ip``; None when none is, or when another
+    rank registers for this API server."""
+    if not config.routers or not registers_for_its_api_server(vllm_config.parallel_config):
         return None
     model = vllm_config.model_config.served_model_name
     if isinstance(model, list | tuple):

@@ -457,3 +457,17 @@ def test_bad_http_ip(http_ip):
     message = _error(_config, {"http_ip": http_ip})
     assert message.startswith("kv_connector_extra_config.http_ip: ")
     assert _error(P2pConfig, role="kv_both", base_port=1, http_ip=http_ip).startswith("http_ip: ")
+
+
+def test_dense_dp_ranks_keep_their_own_ports_after_vllm_resets_the_rank():
+    """vLLM runs each DP rank of a dense model as an independent rank 0; the
+    port plan must still use the rank the user launched."""
+    from vllm.config import ParallelConfig
+
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import dp_rank_of
+
+    parallel = ParallelConfig(data_parallel_size=4, data_parallel_rank=3)
+    assert dp_rank_of(parallel) == 3
+    parallel.reconfigure_for_independent_dp_rank()
+    assert parallel.data_parallel_rank == 0
+    assert dp_rank_of(parallel) == 3

@@ -345,18 +345,35 @@ def test_no_room_sender_gets_no_space_and_nothing_is_held(make_engine, mode):
     assert Status.NO_SPACE in xfer.reason
     got = decode.totals()
     assert got["dropped"] == 1 and got["blocks_received"] == 0
-    # the decode side never gets a complete slot: its worker's deadline decides
-    end = time.monotonic() + 0.3
-    while time.monotonic() < end:
-        assert decode.poll("k") is None
-        time.sleep(0.02)
-    decode.abandon("k")
+    assert got["rejected_messages"] == 0  # a full pool is not a bad message
+    # decode learns at once (not at its deadline) that the load failed
+    slot = wait_slot(decode, "k")
+    assert slot.state is SlotState.FAILED and "no room" in slot.reason
+    decode.release(slot)
     assert_nothing_held(decode)
-    # an offer for an abandoned key is not wanted
-    if mode == "PUT":
-        again = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True)
-        assert not wait_done(again).ok and Status.NOT_WANTED in again.reason
-        assert_nothing_held(decode)
+
+
+def test_an_offer_for_an_abandoned_key_is_not_wanted(make_engine):
+    prefill = make_engine("fake", "PUT", seed=1)
+    decode = make_engine("fake", "PUT", seed=2)
+    decode.expect("k", 0, time.monotonic() + 5, None)
+    decode.abandon("k")
+    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True)
+    assert not wait_done(xfer).ok and Status.NOT_WANTED in xfer.reason
+    assert_nothing_held(decode)
+
+
+def test_no_room_before_decode_expects_the_key_fails_its_load_at_once(make_engine):
+    """PUT modes: the offer can beat decode's request; the failure waits for it."""
+    prefill = make_engine("fake", "PUT", seed=1)
+    decode = make_engine("fake", "PUT", buf=1, pool=0, seed=2)
+    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2], all_saved=True)
+    assert not wait_done(xfer).ok and Status.NO_SPACE in xfer.reason
+    decode.expect("k", 0, time.monotonic() + 60, None)
+    slot = wait_slot(decode, "k", timeout=2.0)
+    assert slot.state is SlotState.FAILED
+    decode.release(slot)
+    assert_nothing_held(decode)
 
 
 # --- deadlines ---------------------------------------------------------------

@@ -624,3 +624,15 @@ def check_p2p_config(vllm_config) -> None:
     config = P2pConfig.from_vllm_config(vllm_config)
     config.check_port_plan(vllm_config.parallel_config)
     config.check_dp_load_balancing(vllm_config.parallel_config)
+
+
+def dp_rank_of(parallel_config) -> int:
+    """This engine's DP rank for the port plan and registration.
+
+    vLLM resets ``data_parallel_rank`` to 0 in every engine core of a dense
+    (non-MoE) model run with DP (``reconfigure_for_independent_dp_rank``);
+    ``data_parallel_index`` keeps the rank the user launched.
+    """
+    index = getattr(parallel_config, "data_parallel_index", None)
+    return parallel_config.data_parallel_rank if index is None else index
+

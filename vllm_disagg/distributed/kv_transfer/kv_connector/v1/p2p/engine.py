@@ -669,10 +669,13 @@ class P2pEngine:
 
     def _reject(self, kind: str, detail: str) -> None:
         self.stats.record_rejected(kind)
+        self._log_limited(kind, f"P2P engine {self.addr} rejected a message ({kind}): {detail}")
+
+    def _log_limited(self, kind: str, line: str) -> None:
         now = time.monotonic()
         if now - self._log_last.get(kind, -LOG_INTERVAL_S) >= LOG_INTERVAL_S:
             self._log_last[kind] = now
-            logger.warning("P2P engine %s rejected a message (%s): %s", self.addr, kind, detail)
+            logger.warning("%s", line)
 
     def _finish_send(self, xfer: SendTransfer, *, ok: bool, reason: str = "") -> None:
         xfer.ok, xfer.reason = ok, reason
@@ -685,9 +688,15 @@ class P2pEngine:
 
     def _fail_expected(self, key: str, reason: str) -> None:
         with self._lock:
-            if key in self._slots or key not in self._expected:
+            if key in self._expected:
+                self._fail_key(key, reason)
+
+    def _fail_key(self, key: str, reason: str) -> None:
+        """Leave a failed slot for ``key``: the worker's poll() gets the reason
+        (at once, or when decode expects the key; swept if it never does)."""
+        with self._lock:
+            if key in self._slots:
                 return
-            # A failed slot carries the reason to the worker's poll().
             self._slots[key] = RecvSlot(
                 key=key, num_blocks=0, skip_blocks=0, page_bytes=0, num_layers=0,
                 tensor=torch.empty(0, dtype=torch.uint8), pool_alloc=None,
@@ -830,9 +839,13 @@ class P2pEngine:
         nbytes = self.layout.num_layers * (msg.num_blocks - skip) * self.layout.page_bytes
         room = self._allocate(nbytes)
         if room is None:
+            # Not a bad message: counted as dropped only. The load fails now
+            # (or as soon as decode expects the key), not at its deadline.
             self.stats.record_dropped()
-            self._reject("no_space", f"no room for {nbytes} bytes of {msg.key}: receive buffer "
-                         "and pool are full; the request will be recomputed")
+            self._fail_key(msg.key, f"no room for {nbytes} bytes: receive buffer and pool are full")
+            self._log_limited("no_space", f"P2P engine {self.addr} dropped the KV of {msg.key}: "
+                              f"no room for {nbytes} bytes in the receive buffer or the pool; "
+                              "the request will be recomputed")
             return Reply(req_no=msg.req_no, status=Status.NO_SPACE)
         tensor, alloc = room
         slot = RecvSlot(

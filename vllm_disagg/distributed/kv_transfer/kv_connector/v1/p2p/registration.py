@@ -51,6 +51,8 @@ from vllm_disagg.router.protocol import (
     validate,
 )
 
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import dp_rank_of
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -315,7 +317,7 @@ def registers_for_its_api_server(parallel_config) -> bool:
         return True
     if parallel_config.data_parallel_hybrid_lb:
         return not parallel_config.data_parallel_rank_local
-    return parallel_config.data_parallel_index == 0
+    return dp_rank_of(parallel_config) == 0
 
 
 def start_registration(
@@ -336,7 +338,7 @@ def start_registration(
         http_addr=config.http_addr,
         kv_addr=kv_addr,
         model=model or vllm_config.model_config.model,
-        dp_rank=parallel.data_parallel_rank,
+        dp_rank=dp_rank_of(parallel),
         dp_size=parallel.data_parallel_size,
         token=envs.router_token(),
     ).start()

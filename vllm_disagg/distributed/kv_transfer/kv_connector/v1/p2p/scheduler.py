@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig, dp_rank_of
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     format_addr,
     PeerInfo,
@@ -65,7 +65,7 @@ class P2pSchedulerConnector:
         self.addr = format_addr(
             config.host,
             config.instance_port(
-                dp_rank=parallel.data_parallel_rank,
+                dp_rank=dp_rank_of(parallel),
                 tp_size=parallel.tensor_parallel_size,
                 pp_size=parallel.pipeline_parallel_size,
             ),

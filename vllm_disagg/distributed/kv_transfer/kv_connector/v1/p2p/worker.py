@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig, SendType
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
+    P2pConfig,
+    SendType,
+    dp_rank_of,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     KVLayout,
     P2pEngine,
@@ -69,7 +73,7 @@ class P2pWorkerConnector:
         # Symmetric parallelism: worker (pp, tp) talks to worker (pp, tp) of the peer.
         self.rank_offset = pp_rank * tp_size + tp_rank
         self.port = config.worker_port(
-            dp_rank=parallel.data_parallel_rank, tp_size=tp_size, pp_size=pp_size,
+            dp_rank=dp_rank_of(parallel), tp_size=tp_size, pp_size=pp_size,
             tp_rank=tp_rank, pp_rank=pp_rank,
         )
         self.stats = P2pStatsRecorder()

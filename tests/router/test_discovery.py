@@ -1,0 +1,176 @@
+"""Service discovery over real ZMQ on loopback: registrations, tokens,
+rejected frames and a flood of garbage."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from vllm_disagg.router.protocol import (
+    DISCOVERY_VERSION,
+    Ack,
+    Deregister,
+    Register,
+    Role,
+    open_frame,
+    seal,
+)
+
+from .conftest import WAIT_S
+
+TOKEN = b"fleet-secret"
+
+
+def register(instance_id: str = "i-1", **fields) -> Register:
+    values = dict(version=DISCOVERY_VERSION, instance_id=instance_id, role=Role.DECODE,
+                  http_addr="127.0.0.1:20002", kv_addr="127.0.0.1:22001", model="m",
+                  sent_at=time.time())  # fmt: skip
+    return Register(**{**values, **fields})
+
+
+class Instance:
+    """The instance side of discovery: one DEALER socket to the router."""
+
+    def __init__(self, port: int, token: bytes | None, router_token: bytes | None) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.token = token
+        self.router_token = router_token
+
+    async def send(self, frames: list[bytes]) -> Ack:
+        async with asyncio.timeout(WAIT_S):
+            await self.sock.send_multipart(frames)
+            reply = await self.sock.recv_multipart()
+        # Acks are signed with the router's token.
+        return open_frame(self.router_token, reply)
+
+    async def message(self, msg) -> Ack:
+        return await self.send(seal(self.token, msg))
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+async def discovery(start_router):
+    """(router, connect) where connect(token) gives a connected Instance."""
+    made: list[Instance] = []
+
+    async def make(token: bytes | None = None):
+        router = await start_router(registration_token=token.decode() if token else None)
+        router_token = router.state.config.token
+
+        def connect(instance_token: bytes | None = router_token) -> Instance:
+            instance = Instance(router.state.discovery.port, instance_token, router_token)
+            made.append(instance)
+            return instance
+
+        return router, connect
+
+    yield make
+    for instance in made:
+        instance.close()
+
+
+async def test_register_heartbeat_deregister(discovery):
+    router, connect = await discovery()
+    instance = connect()
+    ack = await instance.message(register())
+    assert ack == Ack(DISCOVERY_VERSION, "i-1", True)
+    [listed] = router.registry.snapshot()
+    assert (listed["instance_id"], listed["role"], listed["http_addr"]) == (
+        "i-1", "decode", "127.0.0.1:20002")
+
+    router.clock.advance(8.0)
+    assert (await instance.message(register(seq=1))).accepted
+    router.clock.advance(8.0)  # 16 s after joining, 8 s after the heartbeat
+    assert router.registry.get("i-1") is not None
+    router.clock.advance(3.0)
+    assert router.registry.snapshot() == []  # silent 11 s > 10 s: expired
+
+    assert (await instance.message(register())).accepted
+    assert (await instance.message(Deregister(DISCOVERY_VERSION, "i-1", time.time()))).accepted
+    assert len(router.registry) == 0
+    assert router.metric("vllm_disagg_router_discovery_accepted_total", type="register") == 3
+    assert router.metric("vllm_disagg_router_instance_removals_total", reason="expired") == 1
+
+
+async def test_token_required_when_set(discovery):
+    router, connect = await discovery(TOKEN)
+    assert (await connect().message(register("good"))).accepted
+
+    for token in (None, b"wrong"):
+        ack = await connect(token).message(register("bad"))
+        assert not ack.accepted and ack.reason.startswith("unauthenticated")
+    assert router.registry.get("bad") is None and router.registry.get("good") is not None
+    assert router.metric("vllm_disagg_router_discovery_rejected_total",
+                         kind="unauthenticated") == 2  # fmt: skip
+
+    # A captured, signed frame replayed much later is refused as stale.
+    old = register("late", sent_at=time.time() - 3600)
+    ack = await connect().message(old)
+    assert not ack.accepted and ack.reason.startswith("stale")
+
+
+async def test_token_from_the_environment(discovery, monkeypatch):
+    monkeypatch.setenv("VLLM_DISAGG_ROUTER_TOKEN", TOKEN.decode())
+    router, connect = await discovery()
+    assert (await connect(TOKEN).message(register())).accepted
+    assert not (await connect(None).message(register("unsigned"))).accepted
+    assert [i["instance_id"] for i in router.registry.snapshot()] == ["i-1"]
+
+
+async def test_malformed_and_foreign_messages_are_rejected_and_counted(discovery):
+    router, connect = await discovery()
+    instance = connect()
+    cases = {
+        "malformed": [b"\x93garbage", b""],
+        "oversized": [b"x" * 5000, b""],
+    }
+    for kind, frames in cases.items():
+        ack = await instance.send(frames)
+        assert not ack.accepted and ack.reason.startswith(kind)
+    wrong_version = msgspec.msgpack.encode({"type": "register", **msgspec.to_builtins(register()),
+                                            "version": 99})  # fmt: skip
+    ack = await instance.send([wrong_version, b""])
+    assert ack.reason.startswith("version")
+    ack = await instance.message(register(http_addr="no port"))
+    assert ack.reason.startswith("malformed") and "http_addr" in ack.reason
+    ack = await instance.message(Ack(DISCOVERY_VERSION, "i-1", True))
+    assert ack.reason.startswith("malformed")
+    assert len(router.registry) == 0
+    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed") == 3
+    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="version") == 1
+
+
+async def test_flood_of_garbage_is_survived(discovery):
+    """Random bytes in random frame counts: every one answered and counted,
+    quickly, and a real registration still goes through afterwards."""
+    router, connect = await discovery(TOKEN)
+    instance = connect()
+    rng = random.Random(0)
+    count = 2000
+    started = time.monotonic()
+    async with asyncio.timeout(30):
+        for _ in range(count):
+            frames = [os.urandom(rng.randint(0, 300)) for _ in range(rng.choice((1, 2, 2, 3, 7)))]
+            await instance.sock.send_multipart(frames)
+        for _ in range(count):
+            await instance.sock.recv_multipart()
+    elapsed = time.monotonic() - started
+    rejected = router.state.discovery.rejected
+    assert sum(rejected.values()) == count
+    assert set(rejected) >= {"malformed", "unauthenticated"}
+    assert elapsed < 15.0
+    assert (await instance.message(register())).accepted
+    assert router.registry.get("i-1") is not None

@@ -1,0 +1,135 @@
+"""The router's own endpoints and the requests it refuses itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from vllm_disagg.router.protocol import Role
+
+from .conftest import WAIT_S
+
+BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
+
+
+async def test_no_instances_at_all_is_a_503_json_error(start_router):
+    router = await start_router()
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        status, body, resp = await router.post(path, BODY)
+        assert status == 503 and resp.headers["Content-Type"] == "application/json"
+        assert json.loads(body)["error"] == {
+            "message": "no healthy decode instance is registered",
+            "type": "service_unavailable", "code": 503,
+        }  # fmt: skip
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
+                         outcome="no_instance") == 1  # fmt: skip
+
+
+async def test_malformed_bodies_are_400_json(pd):
+    router, p, d = await pd()
+    for raw in (b"{not json", b"[1, 2]", b"", "\"text\"".encode()):
+        status, body, _ = await router.post("/v1/completions", raw)
+        assert status == 400, raw
+        assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert not p.requests and not d.requests
+
+
+async def test_oversized_bodies_are_413_json(pd):
+    router, p, d = await pd(max_body_bytes=2048)
+    big = {**BODY, "prompt": "x" * 4096}
+    status, body, _ = await router.post("/v1/completions", big)
+    assert status == 413 and "2048" in json.loads(body)["error"]["message"]
+
+    async def chunked():  # no Content-Length: the limit holds while reading
+        for _ in range(8):
+            yield b" " * 1024
+
+    async with asyncio.timeout(WAIT_S):
+        async with router.client.post(router.url + "/v1/completions", data=chunked()) as resp:
+            assert resp.status == 413
+    assert not p.requests and not d.requests
+    status, _, _ = await router.post("/v1/completions", BODY)
+    assert status == 200
+
+
+async def test_health_follows_healthy_prefill_and_decode(start_router, fakes):
+    router = await start_router(heartbeat_timeout_s=10.0)
+    p, d = await fakes("p"), await fakes("d")
+
+    async def health():
+        status, body = await router.get("/health")
+        return status, json.loads(body)
+
+    assert await health() == (503, {"status": "unavailable", "prefill": 0, "decode": 0})
+    router.add(p, Role.PREFILL)
+    assert (await health())[0] == 503
+    router.add(d, Role.DECODE)
+    assert await health() == (200, {"status": "ready", "prefill": 1, "decode": 1})
+    router.clock.advance(6.0)
+    router.add(d, Role.DECODE)  # d heartbeats, p went silent
+    router.clock.advance(6.0)
+    assert await health() == (503, {"status": "unavailable", "prefill": 0, "decode": 1})
+
+
+async def test_models_lists_registered_model_names(start_router, fakes):
+    router = await start_router()
+    status, body = await router.get("/v1/models")
+    assert status == 200 and json.loads(body) == {"object": "list", "data": []}
+    for name, model in (("p", "b"), ("d", "a"), ("d2", "a")):
+        router.add(await fakes(name), Role.PREFILL if name == "p" else Role.DECODE, model=model)
+    data = json.loads((await router.get("/v1/models"))[1])["data"]
+    assert [m["id"] for m in data] == ["a", "b"]
+    assert all(m["object"] == "model" and m["owned_by"] == "vllm" for m in data)
+
+
+async def test_instances_lists_role_age_load_and_breaker(pd):
+    router, p, d = await pd()
+    router.clock.advance(2.5)
+    status, body = await router.get("/instances")
+    listing = {i["instance_id"]: i for i in json.loads(body)}
+    assert status == 200 and set(listing) == {"p-id", "d-id"}
+    assert listing["p-id"]["role"] == "prefill" and listing["d-id"]["role"] == "decode"
+    assert listing["p-id"]["http_addr"] == p.http_addr
+    assert listing["p-id"]["kv_addr"] == p.kv_addr
+    assert listing["p-id"]["age_s"] == 2.5 and listing["p-id"]["last_heartbeat_s"] == 2.5
+    assert listing["p-id"]["outstanding"] == 0 and listing["p-id"]["breaker"] == "closed"
+
+
+async def test_static_instances_serve_without_registering(start_router, fakes):
+    from vllm_disagg.router.config import StaticInstance
+
+    p, d = await fakes("p"), await fakes("d")
+    router = await start_router(
+        static_prefill=(StaticInstance(p.http_addr, p.kv_addr),),
+        static_decode=(StaticInstance(d.http_addr, d.kv_addr, "m"),),
+    )
+    router.clock.advance(3600.0)  # static instances never expire
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 200 and body == d.answer()
+    listing = json.loads((await router.get("/instances"))[1])
+    assert all(i["static"] and i["last_heartbeat_s"] is None for i in listing)
+
+
+async def test_metrics_exposition(pd):
+    router, p, d = await pd()
+    await router.post("/v1/completions", BODY)
+    status, body = await router.get("/metrics")
+    text = body.decode()
+    assert status == 200
+    for line in (
+        'vllm_disagg_router_requests_total{endpoint="completions",outcome="ok"} 1.0',
+        'vllm_disagg_router_instances{role="prefill"} 1.0',
+        'vllm_disagg_router_instances{role="decode"} 1.0',
+        'vllm_disagg_router_discovery_rejected_total{kind="unauthenticated"} 0.0',
+        "vllm_disagg_router_added_latency_seconds_count 1.0",
+        "vllm_disagg_router_breaker_opens_total 0.0",
+    ):
+        assert line in text, line
+
+
+async def test_unknown_routes_answer_json(start_router):
+    router = await start_router()
+    status, body = await router.get("/v1/nothing")
+    assert status == 404 and json.loads(body)["error"]["code"] == 404
+    status, body = await router.get("/v1/completions")
+    assert status == 405 and json.loads(body)["error"]["code"] == 405

@@ -1,0 +1,299 @@
+"""Retries, circuit breakers, unreachable instances, every timeout, client
+disconnects, and the fallback to decode-side prefill."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+from vllm_disagg.router.protocol import Role
+from vllm_disagg.router.registry import BreakerState
+
+from .conftest import WAIT_S, FakeInstance
+
+BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
+STREAM = {**BODY, "stream": True}
+
+
+def error_of(body: bytes) -> dict:
+    return json.loads(body)["error"]
+
+
+async def add_prefills(router, fakes, names):
+    made = []
+    for name in names:
+        fake = await fakes(name)
+        router.add(fake, Role.PREFILL)
+        made.append(fake)
+    return made
+
+
+async def test_failed_prefill_is_retried_on_another_instance(pd, fakes):
+    router, p, d = await pd()
+    [p2] = await add_prefills(router, fakes, ["p2"])
+    p.status = p2.status = 500
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 502 and error_of(body)["type"] == "bad_gateway"
+    assert len(p.requests) == len(p2.requests) == 1 and not d.requests
+
+    p.status = 200  # one bad, one good: whichever is tried first, the request succeeds
+    for _ in range(2):
+        status, body, _ = await router.post("/v1/completions", BODY)
+        assert status == 200 and body == d.answer()
+    assert router.metric("vllm_disagg_router_prefill_retries_total") >= 2
+    assert router.metric("vllm_disagg_router_prefill_failures_total", reason="status") >= 3
+    # Retries kept the request's key: P and D agree on it.
+    assert d.requests[-1].headers["X-Request-Id"] == p.requests[-1].headers["X-Request-Id"]
+
+
+async def test_retry_budget_bounds_attempts(pd, fakes):
+    router, p, d = await pd(max_retries=1)
+    extra = await add_prefills(router, fakes, ["p2", "p3"])
+    for fake in (p, *extra):
+        fake.status = 503
+    status, _, _ = await router.post("/v1/completions", BODY)
+    assert status == 502
+    assert sum(len(f.requests) for f in (p, *extra)) == 2
+
+
+async def test_refused_connection_drops_the_instance_at_once(pd, fakes):
+    router, p, d = await pd()
+    [gone] = await add_prefills(router, fakes, ["gone"])
+    await gone.stop()
+    for _ in range(3):
+        status, _, _ = await router.post("/v1/completions", BODY)
+        assert status == 200
+    assert router.registry.get("gone-id") is None
+    assert [i["instance_id"] for i in router.registry.snapshot()] == ["p-id", "d-id"]
+    assert router.metric("vllm_disagg_router_instance_removals_total", reason="unreachable") == 1
+
+
+async def test_refused_decode_is_a_502_and_drops_it(pd):
+    router, p, d = await pd()
+    await d.stop()
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 502 and "refused" in error_of(body)["message"]
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 503 and error_of(body)["type"] == "service_unavailable"
+
+
+async def test_breaker_opens_then_half_open_lets_one_trial(pd, fakes):
+    router, p, d = await pd(breaker_failures=2, breaker_cooldown_s=30.0, max_retries=0)
+    p.status = 500
+    for _ in range(2):
+        status, _, _ = await router.post("/v1/completions", BODY)
+        assert status == 502
+    instance = router.registry.get("p-id")
+    assert router.registry.breaker_state(instance) is BreakerState.OPEN
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 503 and len(p.requests) == 2  # kept out while open
+    assert router.metric("vllm_disagg_router_breaker_opens_total") == 1
+
+    router.clock.advance(30.0)
+    router.add(p, Role.PREFILL)  # heartbeats kept coming meanwhile
+    router.add(d, Role.DECODE)
+    assert router.registry.breaker_state(instance) is BreakerState.HALF_OPEN
+    # One trial at a time: while it is in flight nobody else is sent there.
+    p.status, p.delay_s = 200, 0.3
+    trial = asyncio.create_task(router.post("/v1/completions", BODY))
+    async with asyncio.timeout(WAIT_S):
+        while len(p.requests) < 3:
+            await asyncio.sleep(0.01)
+    status, _, _ = await router.post("/v1/completions", BODY)
+    assert status == 503
+    status, _, _ = await trial
+    assert status == 200
+    assert router.registry.breaker_state(instance) is BreakerState.CLOSED
+
+
+async def test_prefill_timeout_retries_elsewhere(pd, fakes):
+    router, p, d = await pd(prefill_timeout_s=0.3)
+    [p2] = await add_prefills(router, fakes, ["p2"])
+    p.hang = p2.hang = True
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 502 and "timeout" in error_of(body)["message"]
+    # The router closed both hung prefill requests.
+    async with asyncio.timeout(WAIT_S):
+        await p.disconnected.wait()
+        await p2.disconnected.wait()
+    assert router.metric("vllm_disagg_router_prefill_failures_total", reason="timeout") == 2
+
+
+async def test_first_token_timeout_is_a_504_before_anything_was_sent(pd):
+    router, p, d = await pd(first_token_timeout_s=0.3)
+    d.hang = True
+    status, body, _ = await router.post("/v1/completions", STREAM)
+    assert status == 504 and error_of(body)["type"] == "timeout"
+    async with asyncio.timeout(WAIT_S):
+        await d.disconnected.wait()
+    assert router.registry.get("d-id").outstanding == 0
+
+
+async def test_chunk_timeout_ends_the_stream_with_an_error_event(pd):
+    router, p, d = await pd(chunk_timeout_s=0.3)
+    d.chunks = [b"data: 1\n\n", b"data: 2\n\n"]
+    d.chunk_delay_s = 3.0
+    status, body, _ = await router.post("/v1/completions", STREAM)
+    assert status == 200
+    first, error_event = body.split(b"\n\n", 1)
+    assert first == b"data: 1"
+    assert error_event.startswith(b"data: ") and b"sent nothing for 0.3s" in error_event
+    async with asyncio.timeout(WAIT_S):
+        await d.disconnected.wait()
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
+                         outcome="timeout") == 1  # fmt: skip
+
+
+async def test_request_deadline_bounds_everything(pd):
+    router, p, d = await pd(request_timeout_s=0.4)
+    p.hang = True
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 504 and "deadline" in error_of(body)["message"]
+
+    # Mid-stream: the deadline ends a stream that is still flowing.
+    p.hang = False
+    d.chunks = [b"data: %d\n\n" % i for i in range(100)]
+    d.chunk_delay_s = 0.05
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    status, body, _ = await router.post("/v1/completions", STREAM)
+    assert status == 200 and loop.time() - started < 2.0
+    assert b"deadline" in body.rsplit(b"\n\n", 2)[-2]
+
+
+async def test_connect_timeout(pd):
+    """A listener whose accept queue is full never completes a handshake."""
+    router, p, d = await pd(connect_timeout_s=0.3, max_retries=0)
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    fillers = []
+    try:
+        for _ in range(4):  # fill the accept queue; later SYNs are dropped
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(listener.getsockname())
+            fillers.append(filler)
+        await asyncio.sleep(0.05)
+        stuck = FakeInstance("stuck")
+        stuck.port = listener.getsockname()[1]
+        router.registry.deregister("p-id")
+        router.add(stuck, Role.PREFILL)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        status, body, _ = await router.post("/v1/completions", BODY)
+        assert status == 502 and "connect_timeout" in error_of(body)["message"]
+        assert loop.time() - started < 2.0
+    finally:
+        for s in (listener, *fillers):
+            s.close()
+
+
+async def test_client_disconnect_mid_stream_cancels_decode(pd):
+    router, p, d = await pd()
+    d.chunks = [b"data: %d\n\n" % i for i in range(50)]
+    d.chunk_delay_s = 0.1
+    async with asyncio.timeout(WAIT_S):
+        resp = await router.client.post(router.url + "/v1/completions", json=STREAM)
+        assert await resp.content.readany()
+        resp.close()
+        await d.disconnected.wait()
+        while router.registry.get("d-id").outstanding:
+            await asyncio.sleep(0.01)
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
+                         outcome="cancelled") == 1  # fmt: skip
+
+
+async def test_client_disconnect_during_prefill_cancels_it(pd):
+    router, p, d = await pd()
+    p.hang = True
+    async with asyncio.timeout(WAIT_S):
+        request = asyncio.create_task(router.post("/v1/completions", BODY))
+        while not p.requests:
+            await asyncio.sleep(0.01)
+        request.cancel()
+        await p.disconnected.wait()
+        while router.registry.get("p-id").outstanding:
+            await asyncio.sleep(0.01)
+    assert not d.requests
+
+
+async def test_concurrent_handoff_sends_both_at_once(pd):
+    router, p, d = await pd(handoff="concurrent")
+    p.delay_s = 0.3
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 200 and body == d.answer()
+    [prefill], [decode] = p.requests, d.requests
+    assert decode.at - prefill.at < 0.2  # D did not wait for P's answer
+    assert prefill.headers["X-Request-Id"] == decode.headers["X-Request-Id"]
+    assert prefill.body["max_tokens"] == 1 and decode.body["max_tokens"] == 4
+
+
+async def test_concurrent_handoff_failed_prefill_lets_decode_finish(pd):
+    router, p, d = await pd(handoff="concurrent")
+    p.status = 500
+    d.delay_s = 0.2  # decode answers after prefill failed (it recomputed)
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 200 and body == d.answer()
+    assert router.metric("vllm_disagg_router_concurrent_prefill_failures_total") == 1
+    assert len(p.requests) == 1  # never retried: D waits for that P
+
+
+async def test_fallback_to_decode_prefill_is_off_by_default(start_router, fakes):
+    router = await start_router()
+    d = await fakes("d")
+    router.add(d, Role.DECODE)
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 503 and "prefill" in error_of(body)["message"]
+    assert not d.requests
+
+
+async def test_fallback_to_decode_prefill_is_counted(start_router, fakes):
+    router = await start_router(fallback_to_decode_prefill=True)
+    d = await fakes("d")
+    router.add(d, Role.DECODE)
+    body = {**BODY, "kv_transfer_params": {"p2p_prefill_addr": "10.0.0.1:1"}}
+    status, answer, _ = await router.post("/v1/completions", body)
+    assert status == 200 and answer == d.answer()
+    assert "kv_transfer_params" not in d.requests[0].body  # D prefills, names no peers
+    assert not d.requests[0].headers["X-Request-Id"].startswith("___prefill_addr_")
+    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total",
+                         reason="no_prefill") == 1  # fmt: skip
+
+    p = await fakes("p")
+    p.status = 500
+    router.add(p, Role.PREFILL)
+    status, _, _ = await router.post("/v1/completions", BODY)
+    assert status == 200 and len(p.requests) == 1
+    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total",
+                         reason="prefill_failed") == 1  # fmt: skip
+
+
+async def test_client_disconnect_in_concurrent_handoff_cancels_both(pd):
+    router, p, d = await pd(handoff="concurrent")
+    p.hang = d.hang = True
+    async with asyncio.timeout(WAIT_S):
+        request = asyncio.create_task(router.post("/v1/completions", BODY))
+        while not (p.requests and d.requests):
+            await asyncio.sleep(0.01)
+        request.cancel()
+        await p.disconnected.wait()
+        await d.disconnected.wait()
+        while router.registry.get("p-id").outstanding or router.registry.get("d-id").outstanding:
+            await asyncio.sleep(0.01)
+
+
+async def test_decode_is_loaded_from_selection_and_released_on_every_path(pd):
+    router, p, d = await pd(max_retries=0)
+    decode = router.registry.get("d-id")
+    p.delay_s = 0.3
+    request = asyncio.create_task(router.post("/v1/completions", BODY))
+    async with asyncio.timeout(WAIT_S):
+        while not p.requests:
+            await asyncio.sleep(0.01)
+    assert decode.outstanding == 1  # while P prefills, D already counts it
+    assert (await request)[0] == 200
+    p.delay_s = 0.0
+    for p.status in (500, 404):  # P failed; P refused the request
+        await router.post("/v1/completions", BODY)
+        assert decode.outstanding == 0
+    assert len(d.requests) == 1

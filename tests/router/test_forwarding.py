@@ -1,0 +1,143 @@
+"""What the router sends to prefill and decode, and what it relays back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    DECODE_ADDR_KEY,
+    PREFILL_ADDR_KEY,
+    REQUEST_KEY_KEY,
+    parse_peer_info,
+)
+from vllm_disagg.router.protocol import Role
+
+from .conftest import WAIT_S, sse
+
+COMPLETION = {
+    "model": "m", "prompt": "San Francisco is a", "max_tokens": 10, "temperature": 0,
+    "stop": ["\n"], "stop_token_ids": [7], "min_tokens": 3, "n": 2, "logprobs": 2,
+    "prompt_logprobs": 1,
+}  # fmt: skip
+
+
+async def test_completion_names_both_peers_and_relays_decode_bytes(pd):
+    router, p, d = await pd()
+    status, body, resp = await router.post("/v1/completions", COMPLETION)
+
+    assert status == 200 and body == d.answer()
+    assert resp.headers["Content-Type"] == "application/json"
+    [prefill], [decode] = p.requests, d.requests
+    request_id = prefill.headers["X-Request-Id"]
+    assert decode.headers["X-Request-Id"] == request_id
+    peers = parse_peer_info(request_id, None)
+    assert (peers.prefill_addr, peers.decode_addr) == (p.kv_addr, d.kv_addr)
+    assert len(peers.key) == 32
+    params = {PREFILL_ADDR_KEY: p.kv_addr, DECODE_ADDR_KEY: d.kv_addr, REQUEST_KEY_KEY: peers.key}
+    assert prefill.body["kv_transfer_params"] == params
+    assert decode.body == {**COMPLETION, "kv_transfer_params": params}
+    # The prefill-only pass: one token, whole answer, none of the client's
+    # stop conditions, fan-out or logprobs; the prompt untouched.
+    assert prefill.body == {
+        "model": "m", "prompt": "San Francisco is a", "max_tokens": 1, "temperature": 0,
+        "n": 1, "stream": False, "kv_transfer_params": params,
+    }  # fmt: skip
+    assert router.metric("vllm_disagg_router_requests_total",
+                         endpoint="completions", outcome="ok") == 1  # fmt: skip
+
+
+async def test_chat_prefill_caps_max_completion_tokens_and_drops_stream_options(pd):
+    router, p, d = await pd()
+    chat = {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "stream_options": {"include_usage": True}, "max_completion_tokens": 50,
+        "logprobs": True, "top_logprobs": 2,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    }  # fmt: skip
+    status, _, _ = await router.post("/v1/chat/completions", chat)
+
+    assert status == 200
+    [prefill], [decode] = p.requests, d.requests
+    assert prefill.path == decode.path == "/v1/chat/completions"
+    assert prefill.body["max_completion_tokens"] == prefill.body["max_tokens"] == 1
+    assert prefill.body["stream"] is False
+    assert not {"stream_options", "logprobs", "top_logprobs"} & prefill.body.keys()
+    assert prefill.body["messages"] == chat["messages"] and prefill.body["tools"] == chat["tools"]
+    assert {k: v for k, v in decode.body.items() if k != "kv_transfer_params"} == chat
+
+
+async def test_streaming_is_relayed_byte_for_byte(pd):
+    router, p, d = await pd()
+    d.chunks = [b"data: {\"a\": 1}\n\n", b"data: {\"b\"", b": 2}\n\n", b"data: [DONE]\n\n"]
+    d.chunk_delay_s = 0.05
+    received = []
+    async with asyncio.timeout(WAIT_S):
+        async with router.client.post(router.url + "/v1/completions",
+                                      json={**COMPLETION, "stream": True}) as resp:  # fmt: skip
+            assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+            async for chunk in resp.content.iter_any():
+                received.append(chunk)
+
+    assert b"".join(received) == b"".join(d.chunks)
+    assert len(received) >= 3  # relayed as it came, not buffered to the end
+    assert p.requests[0].body["stream"] is False
+    assert router.registry.get("d-id").outstanding == 0
+
+
+async def test_client_kv_transfer_params_are_kept_but_cannot_name_peers(pd):
+    router, p, d = await pd()
+    client_params = {"custom": 1, PREFILL_ADDR_KEY: "10.9.9.9:1", DECODE_ADDR_KEY: "10.9.9.9:2",
+                     REQUEST_KEY_KEY: "evil"}  # fmt: skip
+    await router.post("/v1/completions", {**COMPLETION, "kv_transfer_params": client_params})
+
+    for seen in (p.requests[0], d.requests[0]):
+        params = seen.body["kv_transfer_params"]
+        assert params["custom"] == 1
+        assert (params[PREFILL_ADDR_KEY], params[DECODE_ADDR_KEY]) == (p.kv_addr, d.kv_addr)
+        assert params[REQUEST_KEY_KEY] != "evil"
+
+
+async def test_client_headers_are_forwarded_but_not_its_request_id(pd):
+    router, p, d = await pd()
+    headers = {"Authorization": "Bearer k", "X-Request-Id": "mine", "traceparent": "00-ab-cd-01"}
+    await router.post("/v1/completions", COMPLETION, headers=headers)
+
+    for seen in (p.requests[0], d.requests[0]):
+        assert seen.headers["Authorization"] == "Bearer k"
+        assert seen.headers["traceparent"] == "00-ab-cd-01"
+        assert seen.headers["X-Request-Id"].startswith("___prefill_addr_")
+        assert "Remote-Addr" not in seen.headers
+
+
+async def test_upstream_error_status_and_body_are_relayed(pd):
+    router, p, d = await pd()
+    d.status = 400
+    status, body, resp = await router.post("/v1/completions", COMPLETION)
+    assert status == 400 and json.loads(body) == {"error": {"message": "d"}}
+
+    # A prefill instance that refuses the request: the client gets that
+    # answer and decode is never asked.
+    d.status, p.status = 200, 422
+    status, body, _ = await router.post("/v1/completions", COMPLETION)
+    assert status == 422 and json.loads(body) == {"error": {"message": "p"}}
+    assert len(d.requests) == 1
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
+                         outcome="upstream_client_error") == 2  # fmt: skip
+
+
+async def test_model_filter_and_unknown_model(fakes, start_router):
+    router = await start_router()
+    p_a, d_a, p_b, d_b = [await fakes(n) for n in ("pa", "da", "pb", "db")]
+    router.add(p_a, Role.PREFILL, model="a")
+    router.add(d_a, Role.DECODE, model="a")
+    router.add(p_b, Role.PREFILL, model="b")
+    router.add(d_b, Role.DECODE, model="b")
+    for _ in range(3):
+        status, body, _ = await router.post("/v1/completions", {**COMPLETION, "model": "b"})
+        assert status == 200 and body == d_b.answer()
+    assert not p_a.requests and not d_a.requests
+
+    status, body, _ = await router.post("/v1/completions", {**COMPLETION, "model": "zzz"})
+    assert status == 404
+    assert json.loads(body)["error"]["message"] == "The model `zzz` does not exist."

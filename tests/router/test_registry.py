@@ -1,0 +1,174 @@
+"""InstanceRegistry: membership, heartbeat expiry and circuit breakers, on
+an injected clock (no sleeps)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from vllm_disagg.router.protocol import DISCOVERY_VERSION, Register, Role
+from vllm_disagg.router.registry import BreakerState, InstanceRegistry
+
+from .conftest import FakeClock
+
+
+def reg(instance_id: str, role: Role = Role.PREFILL, port: int = 20001, **fields) -> Register:
+    model = fields.pop("model", "m")
+    http, kv = f"10.0.0.1:{port}", f"10.0.0.1:{port + 1000}"
+    return Register(DISCOVERY_VERSION, instance_id, role, http, kv, model, **fields)
+
+
+def make(**kwargs) -> tuple[InstanceRegistry, FakeClock]:
+    clock = FakeClock()
+    return InstanceRegistry(clock=clock, **kwargs), clock
+
+
+def ids(instances) -> list[str]:
+    return [i.instance_id for i in instances]
+
+
+def test_roles_decide_which_side_an_instance_serves():
+    registry, _ = make()
+    registry.register(reg("p", Role.PREFILL, 1))
+    registry.register(reg("d", Role.DECODE, 2))
+    registry.register(reg("b", Role.BOTH, 3))
+    assert ids(registry.healthy(Role.PREFILL)) == ["p", "b"]
+    assert ids(registry.healthy(Role.DECODE)) == ["d", "b"]
+    assert registry.counts() == {"prefill": 1, "decode": 1, "both": 1}
+
+
+def test_heartbeats_keep_an_instance_and_silence_expires_it():
+    registry, clock = make(heartbeat_timeout_s=10.0)
+    assert registry.register(reg("p")) is True
+    clock.advance(9.0)
+    assert registry.register(reg("p", seq=1)) is False  # a heartbeat, not a join
+    clock.advance(9.0)
+    assert ids(registry.healthy(Role.PREFILL)) == ["p"]
+    clock.advance(1.5)
+    assert registry.healthy(Role.PREFILL) == [] and registry.removals["expired"] == 1
+
+
+def test_slow_heartbeat_interval_stretches_the_timeout():
+    registry, clock = make(heartbeat_timeout_s=10.0)
+    registry.register(reg("p", interval_s=5.0))  # 3 missed beats = 15 s
+    clock.advance(14.0)
+    assert len(registry.expire()) == 0
+    clock.advance(2.0)
+    assert ids(registry.expire()) == ["p"]
+
+
+def test_new_incarnation_at_the_same_address_replaces_the_old():
+    registry, _ = make()
+    registry.register(reg("old", port=1))
+    old = registry.get("old")
+    old.outstanding = 5
+    registry.register(reg("new", port=1))
+    assert ids(registry.healthy(Role.PREFILL)) == ["new"]
+    assert registry.get("new").outstanding == 0 and registry.removals["replaced"] == 1
+
+
+def test_a_heartbeat_refreshes_what_changed_and_keeps_the_load():
+    registry, _ = make()
+    registry.register(reg("p", port=1))
+    registry.begin(registry.get("p"))
+    registry.register(reg("p", port=1, model="other", dp_rank=1, dp_size=2))
+    instance = registry.get("p")
+    assert (instance.model, instance.dp_rank, instance.dp_size, instance.outstanding) == (
+        "other", 1, 2, 1)
+
+
+def test_deregister_and_unreachable_remove_at_once():
+    registry, _ = make()
+    registry.register(reg("a", port=1))
+    registry.register(reg("b", port=2))
+    assert registry.deregister("a") and not registry.deregister("a")
+    registry.mark_unreachable("10.0.0.1:2")
+    assert len(registry) == 0
+    assert registry.removals == {"deregistered": 1, "unreachable": 1}
+
+
+def test_static_instances_never_expire_and_unreachable_opens_their_breaker():
+    registry, clock = make(breaker_cooldown_s=5.0)
+    static = registry.add_static(Role.DECODE, "10.0.0.9:8000", "10.0.0.9:9000", None)
+    clock.advance(3600.0)
+    assert registry.healthy(Role.DECODE, model="anything") == [static]
+    registry.mark_unreachable("10.0.0.9:8000")
+    assert registry.healthy(Role.DECODE) == [] and len(registry) == 1
+    clock.advance(5.0)
+    assert registry.healthy(Role.DECODE) == [static]  # half-open: one trial
+    assert registry.breaker_opens == 1
+
+
+def test_breaker_counts_consecutive_failures_only():
+    registry, _ = make(breaker_failures=3)
+    registry.register(reg("p"))
+    instance = registry.get("p")
+    for ok in (False, False, True, False, False, None):
+        registry.begin(instance)
+        registry.finish(instance, ok)
+    assert registry.breaker_state(instance) is BreakerState.CLOSED
+    registry.begin(instance)
+    registry.finish(instance, False)
+    assert registry.breaker_state(instance) is BreakerState.OPEN
+    assert registry.healthy(Role.PREFILL) == [] and instance.outstanding == 0
+
+
+def test_half_open_allows_one_trial_that_closes_or_reopens():
+    registry, clock = make(breaker_failures=1, breaker_cooldown_s=10.0)
+    registry.register(reg("p"))
+    instance = registry.get("p")
+    registry.begin(instance)
+    registry.finish(instance, False)
+    clock.advance(9.0)
+    registry.register(reg("p"))
+    assert registry.healthy(Role.PREFILL) == []
+    clock.advance(1.0)
+    assert registry.healthy(Role.PREFILL) == [instance]
+    registry.begin(instance)  # the trial
+    assert registry.healthy(Role.PREFILL) == []
+    registry.finish(instance, False)  # failed: open for another cool-down
+    assert registry.breaker_state(instance) is BreakerState.OPEN
+    clock.advance(10.0)
+    registry.register(reg("p"))
+    registry.begin(instance)
+    registry.finish(instance, None)  # the client left: no verdict, trial slot freed
+    assert registry.healthy(Role.PREFILL) == [instance]
+    registry.begin(instance)
+    registry.finish(instance, True)
+    assert registry.breaker_state(instance) is BreakerState.CLOSED
+    assert registry.breaker_opens == 2
+
+
+def test_models_and_model_filter():
+    registry, _ = make()
+    registry.register(reg("a", port=1, model="x"))
+    registry.register(reg("b", port=2, model="y"))
+    assert registry.models() == ["x", "y"]
+    assert ids(registry.healthy(Role.PREFILL, model="y")) == ["b"]
+    assert registry.serves_model("x") and not registry.serves_model("z")
+
+
+def test_snapshot_shows_role_age_load_and_breaker():
+    registry, clock = make()
+    registry.register(reg("p", dp_rank=1, dp_size=2))
+    registry.begin(registry.get("p"))
+    clock.advance(4.0)
+    registry.register(reg("p", dp_rank=1, dp_size=2))
+    clock.advance(1.0)
+    [entry] = registry.snapshot()
+    assert entry == {
+        "instance_id": "p", "role": "prefill", "http_addr": "10.0.0.1:20001",
+        "kv_addr": "10.0.0.1:21001", "model": "m", "dp_rank": 1, "dp_size": 2, "static": False,
+        "age_s": 5.0, "last_heartbeat_s": 1.0, "outstanding": 1, "breaker": "closed",
+        "consecutive_failures": 0,
+    }  # fmt: skip
+
+
+def test_registry_and_policy_import_neither_quart_nor_vllm():
+    code = (
+        "import sys, vllm_disagg.router.registry, vllm_disagg.router.policy\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('quart', 'vllm', 'torch', 'aiohttp', 'hypercorn', 'zmq', 'prometheus_client'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,210 @@
+"""The router's HTTP front end (Quart): handlers parse, forward, and answer.
+
+``create_app(config)`` builds everything one router runs (registry with the
+static instances, policies, discovery listener, metrics, upstream client) and
+ties their start and stop to the app's serving lifetime; ``serve(app)`` runs
+it with hypercorn until a shutdown trigger fires. Nothing is module-global:
+several routers can live in one process (tests do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import msgspec
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
+from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+
+from vllm_disagg.router import metrics as outcomes
+from vllm_disagg.router.config import RouterConfig
+from vllm_disagg.router.discovery import DiscoveryServer
+from vllm_disagg.router.metrics import CONTENT_TYPE, RouterMetrics
+from vllm_disagg.router.policy import Policies
+from vllm_disagg.router.protocol import Role
+from vllm_disagg.router.proxy import JSON, Reply, RequestProxy, error_json
+from vllm_disagg.router.registry import InstanceRegistry
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "vllm_disagg_router"
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass
+class RouterState:
+    """What one router app runs; ``router_state(app)`` finds it."""
+
+    config: RouterConfig
+    registry: InstanceRegistry
+    policies: Policies
+    discovery: DiscoveryServer
+    metrics: RouterMetrics
+    proxy: RequestProxy
+    http_port: int | None = None  # set by serve()
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once serving
+
+
+def router_state(app: Quart) -> RouterState:
+    return app.extensions[STATE_KEY]
+
+
+def build_registry(
+    config: RouterConfig, clock: Callable[[], float] = time.monotonic
+) -> InstanceRegistry:
+    """A registry with the config's timeouts and its static instances."""
+    registry = InstanceRegistry(
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
+        breaker_failures=config.breaker_failures,
+        breaker_cooldown_s=config.breaker_cooldown_s,
+        clock=clock,
+    )
+    static = ((Role.PREFILL, config.static_prefill), (Role.DECODE, config.static_decode))
+    for role, instances in static:
+        for instance in instances:
+            registry.add_static(role, instance.http_addr, instance.kv_addr, instance.model)
+    return registry
+
+
+def _json(payload: object, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(payload), status=status, content_type=JSON)
+
+
+def _error(status: int, message: str, error_type: str) -> Response:
+    return Response(error_json(status, message, error_type), status=status, content_type=JSON)
+
+
+def _response(reply: Reply) -> Response:
+    return Response(reply.body, status=reply.status, content_type=reply.content_type)
+
+
+def create_app(
+    config: RouterConfig,
+    registry: InstanceRegistry | None = None,
+    policies: Policies | None = None,
+) -> Quart:
+    registry = build_registry(config) if registry is None else registry
+    policies = Policies.from_config(config) if policies is None else policies
+    discovery = DiscoveryServer(
+        registry, host=config.discovery_host, port=config.discovery_port, token=config.token
+    )
+    metrics = RouterMetrics(registry, discovery)
+    proxy = RequestProxy(config, registry, policies, metrics)
+    state = RouterState(config, registry, policies, discovery, metrics, proxy)
+
+    app = Quart(__name__)
+    app.config.update(
+        MAX_CONTENT_LENGTH=config.max_body_bytes,
+        BODY_TIMEOUT=config.request_timeout_s,
+        RESPONSE_TIMEOUT=None,  # the router's own deadlines end responses
+    )
+    app.extensions[STATE_KEY] = state
+
+    @app.before_serving
+    async def start() -> None:
+        await discovery.start()
+        await proxy.start()
+        state.ready.set()
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        logger.info("router: HTTP on http://%s:%s discovery on %s (handoff %s, policies "
+                    "prefill=%s decode=%s)", host, state.http_port, discovery.endpoint,
+                    config.handoff, config.policy_prefill, config.policy_decode)  # fmt: skip
+
+    @app.after_serving
+    async def stop() -> None:
+        await proxy.close()
+        await discovery.close()
+
+    async def forward(endpoint: str) -> Response:
+        declared = request.content_length
+        try:
+            if declared is not None and declared > config.max_body_bytes:
+                raise RequestEntityTooLarge()
+            raw = await request.get_data(cache=False)
+        except RequestEntityTooLarge:
+            metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
+            return _error(413, f"request body larger than {config.max_body_bytes} bytes",
+                          "invalid_request_error")  # fmt: skip
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError as e:
+            body, problem = None, f"request body is not JSON: {e}"
+        else:
+            problem = "request body must be a JSON object"
+        if not isinstance(body, dict):
+            metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
+            return _error(400, problem, "invalid_request_error")
+        return _response(await proxy.handle(endpoint, request.path, body, request.headers))
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await forward("completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await forward("chat_completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        created = int(time.time())
+        return _json({
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": created, "owned_by": "vllm"}
+                     for m in registry.models()],
+        })  # fmt: skip
+
+    @app.get("/health")
+    async def health() -> Response:
+        prefill = len(registry.healthy(Role.PREFILL))
+        decode = len(registry.healthy(Role.DECODE))
+        ready = prefill > 0 and decode > 0
+        return _json({"status": "ready" if ready else "unavailable",
+                      "prefill": prefill, "decode": decode}, 200 if ready else 503)  # fmt: skip
+
+    @app.get("/instances")
+    async def instances() -> Response:
+        return _json(registry.snapshot())
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), content_type=CONTENT_TYPE)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response:
+        return _error(error.code or 500, error.description or error.name, error.name)
+
+    @app.errorhandler(Exception)
+    async def unexpected(error: Exception) -> Response:
+        logger.exception("router: unexpected error on %s", request.path)
+        return _error(500, f"router error: {type(error).__name__}", "internal_error")
+
+    return app
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=1024)
+
+
+async def serve(app: Quart, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve ``app`` (from create_app) until ``shutdown_trigger`` returns.
+
+    The HTTP socket is bound here, so ``--port 0`` works and
+    ``router_state(app).http_port`` holds the port before ``ready`` is set.
+    """
+    state = router_state(app)
+    sock = _listen(state.config.host, state.config.port)
+    state.http_port = sock.getsockname()[1]
+    hypercorn = HypercornConfig()
+    hypercorn.bind = [f"fd://{sock.detach()}"]  # hypercorn owns and closes it
+    hypercorn.accesslog = None
+    hypercorn.errorlog = logging.getLogger("hypercorn.error")
+    hypercorn.graceful_timeout = SHUTDOWN_GRACE_S
+    hypercorn.keep_alive_timeout = 75.0  # above common client pool idle times
+    await hypercorn_serve(app, hypercorn, shutdown_trigger=shutdown_trigger)

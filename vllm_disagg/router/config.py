@@ -1,0 +1,219 @@
+"""The router's options: one frozen dataclass, its command-line flags, and
+one-line errors that name the flag and the allowed values.
+
+The dataclass validates itself, so a config built in code (tests, an
+embedding program) is checked exactly like one parsed from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from vllm_disagg import envs
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    PeerInfoError,
+    split_addr,
+)
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.router.protocol import (
+    DEFAULT_DISCOVERY_PORT,
+    DEFAULT_HTTP_PORT,
+    MAX_MODEL_CHARS,
+)
+
+PREFILL_POLICIES = ("round_robin", "least_outstanding", "prefix_aware")
+DECODE_POLICIES = ("round_robin", "least_outstanding")
+HANDOFFS = ("sequential", "concurrent")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+MAX_TIMEOUT_S = 86400.0
+MAX_RETRIES = 10
+
+
+@dataclass(frozen=True)
+class StaticInstance:
+    """An instance named on the command line instead of registering itself."""
+
+    http_addr: str
+    kv_addr: str
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, flag: str, spec: str) -> StaticInstance:
+        """``HTTP_ADDR,KV_ADDR[,MODEL]``, e.g. ``10.0.1.2:20001,10.0.1.2:21001``."""
+        parts = spec.split(",")
+        if len(parts) not in (2, 3):
+            raise ConfigError(f"{flag}: {spec!r} is not HTTP_ADDR,KV_ADDR[,MODEL]")
+        for part, what in zip(parts, ("HTTP_ADDR", "KV_ADDR")):
+            try:
+                split_addr(part, f"{flag} {what}")
+            except PeerInfoError as e:
+                raise ConfigError(str(e)) from None
+        model = parts[2] if len(parts) == 3 else None
+        if model is not None and not 0 < len(model) <= MAX_MODEL_CHARS:
+            raise ConfigError(f"{flag}: MODEL must be 1..{MAX_MODEL_CHARS} characters")
+        return cls(parts[0], parts[1], model)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_HTTP_PORT
+    discovery_host: str = "0.0.0.0"
+    discovery_port: int = DEFAULT_DISCOVERY_PORT
+    policy_prefill: str = "round_robin"
+    policy_decode: str = "round_robin"
+    handoff: str = "sequential"
+    heartbeat_timeout_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 300.0
+    first_token_timeout_s: float = 300.0
+    chunk_timeout_s: float = 60.0
+    request_timeout_s: float = 600.0
+    max_retries: int = 2
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 10.0
+    fallback_to_decode_prefill: bool = False
+    max_body_bytes: int = 32 << 20
+    prefix_index_max_entries: int = 65536
+    prefix_chunk_chars: int = 256
+    prefix_balance_threshold: int = 16
+    # Kept out of repr: a token must not end up in a log line.
+    registration_token: str | None = field(default=None, repr=False)
+    static_prefill: tuple[StaticInstance, ...] = ()
+    static_decode: tuple[StaticInstance, ...] = ()
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("port", "discovery_port"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+                raise ConfigError(
+                    f"{_flag(name)}: {value!r} is not a port (0..65535, 0: any free port)"
+                )
+        for name in ("host", "discovery_host"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"{_flag(name)}: an address to listen on is required")
+        self._choice("policy_prefill", PREFILL_POLICIES)
+        self._choice("policy_decode", DECODE_POLICIES)
+        self._choice("handoff", HANDOFFS)
+        self._choice("log_level", LOG_LEVELS)
+        for f in fields(self):
+            if f.name.endswith("_s"):
+                value = getattr(self, f.name)
+                if not (isinstance(value, int | float) and math.isfinite(value)
+                        and 0 < value <= MAX_TIMEOUT_S):  # fmt: skip
+                    raise ConfigError(
+                        f"{_flag(f.name)}: {value!r} is not a number of seconds "
+                        f"(> 0 and <= {MAX_TIMEOUT_S:.0f})"
+                    )
+        self._int_range("max_retries", 0, MAX_RETRIES)
+        self._int_range("breaker_failures", 1, 1000)
+        self._int_range("max_body_bytes", 1024, 1 << 34)
+        self._int_range("prefix_index_max_entries", 1, 1 << 26)
+        self._int_range("prefix_chunk_chars", 16, 1 << 20)
+        self._int_range("prefix_balance_threshold", 0, 1 << 20)
+        if self.registration_token is not None and not self.registration_token:
+            raise ConfigError("--registration-token: must not be empty (leave it unset instead)")
+
+    def _choice(self, name: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in allowed:
+            raise ConfigError(f"{_flag(name)}: {value!r} is not one of {', '.join(allowed)}")
+
+    def _int_range(self, name: str, low: int, high: int) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"{_flag(name)}: {value!r} is not an integer in {low}..{high}")
+
+    @property
+    def token(self) -> bytes | None:
+        """The registration token as bytes: the flag, else VLLM_DISAGG_ROUTER_TOKEN."""
+        if self.registration_token:
+            return self.registration_token.encode()
+        return envs.router_token()
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        d = RouterConfig()
+        net = parser.add_argument_group("listening")
+        net.add_argument("--host", default=d.host, help="HTTP address (default %(default)s)")
+        net.add_argument("--port", type=int, default=d.port,
+                         help="HTTP port for clients; 0 picks a free one (default %(default)s)")
+        net.add_argument("--discovery-host", default=d.discovery_host,
+                         help="service-discovery address (default %(default)s)")
+        net.add_argument("--discovery-port", type=int, default=d.discovery_port,
+                         help="service-discovery (ZMQ) port the instances' proxy_port "
+                              "names; 0 picks a free one (default %(default)s)")
+        sel = parser.add_argument_group("selection")
+        sel.add_argument("--policy-prefill", default=d.policy_prefill,
+                         help=f"one of {', '.join(PREFILL_POLICIES)} (default %(default)s)")
+        sel.add_argument("--policy-decode", default=d.policy_decode,
+                         help=f"one of {', '.join(DECODE_POLICIES)} (default %(default)s)")
+        sel.add_argument("--handoff", default=d.handoff,
+                         help="sequential: decode starts when prefill answered; concurrent: "
+                              "both at once, decode waits for the KV (default %(default)s)")
+        sel.add_argument("--prefix-index-max-entries", type=int, default=d.prefix_index_max_entries,
+                         help="prefix_aware: chunk hashes kept, LRU (default %(default)s)")
+        sel.add_argument("--prefix-chunk-chars", type=int, default=d.prefix_chunk_chars,
+                         help="prefix_aware: characters per hashed chunk (default %(default)s)")
+        sel.add_argument("--prefix-balance-threshold", type=int, default=d.prefix_balance_threshold,
+                         help="prefix_aware: the prefix holder is skipped when it has more than "
+                              "this many requests in flight above the least loaded prefill "
+                              "instance (default %(default)s)")
+        fail = parser.add_argument_group("timeouts and failures")
+        for name, help_text in (
+            ("heartbeat_timeout_s", "remove an instance silent this long (at least 3 of its "
+                                    "heartbeat intervals)"),
+            ("connect_timeout_s", "TCP connect to an instance"),
+            ("prefill_timeout_s", "the whole prefill request"),
+            ("first_token_timeout_s", "streaming: from sending decode the request to its first "
+                                      "chunk (the KV wait)"),
+            ("chunk_timeout_s", "streaming: between two chunks of decode's answer"),
+            ("request_timeout_s", "the whole request, every leg and retry included"),
+            ("breaker_cooldown_s", "how long an open circuit breaker keeps an instance out"),
+        ):
+            fail.add_argument(_flag(name), type=float, default=getattr(d, name),
+                              help=f"{help_text} (default %(default)s)")
+        fail.add_argument("--max-retries", type=int, default=d.max_retries,
+                          help="prefill retries on other instances, before anything reached "
+                               "the client (default %(default)s)")
+        fail.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
+                          help="consecutive failures that open an instance's circuit breaker "
+                               "(default %(default)s)")
+        fail.add_argument("--fallback-to-decode-prefill", action="store_true",
+                          help="when no prefill instance is available or all attempts failed, "
+                               "let the decode instance prefill itself (counted in "
+                               "/metrics); off: answer 503/502")
+        sec = parser.add_argument_group("security and limits")
+        sec.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                         help="largest accepted request body, larger ones get 413 "
+                              "(default %(default)s)")
+        sec.add_argument("--registration-token", default=None,
+                         help="shared token instances sign registrations with; prefer the "
+                              f"{envs.VLLM_DISAGG_ROUTER_TOKEN} environment variable "
+                              "(a flag shows in `ps`)")
+        sec.add_argument("--static-prefill", nargs="+", default=[], metavar="HTTP,KV[,MODEL]",
+                         help="prefill instances that do not register themselves")
+        sec.add_argument("--static-decode", nargs="+", default=[], metavar="HTTP,KV[,MODEL]",
+                         help="decode instances that do not register themselves")
+        parser.add_argument("--log-level", default=d.log_level,
+                            help=f"one of {', '.join(LOG_LEVELS)} (default %(default)s)")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> RouterConfig:
+        values: dict[str, Any] = {
+            f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)
+        }
+        for name in ("static_prefill", "static_decode"):
+            values[name] = tuple(StaticInstance.parse(_flag(name), s) for s in values[name])
+        for name in ("policy_prefill", "policy_decode", "handoff", "log_level"):
+            values[name] = values[name].lower().replace("-", "_")
+        return cls(**values)

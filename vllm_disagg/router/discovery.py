@@ -1,0 +1,130 @@
+"""The router's service-discovery listener: a ZMQ ROUTER socket on the
+discovery port (30001) that instances' DEALER sockets send ``Register``
+heartbeats and ``Deregister`` to (wire format: ``protocol.py``).
+
+It runs as an asyncio task on the router's event loop, so the registry it
+updates needs no lock. Every message gets an ``Ack``. A frame that fails to
+authenticate, decode or validate is answered with the reason, counted by kind
+and logged at most once per kind per interval: garbage costs a counter
+increment, never the listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from vllm_disagg.router.protocol import (
+    DISCOVERY_VERSION,
+    MAC_BYTES,
+    MAX_FRAME_BYTES,
+    MAX_REASON_CHARS,
+    Ack,
+    Deregister,
+    DiscoveryError,
+    Register,
+    open_frame,
+    seal,
+)
+from vllm_disagg.router.logs import LogLimiter
+from vllm_disagg.router.registry import InstanceRegistry
+
+logger = logging.getLogger(__name__)
+
+REJECTION_KINDS = ("malformed", "oversized", "unauthenticated", "stale", "version")
+# A peer sending a larger frame is disconnected by ZMQ before it is buffered;
+# up to this size a frame reaches open_frame and is counted as "oversized".
+MAX_ZMQ_FRAME_BYTES = 2 * MAX_FRAME_BYTES + MAC_BYTES
+UNKNOWN_SENDER = "unknown"
+
+
+class DiscoveryServer:
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        *,
+        host: str,
+        port: int,
+        token: bytes | None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.registry = registry
+        self.host = host
+        self.port = port  # the bound port once started (port 0: a free one)
+        self._token = token
+        self._wall_clock = wall_clock
+        self.accepted: Counter[str] = Counter(register=0, deregister=0)
+        self.rejected: Counter[str] = Counter(dict.fromkeys(REJECTION_KINDS, 0))
+        self._log = LogLimiter(logger)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_FRAME_BYTES)
+        sock.setsockopt(zmq.IPV6, 1 if ":" in self.host else 0)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        sock.bind(f"tcp://{host}:{self.port or '*'}")
+        self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self._socket = sock
+        self._task = asyncio.create_task(self._serve(), name="router-discovery")
+        if self._token is None:
+            logger.warning("discovery on %s accepts unsigned registrations: set %s or "
+                           "--registration-token", self.endpoint,
+                           "VLLM_DISAGG_ROUTER_TOKEN")  # fmt: skip
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._socket is not None:
+            self._socket.close()
+        if self._ctx is not None:
+            self._ctx.term()
+
+    async def _serve(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                reply = self.handle(frames[1:])
+            except Exception:  # a bug here must not end discovery for the fleet
+                logger.exception("discovery: failed to handle a message")
+                continue
+            with contextlib.suppress(zmq.Again):  # the sender stopped reading: drop
+                await self._socket.send_multipart([frames[0], *reply], flags=zmq.NOBLOCK)
+
+    def handle(self, frames: list[bytes]) -> list[bytes]:
+        """One message (the frames after the sender's identity) -> the Ack frames."""
+        try:
+            msg = open_frame(self._token, frames, now=self._wall_clock())
+            if not isinstance(msg, Register | Deregister):
+                raise DiscoveryError("malformed", f"unexpected {type(msg).__name__}")
+        except DiscoveryError as e:
+            self.rejected[e.kind] += 1
+            self._log.warning(e.kind, "discovery: rejected a frame: %s", e)
+            reason = str(e)[:MAX_REASON_CHARS]
+            return seal(self._token, Ack(DISCOVERY_VERSION, UNKNOWN_SENDER, False, reason))
+        if isinstance(msg, Register):
+            self.registry.register(msg)
+            self.accepted["register"] += 1
+        else:
+            self.registry.deregister(msg.instance_id)
+            self.accepted["deregister"] += 1
+        return seal(self._token, Ack(DISCOVERY_VERSION, msg.instance_id, True))

@@ -1,0 +1,117 @@
+"""The router's Prometheus metrics (``/metrics``), in a CollectorRegistry of
+its own so that several routers in one process (tests) never collide.
+
+Events the request path sees are counted here directly; state that lives in
+the registry and the discovery listener (instances, removals, breaker opens,
+rejected frames) is read from them at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from vllm_disagg.router.discovery import DiscoveryServer
+from vllm_disagg.router.registry import InstanceRegistry
+
+PREFIX = "vllm_disagg_router"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Request outcomes (label values of requests_total).
+OK = "ok"  # decode answered 2xx
+UPSTREAM_CLIENT_ERROR = "upstream_client_error"  # an instance answered 4xx, relayed
+BAD_REQUEST = "bad_request"  # refused by the router: malformed or oversized body
+NO_INSTANCE = "no_instance"  # 503 / 404: nothing to send it to
+UPSTREAM_ERROR = "upstream_error"  # 5xx, connection failure, broken stream
+TIMEOUT = "timeout"  # a leg or the request deadline ran out
+CANCELLED = "cancelled"  # the client went away
+
+
+class RouterMetrics:
+    def __init__(self, registry: InstanceRegistry, discovery: DiscoveryServer) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            f"{PREFIX}_requests", "Requests by endpoint and outcome.",
+            ["endpoint", "outcome"], registry=self.registry,
+        )  # fmt: skip
+        self.prefill_retries = Counter(
+            f"{PREFIX}_prefill_retries", "Prefill attempts repeated on another instance.",
+            registry=self.registry,
+        )  # fmt: skip
+        self.prefill_failures = Counter(
+            f"{PREFIX}_prefill_failures",
+            "Failed prefill attempts by reason (refused, connect, timeout, status).",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
+        self.decode_prefill_fallbacks = Counter(
+            f"{PREFIX}_decode_prefill_fallbacks",
+            "Requests the decode instance prefilled itself (--fallback-to-decode-prefill), "
+            "by reason (no_prefill, prefill_failed).",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
+        self.concurrent_prefill_failures = Counter(
+            f"{PREFIX}_concurrent_prefill_failures",
+            "Concurrent hand-off: prefill failed after decode started (decode recomputes).",
+            registry=self.registry,
+        )  # fmt: skip
+        self.added_latency = Histogram(
+            f"{PREFIX}_added_latency_seconds",
+            "Time to the client's first byte minus time spent waiting on instances.",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=self.registry,
+        )  # fmt: skip
+        self.registry.register(_StateCollector(registry, discovery))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    def __init__(self, registry: InstanceRegistry, discovery: DiscoveryServer) -> None:
+        self._registry = registry
+        self._discovery = discovery
+
+    def collect(self) -> Iterator:
+        instances = GaugeMetricFamily(
+            f"{PREFIX}_instances", "Registered instances by role.", labels=["role"]
+        )
+        for role, count in self._registry.counts().items():
+            instances.add_metric([role], count)
+        yield instances
+        removals = CounterMetricFamily(
+            f"{PREFIX}_instance_removals",
+            "Instances removed (expired, deregistered, unreachable, replaced).",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self._registry.removals.items()):
+            removals.add_metric([reason], count)
+        yield removals
+        yield CounterMetricFamily(
+            f"{PREFIX}_breaker_opens", "Circuit breakers opened.",
+            value=self._registry.breaker_opens,
+        )  # fmt: skip
+        accepted = CounterMetricFamily(
+            f"{PREFIX}_discovery_accepted", "Discovery messages accepted, by type.",
+            labels=["type"],
+        )  # fmt: skip
+        for kind, count in sorted(self._discovery.accepted.items()):
+            accepted.add_metric([kind], count)
+        yield accepted
+        rejected = CounterMetricFamily(
+            f"{PREFIX}_discovery_rejected",
+            "Discovery frames rejected, by kind (malformed, oversized, unauthenticated, "
+            "stale, version).",
+            labels=["kind"],
+        )
+        for kind, count in sorted(self._discovery.rejected.items()):
+            rejected.add_metric([kind], count)
+        yield rejected

@@ -1,0 +1,169 @@
+"""Selection policies: which of the healthy instances gets a request.
+
+Plain classes, no quart or vLLM. A policy sees only the instances the
+registry calls healthy, so no policy (affinity included) can route to an
+unhealthy or removed instance.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vllm_disagg.router.config import RouterConfig
+from vllm_disagg.router.registry import Instance
+
+
+class Policy(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def select(self, candidates: Sequence[Instance], body: Mapping[str, Any]) -> Instance:
+        """Pick one of ``candidates`` (never empty) for the request ``body``."""
+
+
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def select(self, candidates: Sequence[Instance], body: Mapping[str, Any]) -> Instance:
+        self._turn += 1
+        return candidates[self._turn % len(candidates)]
+
+
+class LeastOutstandingPolicy(Policy):
+    """Fewest requests in flight through this router; ties rotate, so an
+    idle fleet is still used evenly."""
+
+    name = "least_outstanding"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def select(self, candidates: Sequence[Instance], body: Mapping[str, Any]) -> Instance:
+        self._turn += 1
+        start = self._turn % len(candidates)
+        rotated = [*candidates[start:], *candidates[:start]]
+        return min(rotated, key=lambda i: i.outstanding)
+
+
+def render_prompt(body: Mapping[str, Any]) -> str:
+    """The part of a request that decides its KV: every chat message (role,
+    content and the rest, tools first as templates put them) or the
+    completion prompt. Not the model's template, but the same prefix gives
+    the same text."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = [_canonical(body["tools"])] if body.get("tools") else []
+        for message in messages:
+            if not isinstance(message, Mapping):
+                parts.append(_canonical(message))
+                continue
+            content = message.get("content")
+            rest = {k: v for k, v in message.items() if k not in ("role", "content")}
+            parts.append(f"{message.get('role')}\x1f"
+                         f"{content if isinstance(content, str) else _canonical(content)}"
+                         f"{_canonical(rest) if rest else ''}")  # fmt: skip
+        return "\x1e".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list):
+        # Token ids, or a batch of prompts: the first one leads the text.
+        return "\x1e".join(p if isinstance(p, str) else _canonical(p) for p in prompt)
+    return ""
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+class PrefixAwarePolicy(Policy):
+    """Send a prompt to the prefill instance that last prefilled its longest
+    known prefix, whose prefix cache most likely still holds it.
+
+    The index maps a hash *chain* over fixed-size chunks of the rendered
+    prompt (chunk i's hash covers chunks 0..i, like vLLM's block hashes) to
+    the instance that last took a prompt with that prefix. It holds at most
+    ``max_entries`` hashes, least recently used evicted first; a prompt's
+    chunks are touched last-first, so a shared prefix outlives the tails
+    that hang off it. Without a match, or when the holder has more than
+    ``balance_threshold`` requests in flight above the least loaded
+    candidate, the least loaded candidate is picked instead (a hot shared
+    prefix must not pin all traffic on one instance).
+    """
+
+    name = "prefix_aware"
+
+    def __init__(self, max_entries: int, chunk_chars: int, balance_threshold: int) -> None:
+        self.max_entries = max_entries
+        self.chunk_chars = chunk_chars
+        self.balance_threshold = balance_threshold
+        self._index: OrderedDict[int, str] = OrderedDict()
+        self._fallback = LeastOutstandingPolicy()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def chunk_hashes(self, text: str) -> list[int]:
+        """Hash chain over the full chunks of ``text`` (a partial tail is
+        never reused by another prompt, as in a block-based prefix cache)."""
+        hashes, previous = [], 0
+        for start in range(0, len(text) - self.chunk_chars + 1, self.chunk_chars):
+            previous = hash((previous, text[start : start + self.chunk_chars]))
+            hashes.append(previous)
+        return hashes
+
+    def select(self, candidates: Sequence[Instance], body: Mapping[str, Any]) -> Instance:
+        hashes = self.chunk_hashes(render_prompt(body))
+        by_id = {c.instance_id: c for c in candidates}
+        holder = None
+        for chunk_hash in hashes:
+            owner = self._index.get(chunk_hash)
+            if owner is None:
+                break
+            holder = by_id.get(owner, holder)
+        least = self._fallback.select(candidates, body)
+        chosen = least
+        if holder is not None and holder.outstanding - least.outstanding <= self.balance_threshold:
+            chosen = holder
+        self._remember(hashes, chosen.instance_id)
+        return chosen
+
+    def _remember(self, hashes: list[int], instance_id: str) -> None:
+        index = self._index
+        for chunk_hash in reversed(hashes):
+            index[chunk_hash] = instance_id
+            index.move_to_end(chunk_hash)
+        while len(index) > self.max_entries:
+            index.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Policies:
+    """The policy for each side of a request."""
+
+    prefill: Policy
+    decode: Policy
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> Policies:
+        return cls(
+            make_policy(config.policy_prefill, config), make_policy(config.policy_decode, config)
+        )
+
+
+def make_policy(name: str, config: RouterConfig) -> Policy:
+    if name == PrefixAwarePolicy.name:
+        return PrefixAwarePolicy(config.prefix_index_max_entries, config.prefix_chunk_chars,
+                                 config.prefix_balance_threshold)  # fmt: skip
+    simple = {p.name: p for p in (RoundRobinPolicy, LeastOutstandingPolicy)}
+    if name not in simple:
+        raise ValueError(f"unknown policy {name!r}; one of {', '.join(simple)}, prefix_aware")
+    return simple[name]()

@@ -1,0 +1,528 @@
+"""How one client request becomes a prefill request and a decode request.
+
+For each request the router picks a decode instance D and a prefill
+instance P, names both in the request (the ``X-Request-Id`` the connector
+parses, and the same peers in ``kv_transfer_params``), sends P a prefill-only
+version of the body and D the original body, and relays D's answer.
+
+* ``sequential`` hand-off: D is sent the request once P answered. A failed P
+  (connection error, 5xx, timeout) is retried on another P, at most
+  ``max_retries`` times: nothing has reached the client yet.
+* ``concurrent`` hand-off: P and D are sent the request at once, D waits for
+  the KV. This saves P's round trip on every request; a P that fails cannot be
+  retried (D already waits for that P), D recomputes the prompt instead.
+
+Each leg has its own timeout, all of them within the request deadline.
+Nothing in here raises into the HTTP layer: every failure becomes a JSON
+error ``Reply`` (before the first byte) or the end of the stream (after it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    PEER_INFO_KEYS,
+    make_kv_transfer_params,
+    make_request_id,
+)
+from vllm_disagg.router import metrics as outcomes
+from vllm_disagg.router.config import RouterConfig
+from vllm_disagg.router.logs import LogLimiter
+from vllm_disagg.router.metrics import RouterMetrics
+from vllm_disagg.router.policy import Policies
+from vllm_disagg.router.protocol import Role
+from vllm_disagg.router.registry import Instance, InstanceRegistry
+
+logger = logging.getLogger(__name__)
+
+JSON = "application/json"
+UPSTREAM_KEEPALIVE_S = 4.0
+# Headers of the client's request that are not passed on: hop-by-hop ones,
+# those the router sets itself, and Quart's Remote-Addr.
+_NOT_FORWARDED = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+    "content-type", "accept-encoding", "expect", "x-request-id", "remote-addr",
+})  # fmt: skip
+# Body fields a prefill-only pass must not see: it is not streamed, produces
+# exactly one token, and must neither stop nor fail on the client's
+# generation options; fan-out and logprobs would be work for nothing.
+_PREFILL_DROPPED = (
+    "stream_options", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
+    "best_of", "use_beam_search", "logprobs", "top_logprobs", "prompt_logprobs",
+    "logprob_token_ids",
+)  # fmt: skip
+
+
+@dataclass
+class Reply:
+    """What the HTTP layer sends: a whole body or a stream of chunks."""
+
+    status: int
+    content_type: str
+    body: bytes | AsyncIterator[bytes]
+
+
+def error_json(status: int, message: str, error_type: str) -> bytes:
+    return msgspec.json.encode({"error": {"message": message, "type": error_type, "code": status}})
+
+
+def error_reply(status: int, message: str, error_type: str) -> Reply:
+    return Reply(status, JSON, error_json(status, message, error_type))
+
+
+def _with_peers(client_params: Any, peers: dict[str, str] | None) -> dict[str, Any] | None:
+    """The client's kv_transfer_params with the router's peers. A client
+    never names peers itself: its p2p_* keys are dropped, so every address
+    an instance is sent to came from a registration."""
+    params = {}
+    if isinstance(client_params, dict):
+        params = {k: v for k, v in client_params.items() if k not in PEER_INFO_KEYS}
+    if peers:
+        params.update(peers)
+    return params or None
+
+
+def _set_params(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    body.pop("kv_transfer_params", None)
+    if params:
+        body["kv_transfer_params"] = params
+    return body
+
+
+def prefill_body(body: Mapping[str, Any], peers: dict[str, str]) -> dict[str, Any]:
+    """The body P gets: the prompt exactly as the client sent it, one token,
+    no streaming."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+    out.update(max_tokens=1, stream=False, n=1)
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    return _set_params(out, _with_peers(body.get("kv_transfer_params"), peers))
+
+
+def decode_body(body: Mapping[str, Any], peers: dict[str, str] | None) -> dict[str, Any]:
+    """The body D gets: the client's, peers named (None: D prefills itself)."""
+    return _set_params(dict(body), _with_peers(body.get("kv_transfer_params"), peers))
+
+
+def _name_peers(prefill: Instance, decode: Instance, key: str) -> tuple[str, dict[str, str]]:
+    """The request id and kv_transfer_params both legs carry: the connector
+    finds its peer's control address and the transfer key in either."""
+    return (
+        make_request_id(prefill.kv_addr, decode.kv_addr, key),
+        make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, key),
+    )
+
+
+def _refused(error: BaseException) -> bool:
+    return isinstance(error, aiohttp.ClientConnectorError) and isinstance(
+        error.os_error, ConnectionRefusedError
+    )
+
+
+@dataclass
+class _Exchange:
+    """One client request on its way through the router."""
+
+    endpoint: str  # metrics label
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    deadline: float
+    started: float = field(default_factory=time.monotonic)
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    upstream_s: float = 0.0  # time spent waiting on instances, up to the first byte
+    counted: bool = False
+    decode_sent: bool = False  # the decode leg took over D's reservation
+
+    @property
+    def model(self) -> str | None:
+        model = self.body.get("model")
+        return model if isinstance(model, str) else None
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+@dataclass
+class _PrefillResult:
+    ok: bool
+    elapsed_s: float
+    reason: str = ""
+    # Sequential hand-off: answer the client with this instead (4xx, deadline).
+    reply: Reply | None = None
+    outcome: str = ""
+
+
+class RequestProxy:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: InstanceRegistry,
+        policies: Policies,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.policies = policies
+        self.metrics = metrics
+        self._session: aiohttp.ClientSession | None = None
+        self.limited_log = LogLimiter(logger)
+
+    async def start(self) -> None:
+        """One client session for every upstream call, pooled connections."""
+        self._session = aiohttp.ClientSession(
+            # An idle connection is dropped before vLLM's (uvicorn's 5 s) keep-alive
+            # ends: reusing one the server is closing would fail a request.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "RequestProxy.start() was not called"
+        return self._session
+
+    # --- entry -----------------------------------------------------------
+
+    async def handle(
+        self, endpoint: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
+    ) -> Reply:
+        ex = _Exchange(
+            endpoint, path, body,
+            {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED},
+            deadline=time.monotonic() + self.config.request_timeout_s,
+        )  # fmt: skip
+        try:
+            return await self._route(ex)
+        except asyncio.CancelledError:
+            self.count(ex, outcomes.CANCELLED)
+            raise
+
+    def count(self, ex: _Exchange, outcome: str) -> None:
+        """Count a request's outcome, once."""
+        if not ex.counted:
+            ex.counted = True
+            self.metrics.requests.labels(ex.endpoint, outcome).inc()
+
+    def _first_byte(self, ex: _Exchange) -> None:
+        elapsed = time.monotonic() - ex.started
+        self.metrics.added_latency.observe(max(0.0, elapsed - ex.upstream_s))
+
+    def _error(self, ex: _Exchange, outcome: str, status: int, message: str, kind: str) -> Reply:
+        self.count(ex, outcome)
+        return error_reply(status, message, kind)
+
+    def _pick(self, side: Role, ex: _Exchange, exclude: set[str] = frozenset()) -> Instance | None:
+        candidates = [
+            i for i in self.registry.healthy(side, ex.model) if i.instance_id not in exclude
+        ]
+        if not candidates:
+            return None
+        policy = self.policies.prefill if side is Role.PREFILL else self.policies.decode
+        return policy.select(candidates, ex.body)
+
+    async def _route(self, ex: _Exchange) -> Reply:
+        model = ex.model
+        if model is not None and len(self.registry) and not self.registry.serves_model(model):
+            return self._error(ex, outcomes.NO_INSTANCE, 404,
+                               f"The model `{model}` does not exist.", "NotFoundError")  # fmt: skip
+        decode = self._pick(Role.DECODE, ex)
+        if decode is None:
+            return self._error(ex, outcomes.NO_INSTANCE, 503,
+                               "no healthy decode instance is registered",
+                               "service_unavailable")  # fmt: skip
+        # D counts as loaded from now on, prefill included: requests arriving
+        # meanwhile see it, and a half-open D gets no second trial.
+        self.registry.begin(decode)
+        try:
+            if self.config.handoff == "concurrent":
+                return await self._concurrent(ex, decode)
+            return await self._sequential(ex, decode)
+        finally:
+            if not ex.decode_sent:
+                self.registry.finish(decode, None)
+
+    # --- hand-off styles -------------------------------------------------
+
+    async def _sequential(self, ex: _Exchange, decode: Instance) -> Reply:
+        tried = {decode.instance_id}
+        failures: list[str] = []
+        for attempt in range(self.config.max_retries + 1):
+            prefill = self._pick(Role.PREFILL, ex, tried)
+            if prefill is None:
+                break
+            tried.add(prefill.instance_id)
+            if attempt:
+                self.metrics.prefill_retries.inc()
+            result = await self._prefill(ex, prefill, decode)
+            ex.upstream_s += result.elapsed_s
+            if result.ok:
+                return await self._decode(ex, decode, prefill)
+            if result.reply is not None:
+                self.count(ex, result.outcome)
+                return result.reply
+            failures.append(f"{prefill.http_addr}: {result.reason}")
+        return await self._without_prefill(ex, decode, failures)
+
+    async def _concurrent(self, ex: _Exchange, decode: Instance) -> Reply:
+        prefill = self._pick(Role.PREFILL, ex, {decode.instance_id})
+        if prefill is None:
+            return await self._without_prefill(ex, decode, [])
+        task = asyncio.create_task(self._concurrent_prefill(ex, prefill, decode))
+        return await self._decode(ex, decode, prefill, task)
+
+    async def _concurrent_prefill(self, ex: _Exchange, prefill: Instance, decode: Instance) -> None:
+        result = await self._prefill(ex, prefill, decode)
+        if not result.ok:
+            self.metrics.concurrent_prefill_failures.inc()
+            self.limited_log.warning(
+                "concurrent-prefill",
+                "prefill on %s failed (%s) after decode on %s started: decode recomputes",
+                prefill.http_addr, result.reason, decode.http_addr,
+            )  # fmt: skip
+
+    async def _without_prefill(self, ex: _Exchange, decode: Instance, failures: list[str]) -> Reply:
+        """No P could take the request: D prefills itself if allowed, else an error."""
+        reason = "prefill_failed" if failures else "no_prefill"
+        if self.config.fallback_to_decode_prefill:
+            self.metrics.decode_prefill_fallbacks.labels(reason).inc()
+            self.limited_log.warning(
+                "fallback", "%s: %s prefills the request itself (%s)", reason,
+                decode.http_addr, "; ".join(failures) or "no prefill instance",
+            )  # fmt: skip
+            return await self._decode(ex, decode, None)
+        if failures:
+            return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
+                               f"prefill failed on {len(failures)} instance(s): "
+                               + "; ".join(failures), "bad_gateway")  # fmt: skip
+        return self._error(ex, outcomes.NO_INSTANCE, 503,
+                           "no healthy prefill instance is registered",
+                           "service_unavailable")  # fmt: skip
+
+    # --- legs --------------------------------------------------------------
+
+    def _post(self, ex: _Exchange, instance: Instance, body: dict, request_id: str):
+        headers = {**ex.headers, "Content-Type": JSON, "X-Request-Id": request_id}
+        return self.session.post(f"http://{instance.http_addr}{ex.path}",
+                                 data=msgspec.json.encode(body), headers=headers)  # fmt: skip
+
+    def _failed(self, instance: Instance, error: BaseException) -> str:
+        """Why a call to ``instance`` failed; a refused connection drops it."""
+        if _refused(error):
+            self.registry.mark_unreachable(instance.http_addr)
+            return "refused"
+        if isinstance(error, aiohttp.ConnectionTimeoutError):
+            return "connect_timeout"
+        if isinstance(error, TimeoutError):
+            return "timeout"
+        return "connection" if isinstance(error, aiohttp.ClientConnectionError) else "error"
+
+    async def _prefill(self, ex: _Exchange, prefill: Instance, decode: Instance) -> _PrefillResult:
+        request_id, peers = _name_peers(prefill, decode, ex.key)
+        started = time.monotonic()
+        ok: bool | None = None
+        self.registry.begin(prefill)
+        try:
+            async with asyncio.timeout(min(self.config.prefill_timeout_s, ex.remaining())):
+                body = prefill_body(ex.body, peers)
+                async with self._post(ex, prefill, body, request_id) as resp:
+                    data = await resp.read()
+            ok = resp.status < 500
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            ok = False
+            reason = self._failed(prefill, e)
+            self.metrics.prefill_failures.labels(reason).inc()
+            elapsed = time.monotonic() - started
+            if reason == "timeout" and ex.remaining() <= 0:
+                deadline = self._deadline_reply()
+                return _PrefillResult(False, elapsed, reason, deadline, outcomes.TIMEOUT)
+            return _PrefillResult(False, elapsed, reason)
+        finally:
+            self.registry.finish(prefill, ok)
+        elapsed = time.monotonic() - started
+        if resp.status >= 500:
+            self.metrics.prefill_failures.labels("status").inc()
+            return _PrefillResult(False, elapsed, f"status {resp.status}")
+        if resp.status >= 400:  # the request itself is wrong: D would refuse it too
+            reply = Reply(resp.status, _content_type(resp), data)
+            return _PrefillResult(False, elapsed, f"status {resp.status}", reply,
+                                  outcomes.UPSTREAM_CLIENT_ERROR)  # fmt: skip
+        return _PrefillResult(True, elapsed)
+
+    def _deadline_reply(self) -> Reply:
+        return error_reply(504, f"request deadline ({self.config.request_timeout_s:g}s) exceeded",
+                           "timeout")  # fmt: skip
+
+    async def _decode(
+        self,
+        ex: _Exchange,
+        decode: Instance,
+        prefill: Instance | None,
+        prefill_task: asyncio.Task | None = None,
+    ) -> Reply:
+        if prefill is not None:
+            request_id, peers = _name_peers(prefill, decode, ex.key)
+            body = decode_body(ex.body, peers)
+        else:
+            request_id, body = ex.key, decode_body(ex.body, None)
+        # Streaming: D's headers come at once, its first chunk after the KV
+        # wait and the first token. Otherwise the whole answer is the first
+        # byte, bounded by the request deadline only.
+        first_byte_s = ex.remaining()
+        if ex.stream:
+            first_byte_s = min(self.config.first_token_timeout_s, first_byte_s)
+        started = time.monotonic()
+        resp: aiohttp.ClientResponse | None = None
+        ok: bool | None = None
+        handed_to_stream = False
+        ex.decode_sent = True
+        try:
+            async with asyncio.timeout(first_byte_s):
+                resp = await self._post(ex, decode, body, request_id)
+                streamed = ex.stream and resp.status == 200 and (
+                    resp.content_type == "text/event-stream"
+                )
+                data = await (resp.content.readany() if streamed else resp.read())
+            ex.upstream_s += time.monotonic() - started
+            self._first_byte(ex)
+            if streamed:
+                stream = _RelayStream(self, ex, decode, resp, data, prefill_task)
+                handed_to_stream = True
+                return Reply(200, _content_type(resp), stream)
+            ok = resp.status < 500
+            if resp.status < 400:
+                self.count(ex, outcomes.OK)
+            else:
+                self.count(ex, outcomes.UPSTREAM_CLIENT_ERROR if ok else outcomes.UPSTREAM_ERROR)
+            return Reply(resp.status, _content_type(resp), data)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            ok = False
+            reason = self._failed(decode, e)
+            if reason != "timeout":
+                return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
+                                   f"decode instance {decode.http_addr}: {reason}: {e}",
+                                   "bad_gateway")  # fmt: skip
+            if ex.remaining() <= 0:
+                self.count(ex, outcomes.TIMEOUT)
+                return self._deadline_reply()
+            return self._error(ex, outcomes.TIMEOUT, 504,
+                               f"decode instance {decode.http_addr} sent nothing within "
+                               f"{self.config.first_token_timeout_s:g}s", "timeout")  # fmt: skip
+        finally:
+            if not handed_to_stream:  # else it owns D's response and the prefill task
+                self.registry.finish(decode, ok)  # ok None: cancelled, says nothing
+                if resp is not None:
+                    resp.release()
+                if prefill_task is not None:
+                    prefill_task.cancel()
+
+
+class _RelayStream:
+    """D's streamed answer, relayed to the client chunk by chunk, byte for byte.
+
+    Quart iterates it and calls ``aclose()`` when the client goes away; a
+    client that leaves between the headers and the first chunk never
+    starts the iteration, hence ``__del__``. Either way D's connection is
+    closed (vLLM aborts the request) and the outcome counted once.
+    """
+
+    def __init__(
+        self,
+        proxy: RequestProxy,
+        ex: _Exchange,
+        decode: Instance,
+        resp: aiohttp.ClientResponse,
+        first: bytes,
+        prefill_task: asyncio.Task | None,
+    ) -> None:
+        self._proxy = proxy
+        self._ex = ex
+        self._decode = decode
+        self._resp = resp
+        self._pending = first
+        self._prefill_task = prefill_task
+        self._at_event_boundary = True
+        self._closed = False
+
+    def __aiter__(self) -> _RelayStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._pending:
+            chunk, self._pending = self._pending, b""
+            return self._relay(chunk)
+        if self._closed:
+            raise StopAsyncIteration
+        config, ex = self._proxy.config, self._ex
+        try:
+            async with asyncio.timeout(min(config.chunk_timeout_s, ex.remaining())):
+                chunk = await self._resp.content.readany()
+        except TimeoutError:
+            if ex.remaining() <= 0:
+                return self._end(outcomes.TIMEOUT, None, 504,
+                                 f"request deadline ({config.request_timeout_s:g}s) exceeded")
+            return self._end(outcomes.TIMEOUT, False, 504,
+                             f"decode instance {self._decode.http_addr} sent nothing for "
+                             f"{config.chunk_timeout_s:g}s")  # fmt: skip
+        except (aiohttp.ClientError, OSError) as e:
+            return self._end(outcomes.UPSTREAM_ERROR, False, 502,
+                             f"decode instance {self._decode.http_addr} broke the stream: {e}")
+        if not chunk:
+            self._close(outcomes.OK, True)
+            raise StopAsyncIteration
+        return self._relay(chunk)
+
+    def _relay(self, chunk: bytes) -> bytes:
+        self._at_event_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
+        return chunk
+
+    def _end(self, outcome: str, instance_ok: bool | None, status: int, message: str) -> bytes:
+        """Stop the stream after an error: an SSE error event where one fits
+        (vLLM's own format), then the end of the stream."""
+        self._proxy.limited_log.warning(outcome, "%s", message)
+        at_boundary = self._at_event_boundary
+        self._close(outcome, instance_ok)
+        if not at_boundary:
+            raise StopAsyncIteration
+        return b"data: " + error_json(status, message, outcome) + b"\n\n"
+
+    async def aclose(self) -> None:
+        self._close(outcomes.CANCELLED, None)
+
+    def __del__(self) -> None:
+        self._close(outcomes.CANCELLED, None)
+
+    def _close(self, outcome: str, instance_ok: bool | None) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pending = b""
+        self._resp.release()
+        self._proxy.registry.finish(self._decode, instance_ok)
+        self._proxy.count(self._ex, outcome)
+        if self._prefill_task is not None:
+            self._prefill_task.cancel()
+
+
+def _content_type(resp: aiohttp.ClientResponse) -> str:
+    """The upstream Content-Type header as sent (charset included)."""
+    return resp.headers.get("Content-Type", JSON)

@@ -1,0 +1,260 @@
+"""The instances a router may send requests to, and whether each is usable.
+
+Plain Python (no quart, no vLLM, no asyncio): one event loop owns a registry
+and calls it without locks. Time comes from an injectable clock, so tests
+drive heartbeat expiry and circuit breakers without sleeping.
+
+An instance is usable while
+
+* it heartbeats (``Register`` every few seconds; silent for longer than the
+  heartbeat timeout: removed), or it was named on the command line (static:
+  never expires);
+* its circuit breaker is closed, or half-open with no trial in flight:
+  ``breaker_failures`` consecutive failures open it for ``breaker_cooldown_s``,
+  then one request may try it; success closes it, failure opens it again.
+
+A refused connection proves nothing listens there: a registered instance is
+removed at once (a live one comes back with its next heartbeat), a static one
+gets its breaker opened (it has no heartbeat to come back with).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_disagg.router.protocol import Register, Role
+
+logger = logging.getLogger(__name__)
+
+# Which registered roles can serve which side of a request.
+_SERVES = {
+    Role.PREFILL: (Role.PREFILL, Role.BOTH),
+    Role.DECODE: (Role.DECODE, Role.BOTH),
+}
+
+
+class BreakerState(str, enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass
+class Instance:
+    """One registered instance (one DP rank of one ``vllm serve``)."""
+
+    instance_id: str
+    role: Role
+    http_addr: str
+    kv_addr: str
+    model: str | None  # None: a static instance with no model given, serves any
+    dp_rank: int
+    dp_size: int
+    first_seen: float
+    last_seen: float
+    expires_after_s: float | None  # None: static, never expires
+    outstanding: int = 0
+    consecutive_failures: int = 0
+    opened_at: float | None = None  # breaker opened at (clock time); None: closed
+    trial_in_flight: bool = False
+
+    @property
+    def static(self) -> bool:
+        return self.expires_after_s is None
+
+    def serves(self, side: Role) -> bool:
+        return self.role in _SERVES[side]
+
+
+@dataclass
+class InstanceRegistry:
+    heartbeat_timeout_s: float = 10.0
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    _instances: dict[str, Instance] = field(default_factory=dict, init=False)
+    # What happened to instances, for /metrics: removals by reason, breaker opens.
+    removals: Counter[str] = field(default_factory=Counter, init=False)
+    breaker_opens: int = field(default=0, init=False)
+
+    # --- membership ------------------------------------------------------
+
+    def register(self, msg: Register) -> bool:
+        """Add or refresh an instance; True when it is new.
+
+        A new incarnation (another ``instance_id``) at an ``http_addr``
+        already known replaces the old one: that process is gone.
+        """
+        now = self.clock()
+        known = self._instances.get(msg.instance_id)
+        for other in [i for i in self._instances.values() if i.http_addr == msg.http_addr]:
+            if other is not known:
+                self._remove(other, "replaced")
+        expires_after_s = max(self.heartbeat_timeout_s, 3 * msg.interval_s)
+        if known is not None:
+            known.role, known.http_addr, known.kv_addr = msg.role, msg.http_addr, msg.kv_addr
+            known.model, known.dp_rank, known.dp_size = msg.model, msg.dp_rank, msg.dp_size
+            known.last_seen, known.expires_after_s = now, expires_after_s
+            return False
+        self._instances[msg.instance_id] = Instance(
+            msg.instance_id, msg.role, msg.http_addr, msg.kv_addr, msg.model,
+            msg.dp_rank, msg.dp_size, now, now, expires_after_s,
+        )  # fmt: skip
+        logger.info(
+            "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d", msg.instance_id,
+            msg.role.value, msg.http_addr, msg.kv_addr, msg.model, msg.dp_rank, msg.dp_size,
+        )  # fmt: skip
+        return True
+
+    def add_static(self, role: Role, http_addr: str, kv_addr: str, model: str | None) -> Instance:
+        """An instance named on the command line: never expires."""
+        now = self.clock()
+        instance_id = f"static-{role.value}-{http_addr}"
+        instance = Instance(instance_id, role, http_addr, kv_addr, model, 0, 1, now, now, None)
+        self._instances[instance_id] = instance
+        return instance
+
+    def deregister(self, instance_id: str) -> bool:
+        instance = self._instances.get(instance_id)
+        if instance is None:
+            return False
+        self._remove(instance, "deregistered")
+        return True
+
+    def expire(self) -> list[Instance]:
+        """Remove the instances whose heartbeats stopped; returns them."""
+        now = self.clock()
+        gone = [
+            i for i in self._instances.values()
+            if i.expires_after_s is not None and now - i.last_seen > i.expires_after_s
+        ]  # fmt: skip
+        for instance in gone:
+            self._remove(instance, "expired")
+        return gone
+
+    def mark_unreachable(self, http_addr: str) -> None:
+        """Its connection was refused: stop sending there now."""
+        for instance in [i for i in self._instances.values() if i.http_addr == http_addr]:
+            if instance.static:
+                self._open(instance, self.clock())
+            else:
+                self._remove(instance, "unreachable")
+
+    def _remove(self, instance: Instance, reason: str) -> None:
+        del self._instances[instance.instance_id]
+        self.removals[reason] += 1
+        logger.info("instance %s (%s %s) removed: %s", instance.instance_id,
+                    instance.role.value, instance.http_addr, reason)  # fmt: skip
+
+    # --- selection support -----------------------------------------------
+
+    def healthy(self, side: Role, model: str | None = None) -> list[Instance]:
+        """Instances that may take a request for ``side`` (PREFILL or DECODE)
+        now, serving ``model`` (None: any), in registration order."""
+        self.expire()
+        now = self.clock()
+        return [
+            i for i in self._instances.values()
+            if i.serves(side) and (model is None or i.model in (None, model))
+            and self._admits(i, now)
+        ]  # fmt: skip
+
+    def serves_model(self, model: str) -> bool:
+        """Whether any registered instance, healthy or not, serves ``model``."""
+        return any(i.model in (None, model) for i in self._instances.values())
+
+    def begin(self, instance: Instance) -> None:
+        """A request was sent to ``instance``."""
+        instance.outstanding += 1
+        if self.breaker_state(instance) is BreakerState.HALF_OPEN:
+            instance.trial_in_flight = True
+
+    def finish(self, instance: Instance, ok: bool | None) -> None:
+        """The request sent to ``instance`` ended: ``ok`` True (it answered),
+        False (it failed: connection error, timeout, 5xx) or None (says
+        nothing about the instance, e.g. the client left)."""
+        instance.outstanding -= 1
+        instance.trial_in_flight = False
+        if ok:
+            instance.consecutive_failures = 0
+            instance.opened_at = None
+        elif ok is False:
+            instance.consecutive_failures += 1
+            now = self.clock()
+            half_open = self.breaker_state(instance, now) is BreakerState.HALF_OPEN
+            if half_open or (
+                instance.opened_at is None
+                and instance.consecutive_failures >= self.breaker_failures
+            ):
+                self._open(instance, now)
+
+    def breaker_state(self, instance: Instance, now: float | None = None) -> BreakerState:
+        if instance.opened_at is None:
+            return BreakerState.CLOSED
+        now = self.clock() if now is None else now
+        if now - instance.opened_at < self.breaker_cooldown_s:
+            return BreakerState.OPEN
+        return BreakerState.HALF_OPEN
+
+    def _admits(self, instance: Instance, now: float) -> bool:
+        state = self.breaker_state(instance, now)
+        return state is BreakerState.CLOSED or (
+            state is BreakerState.HALF_OPEN and not instance.trial_in_flight
+        )
+
+    def _open(self, instance: Instance, now: float) -> None:
+        instance.opened_at = now
+        self.breaker_opens += 1
+        logger.warning("instance %s (%s): circuit breaker open for %.1fs after %d failure(s)",
+                       instance.instance_id, instance.http_addr, self.breaker_cooldown_s,
+                       instance.consecutive_failures)  # fmt: skip
+
+    # --- introspection -----------------------------------------------------
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    def models(self) -> list[str]:
+        """Model names the registered instances serve, sorted."""
+        self.expire()
+        return sorted({i.model for i in self._instances.values() if i.model is not None})
+
+    def counts(self) -> dict[str, int]:
+        """Registered instances by role (``prefill``, ``decode``, ``both``)."""
+        self.expire()
+        counts = dict.fromkeys((r.value for r in Role), 0)
+        for instance in self._instances.values():
+            counts[instance.role.value] += 1
+        return counts
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """One JSON-able dict per instance, for the listing endpoint."""
+        self.expire()
+        now = self.clock()
+        return [
+            {
+                "instance_id": i.instance_id,
+                "role": i.role.value,
+                "http_addr": i.http_addr,
+                "kv_addr": i.kv_addr,
+                "model": i.model,
+                "dp_rank": i.dp_rank,
+                "dp_size": i.dp_size,
+                "static": i.static,
+                "age_s": round(now - i.first_seen, 3),
+                "last_heartbeat_s": None if i.static else round(now - i.last_seen, 3),
+                "outstanding": i.outstanding,
+                "breaker": self.breaker_state(i, now).value,
+                "consecutive_failures": i.consecutive_failures,
+            }
+            for i in self._instances.values()
+        ]

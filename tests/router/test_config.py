@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from vllm_disagg import envs
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.router.__main__ import make_parser
 from vllm_disagg.router.config import RouterConfig, StaticInstance
@@ -81,10 +82,10 @@ def test_bad_values_name_the_flag(argv, message):
 
 
 def test_token_falls_back_to_the_environment(monkeypatch):
-    monkeypatch.setenv("VLLM_DISAGG_ROUTER_TOKEN", "from-env")
+    monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "from-env")
     assert RouterConfig().token == b"from-env"
     assert RouterConfig(registration_token="flag").token == b"flag"
-    monkeypatch.setenv("VLLM_DISAGG_ROUTER_TOKEN", "")
+    monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "")
     assert RouterConfig().token is None
 
 

@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from vllm_disagg import envs
 from vllm_disagg.router.protocol import (
     DISCOVERY_VERSION,
     Ack,
@@ -123,7 +124,7 @@ async def test_token_required_when_set(discovery):
 
 
 async def test_token_from_the_environment(discovery, monkeypatch):
-    monkeypatch.setenv("VLLM_DISAGG_ROUTER_TOKEN", TOKEN.decode())
+    monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, TOKEN.decode())
     router, connect = await discovery()
     assert (await connect(TOKEN).message(register())).accepted
     assert not (await connect(None).message(register("unsigned"))).accepted

@@ -22,6 +22,7 @@ from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
 from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import DiscoveryServer
@@ -111,10 +112,11 @@ def create_app(
         await discovery.start()
         await proxy.start()
         state.ready.set()
-        host = f"[{config.host}]" if ":" in config.host else config.host
-        logger.info("router: HTTP on http://%s:%s discovery on %s (handoff %s, policies "
-                    "prefill=%s decode=%s)", host, state.http_port, discovery.endpoint,
-                    config.handoff, config.policy_prefill, config.policy_decode)  # fmt: skip
+        logger.info(
+            "router: HTTP on http://%s discovery on %s (handoff %s, policies prefill=%s "
+            "decode=%s)", format_addr(config.host, state.http_port), discovery.endpoint,
+            config.handoff, config.policy_prefill, config.policy_decode,
+        )  # fmt: skip
 
     @app.after_serving
     async def stop() -> None:

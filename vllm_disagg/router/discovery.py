@@ -21,6 +21,8 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from vllm_disagg import envs
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
 from vllm_disagg.router.protocol import (
     DISCOVERY_VERSION,
     MAC_BYTES,
@@ -69,8 +71,7 @@ class DiscoveryServer:
 
     @property
     def endpoint(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        return f"tcp://{format_addr(self.host, self.port)}"
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
@@ -78,15 +79,14 @@ class DiscoveryServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_FRAME_BYTES)
         sock.setsockopt(zmq.IPV6, 1 if ":" in self.host else 0)
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        sock.bind(f"tcp://{host}:{self.port or '*'}")
+        sock.bind(f"tcp://{format_addr(self.host, self.port or '*')}")
         self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._socket = sock
         self._task = asyncio.create_task(self._serve(), name="router-discovery")
         if self._token is None:
             logger.warning("discovery on %s accepts unsigned registrations: set %s or "
                            "--registration-token", self.endpoint,
-                           "VLLM_DISAGG_ROUTER_TOKEN")  # fmt: skip
+                           envs.VLLM_DISAGG_ROUTER_TOKEN)  # fmt: skip
 
     async def close(self) -> None:
         if self._task is not None:

@@ -689,14 +689,16 @@ class P2pEngine:
     def _fail_expected(self, key: str, reason: str) -> None:
         with self._lock:
             if key in self._expected:
-                self._fail_key(key, reason)
+                self._leave_failed_slot_locked(key, reason)
 
     def _fail_key(self, key: str, reason: str) -> None:
         """Leave a failed slot for ``key``: the worker's poll() gets the reason
         (at once, or when decode expects the key; swept if it never does)."""
         with self._lock:
-            if key in self._slots:
-                return
+            self._leave_failed_slot_locked(key, reason)
+
+    def _leave_failed_slot_locked(self, key: str, reason: str) -> None:
+        if key not in self._slots:
             self._slots[key] = RecvSlot(
                 key=key, num_blocks=0, skip_blocks=0, page_bytes=0, num_layers=0,
                 tensor=torch.empty(0, dtype=torch.uint8), pool_alloc=None,

@@ -7,6 +7,8 @@ import asyncio
 import json
 import socket
 
+from aiohttp import web
+
 from vllm_disagg.router.protocol import Role
 from vllm_disagg.router.registry import BreakerState
 
@@ -297,3 +299,24 @@ async def test_decode_is_loaded_from_selection_and_released_on_every_path(pd):
         await router.post("/v1/completions", BODY)
         assert decode.outstanding == 0
     assert len(d.requests) == 1
+
+
+async def test_decode_breaking_its_stream_ends_the_clients(pd):
+    router, p, d = await pd()
+
+    async def break_after_one_event(fake, request, body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: 1\n\n")
+        await asyncio.sleep(0.05)
+        request.transport.close()  # dies mid-stream: no final chunk
+        return resp
+
+    d.handler = break_after_one_event
+    status, body, _ = await router.post("/v1/completions", STREAM)
+    assert status == 200
+    first, error_event = body.split(b"\n\n", 1)
+    assert first == b"data: 1" and b"broke the stream" in error_event
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
+                         outcome="upstream_error") == 1  # fmt: skip
+    assert router.registry.get("d-id").consecutive_failures == 1

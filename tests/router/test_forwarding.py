@@ -13,7 +13,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
 )
 from vllm_disagg.router.protocol import Role
 
-from .conftest import WAIT_S, sse
+from .conftest import WAIT_S
 
 COMPLETION = {
     "model": "m", "prompt": "San Francisco is a", "max_tokens": 10, "temperature": 0,

@@ -25,7 +25,6 @@ VLLM_DISAGG_METRICS_DIR = "VLLM_DISAGG_METRICS_DIR"
 VLLM_DISAGG_VENV = "VLLM_DISAGG_VENV"
 VLLM_DISAGG_TARGET = "VLLM_DISAGG_TARGET"
 VLLM_DISAGG_P2P_SECRET = "VLLM_DISAGG_P2P_SECRET"
-VLLM_DISAGG_P2P_E2E = "VLLM_DISAGG_P2P_E2E"
 VLLM_DISAGG_ROUTER_TOKEN = "VLLM_DISAGG_ROUTER_TOKEN"
 
 VARIABLES: dict[str, EnvVar] = {
@@ -52,13 +51,6 @@ VARIABLES: dict[str, EnvVar] = {
             "Directory where engine cores leave per-rank JSON files for another process: "
             "step-sync metric snapshots (read by the API server's /metrics) and probe "
             "counts (read by the benchmark). Inherited by every child process.",
-        ),
-        EnvVar(
-            VLLM_DISAGG_P2P_E2E,
-            "off",
-            "1 runs the P2P connector's end-to-end test modules (tests/v1/kv_connector/p2p/"
-            "test_p2p_*e2e.py); off until they have passed a whole run (see issue 9's note).",
-            read_by="tests",
         ),
         EnvVar(
             VLLM_DISAGG_P2P_SECRET,

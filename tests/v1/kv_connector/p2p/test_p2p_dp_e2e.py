@@ -10,14 +10,11 @@ equals a colocated DP=1 run (float32).
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from vllm_disagg import envs
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import make_request_id
 from vllm_disagg.testing.openai_client import complete
@@ -29,15 +26,7 @@ from vllm_disagg.testing.p2p import (
 )
 from vllm_disagg.testing.server import get_free_port
 
-pytestmark = [
-    pytest.mark.e2e,
-    # Written in the session that built the connector, which ended before a whole
-    # run of this module finished; 1P1D per send mode was verified by hand.
-    pytest.mark.skipif(
-        os.environ.get(envs.VLLM_DISAGG_P2P_E2E) != "1",
-        reason=f"set {envs.VLLM_DISAGG_P2P_E2E}=1 (not yet verified in a whole run)",
-    ),
-]
+pytestmark = pytest.mark.e2e
 
 COMMON_ARGS = [
     "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0", "--dtype", "float32",

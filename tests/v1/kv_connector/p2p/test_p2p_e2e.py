@@ -13,14 +13,11 @@ Server sets are module fixtures, started concurrently: the PUT_ASYNC set
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from vllm_disagg import envs
 
 from vllm_disagg.testing.p2p import (
     P2pInstance,
@@ -29,15 +26,7 @@ from vllm_disagg.testing.p2p import (
     kv_transfer_config,
 )
 
-pytestmark = [
-    pytest.mark.e2e,
-    # Written in the session that built the connector, which ended before a whole
-    # run of this module finished; 1P1D per send mode was verified by hand.
-    pytest.mark.skipif(
-        os.environ.get(envs.VLLM_DISAGG_P2P_E2E) != "1",
-        reason=f"set {envs.VLLM_DISAGG_P2P_E2E}=1 (not yet verified in a whole run)",
-    ),
-]
+pytestmark = pytest.mark.e2e
 
 BLOCK_SIZE = 32
 MAX_BATCHED = 256

@@ -54,6 +54,8 @@ from vllm_disagg.testing.p2p import P2pInstance, free_kv_port, kv_transfer_confi
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import HEAD_DIM, build_model
 
+from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
+
 RESULTS = Path(__file__).parent / "results"
 STEM = "p2p_send_modes"
 
@@ -838,6 +840,7 @@ def main() -> int:
                         help="no run: summarize the raw numbers of a result file again and "
                         "write its md and png next to it")  # fmt: skip
     args = parser.parse_args()
+    require("matplotlib", "psutil")  # before any server starts
     if args.render:
         return render(Path(args.render))
     if args.quick:

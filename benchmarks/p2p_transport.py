@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
+
 RESULTS = Path(__file__).parent / "results"
 KIB, MIB = 1 << 10, 1 << 20
 BLOCK_BYTES = 32 * KIB
@@ -280,6 +282,7 @@ def main() -> int:
     parser.add_argument("--sample-s", type=float, default=0.1, help="target seconds per sample")
     parser.add_argument("--timeout-s", type=float, default=170.0, help="bound on the whole run")
     args = parser.parse_args()
+    require("matplotlib")  # before the measurement, not at the plot
     RESULTS.mkdir(exist_ok=True)
     start = time.monotonic()
     load_before = os.getloadavg()[0]

@@ -40,6 +40,8 @@ from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import build_model
 from vllm_disagg.v1.metrics.probe import read_probes
 
+from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
+
 RESULTS = Path(__file__).parent / "results"
 MODES = {"waves": {envs.VLLM_DISAGG_DISABLE: "1"}, "step_sync": {}}
 
@@ -287,6 +289,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--quick", action="store_true", help="fewer trials (smoke run)")
     args = parser.parse_args()
+    require("matplotlib")  # before any server starts, not at the plot
     if args.quick:
         args.repeats, args.trials, args.rounds = 2, 2, 1
         args.concurrency, args.max_tokens = 8, 8

@@ -31,6 +31,8 @@ from vllm_disagg.v1.engine.step_sync import (
     new_group_secret,
 )
 
+from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -104,6 +106,7 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=40)
     parser.add_argument("--busy-ms", type=float, nargs="+", default=[0.0, 5.0, 20.0])
     args = parser.parse_args()
+    require()  # nothing beyond the runtime's requirements (yet)
     rows = []
     for busy_ms in args.busy_ms:
         for wait in (False, True):

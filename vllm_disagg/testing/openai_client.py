@@ -60,6 +60,22 @@ def complete(
     return response.json()
 
 
+def chat(
+    server: Server,
+    messages: list[dict],
+    *,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    **params: Any,
+) -> dict:
+    """POST /v1/chat/completions; the response body."""
+    body = {"model": server.model, "messages": messages, **params}
+    url = f"{server.url}/v1/chat/completions"
+    response = requests.post(url, json=body, headers=headers, timeout=timeout_s)
+    response.raise_for_status()
+    return response.json()
+
+
 def sse_data(lines: Iterable[bytes]) -> Iterator[dict]:
     """The JSON payload of every ``data:`` line of a server-sent event
     stream, skipping other lines and the final ``data: [DONE]``."""

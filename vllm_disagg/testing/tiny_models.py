@@ -52,6 +52,10 @@ MAX_POSITIONS = 2048
 WEIGHT_STD = 0.25
 
 MODEL_NAMES = ("tiny-llama", "tiny-mixtral")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def _build_tokenizer(outdir: Path) -> None:
@@ -75,6 +79,9 @@ def _build_tokenizer(outdir: Path) -> None:
         "unk_token": "<unk>",
         "model_max_length": MAX_POSITIONS,
         "clean_up_tokenization_spaces": False,
+        # A plain "role: content" template, so /v1/chat/completions works
+        # (transformers has no default template any more).
+        "chat_template": CHAT_TEMPLATE,
     }
     (outdir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

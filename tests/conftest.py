@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_disagg.testing.router import RouterProcess
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import build_all
 
-_live_servers: list[VllmServer] = []
+# Servers and routers whose log tails a failing test's report gets.
+_live_servers: list[VllmServer | RouterProcess] = []
 
 
 @pytest.fixture(scope="session")
@@ -31,9 +33,12 @@ def start_server(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("server-logs")
     started: list[VllmServer] = []
 
-    def start(model, args=(), *, name: str, wait: bool = True, **env: str) -> VllmServer:
+    def start(
+        model, args=(), *, name: str, wait: bool = True, port: int | None = None, **env: str
+    ) -> VllmServer:
         server = VllmServer(
-            model, list(args), log_path=log_dir / f"{name}.log", env=cpu_test_env(**env)
+            model, list(args), log_path=log_dir / f"{name}.log", env=cpu_test_env(**env),
+            port=port,
         )
         started.append(server)
         _live_servers.append(server)
@@ -43,6 +48,26 @@ def start_server(tmp_path_factory):
     for server in started:
         server.stop()
         _live_servers.remove(server)
+
+
+@pytest.fixture(scope="session")
+def start_router(tmp_path_factory):
+    """Factory: start_router(name=..., model=..., args=[...]) -> running RouterProcess
+    (``python -m vllm_disagg.router`` on free loopback ports); stopped at the
+    end of the session or earlier via .stop()."""
+    log_dir = tmp_path_factory.mktemp("router-logs")
+    started: list[RouterProcess] = []
+
+    def start(*, name: str, model: str = "", args=()) -> RouterProcess:
+        router = RouterProcess(list(args), log_path=log_dir / f"{name}.log", model=model)
+        started.append(router)
+        _live_servers.append(router)
+        return router.start()
+
+    yield start
+    for router in started:
+        router.stop()
+        _live_servers.remove(router)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -106,6 +106,31 @@ def stream_completion(
         yield from sse_data(r.iter_lines())
 
 
+def stream_chat(
+    server: Server,
+    messages: list[dict],
+    *,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    **params: Any,
+) -> Iterator[dict]:
+    """POST /v1/chat/completions with ``stream: true``; its chunks as they arrive."""
+    body = {"model": server.model, "messages": messages, **params, "stream": True}
+    url = f"{server.url}/v1/chat/completions"
+    with requests.post(url, json=body, headers=headers, stream=True, timeout=timeout_s) as r:
+        r.raise_for_status()
+        yield from sse_data(r.iter_lines())
+
+
+def streamed_text(chunks: Iterable[dict]) -> str:
+    """The text of a streamed completion or chat (``text`` or ``delta.content``)."""
+    parts = []
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
 def token_ids(chunk: dict) -> list[int]:
     """Token ids of one completion chunk (with ``return_token_ids``)."""
     return chunk["choices"][0].get("token_ids") or []

@@ -77,12 +77,6 @@ def _completion_text(body: dict) -> str:
     return body["choices"][0]["text"]
 
 
-def _streamed_text(server, prompt: str, max_tokens: int) -> str:
-    chunks = openai_client.stream_completion(server, prompt, max_tokens=max_tokens,
-                                             temperature=0.0)  # fmt: skip
-    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
-
-
 def _ask_all(target, max_tokens: int) -> list[tuple[str, str]]:
     """(label, answer) for every request of the demo, sent to ``target``."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -92,7 +86,9 @@ def _ask_all(target, max_tokens: int) -> list[tuple[str, str]]:
             PROMPTS,
         ))  # fmt: skip
     answers = [(f"completion {p!r}", t) for p, t in zip(PROMPTS, texts)]
-    answers.append((f"streamed {PROMPTS[0]!r}", _streamed_text(target, PROMPTS[0], max_tokens)))
+    answers.append((f"streamed {PROMPTS[0]!r}", openai_client.streamed_text(
+        openai_client.stream_completion(target, PROMPTS[0], max_tokens=max_tokens, temperature=0.0)
+    )))
     chat = openai_client.chat(target, CHAT, max_tokens=max_tokens, temperature=0.0)
     answers.append((f"chat {CHAT[0]['content']!r}", chat["choices"][0]["message"]["content"]))
     return answers

@@ -7,24 +7,36 @@ metrics must show which path the KV took: the connector
 (``vllm:external_prefix_cache_hits``, ``vllm:p2p_bytes_received``), the host
 pool (``vllm:p2p_spills``) or a local recompute (``vllm:p2p_failed_loads``).
 
+Through the router too: every PUT_ASYNC instance registers itself with the
+routers its ``proxy_ip`` lists (1P1D, 1P2D and 2P1D routers over the same
+instances), and completions, streams and chats through each router equal the
+colocated run; a decode instance started while traffic flows starts taking
+requests, and once killed it is removed and later requests succeed.
+
 Server sets are module fixtures, started concurrently: the PUT_ASYNC set
-(2 prefills, 3 decodes with different buffers) and the GET + PUT set.
+(2 prefills, 3 decodes with different buffers) and the GET + PUT set. The
+colocated reference is the second prefill instance answering requests that
+name no peers (the connector then does nothing: a plain `vllm serve` run),
+before it takes part in any transfer.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from vllm_disagg.testing import openai_client
 from vllm_disagg.testing.p2p import (
     P2pInstance,
     disaggregated_completion,
     free_kv_port,
     kv_transfer_config,
 )
+from vllm_disagg.testing.server import get_free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -55,6 +67,19 @@ MANY_PROMPTS = [
     (_shared if i % 3 == 0 else []) + token_prompt(_rng, _rng.randint(5, 150)) for i in range(32)
 ]
 ALL_PROMPTS = [*LENGTH_PROMPTS, *MANY_PROMPTS]
+CHATS = [
+    [{"role": "user", "content": "Tell me about prefill and decode."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a block?"}],
+]
+# Which routers each instance of the PUT_ASYNC set registers with.
+ROUTER_NAMES = ("1p1d", "1p2d", "2p1d", "join")
+REGISTERS_WITH = {
+    "p1": ("1p1d", "1p2d", "2p1d", "join"),
+    "p2": ("2p1d",),
+    "d1": ("1p1d", "1p2d", "2p1d", "join"),
+    "d_pool": ("1p2d",),
+    "d_none": (),
+}
 
 
 def _ids(response: dict) -> list[int]:
@@ -65,29 +90,49 @@ def _key(prompt: list[int]) -> tuple[int, ...]:
     return tuple(prompt)
 
 
+def _chat_key(messages: list[dict]) -> str:
+    return repr(messages)
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_models, start_server) -> dict[tuple[int, ...], list[int]]:
-    """Greedy token ids of a colocated run for every prompt of this module."""
-    server = start_server(tiny_models["tiny-llama"], COMMON_ARGS, name="p2p-colocated")
-    try:
-        with ThreadPoolExecutor(8) as pool:
-            outs = list(pool.map(
-                lambda p: _ids(server.complete(p, max_tokens=MAX_TOKENS, temperature=0.0,
-                                               return_token_ids=True)),
-                ALL_PROMPTS,
-            ))  # fmt: skip
-        return {_key(p): o for p, o in zip(ALL_PROMPTS, outs)}
-    finally:
-        server.stop()
+def reference(put_async_set) -> dict:
+    """Greedy outputs of a colocated run for every prompt and chat of this module:
+    the second prefill instance, asked with no peers named."""
+    server = put_async_set["p2"]
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(
+            lambda p: _ids(server.complete(p, max_tokens=MAX_TOKENS, temperature=0.0,
+                                           return_token_ids=True)),
+            ALL_PROMPTS,
+        ))  # fmt: skip
+    ref: dict = {_key(p): o for p, o in zip(ALL_PROMPTS, outs)}
+    for messages in CHATS:
+        body = openai_client.chat(server, messages, max_tokens=MAX_TOKENS, temperature=0.0)
+        ref[_chat_key(messages)] = body["choices"][0]["message"]["content"]
+    return ref
 
 
-def _start(start_server, model, name, role, *, env=None, **extra) -> P2pInstance:
-    port = free_kv_port()
+@pytest.fixture(scope="module")
+def routers(tiny_models, start_router):
+    model = str(tiny_models["tiny-llama"])
+    started = {name: start_router(name=f"router-{name}", model=model) for name in ROUTER_NAMES}
+    yield started
+    for router in started.values():
+        router.stop()
+
+
+def _start(start_server, model, name, role, *, routers=(), env=None, **extra) -> P2pInstance:
+    port, http_port = free_kv_port(), get_free_port()
+    if routers:
+        # Several routers, each "host:port", as one comma-separated proxy_ip.
+        extra["proxy_ip"] = ",".join(f"127.0.0.1:{r.discovery_port}" for r in routers)
+        extra["http_port"] = str(http_port)
     server = start_server(
         model,
         [*COMMON_ARGS, "--kv-transfer-config", kv_transfer_config(role, port, **extra)],
         name=name,
         wait=False,
+        port=http_port,
         **(env or {}),
     )
     return P2pInstance(server, port)
@@ -99,19 +144,24 @@ def _wait_all(instances: dict[str, P2pInstance]) -> None:
 
 
 @pytest.fixture(scope="module")
-def put_async_set(tiny_models, start_server, reference):
+def put_async_set(tiny_models, start_server, routers):
     model = tiny_models["tiny-llama"]
     common = {"kv_load_timeout_s": LOAD_TIMEOUT_S}
+
+    def start(name, label, role, **extra):
+        mine = [routers[r] for r in REGISTERS_WITH[name]]
+        return _start(start_server, model, label, role, routers=mine, **common, **extra)
+
     instances = {
-        "p1": _start(start_server, model, "p2p-pa-p1", "kv_producer", **common),
-        "p2": _start(start_server, model, "p2p-pa-p2", "kv_producer", **common),
-        "d1": _start(start_server, model, "p2p-pa-d1", "kv_consumer", **common),
+        "p1": start("p1", "p2p-pa-p1", "kv_producer"),
+        "p2": start("p2", "p2p-pa-p2", "kv_producer"),
+        "d1": start("d1", "p2p-pa-d1", "kv_consumer"),
         # receive buffer of one byte: every transfer goes to the host pool
-        "d_pool": _start(start_server, model, "p2p-pa-dpool", "kv_consumer",
-                         kv_buffer_size="1", mem_pool_size_gb=0.25, **common),
+        "d_pool": start("d_pool", "p2p-pa-dpool", "kv_consumer",
+                        kv_buffer_size="1", mem_pool_size_gb=0.25),
         # no buffer, no pool: every transfer is refused and recomputed
-        "d_none": _start(start_server, model, "p2p-pa-dnone", "kv_consumer",
-                         kv_buffer_size="1", mem_pool_size_gb=0, **common),
+        "d_none": start("d_none", "p2p-pa-dnone", "kv_consumer",
+                        kv_buffer_size="1", mem_pool_size_gb=0),
     }  # fmt: skip
     _wait_all(instances)
     yield instances
@@ -195,6 +245,125 @@ def test_1p2d_and_2p1d_with_many_requests_in_flight_have_no_cross_talk(put_async
     for i, (prompt, out) in enumerate(zip(MANY_PROMPTS, outs)):
         assert out == reference[_key(prompt)], f"request {i}"
     assert _metric(put_async_set["d1"], "vllm:p2p_failed_loads") == failed_before
+
+
+# --- through the router ------------------------------------------------------
+
+ROUTER_PAIRS = {  # router -> (prefills, decodes) that registered with it
+    "1p1d": (("p1",), ("d1",)),
+    "1p2d": (("p1",), ("d1", "d_pool")),
+    "2p1d": (("p1", "p2"), ("d1",)),
+}
+
+
+def _served(inst: P2pInstance) -> float:
+    return _metric(inst, "vllm:request_success")
+
+
+def _wait_registered(router, expected: int) -> None:
+    router.wait_for_instances(lambda found: len(found) >= expected, timeout_s=30,
+                              what=f"{expected} registered instances")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(ROUTER_PAIRS))
+def test_router_completions_streams_and_chats_equal_colocated(put_async_set, routers, reference,
+                                                              name):  # fmt: skip
+    router = routers[name]
+    prefills, decodes = ROUTER_PAIRS[name]
+    _wait_registered(router, len(prefills) + len(decodes))
+    members = [put_async_set[i] for i in (*prefills, *decodes)]
+    served_before = {id(m): _served(m) for m in members}
+    prompts = [*LENGTH_PROMPTS, *MANY_PROMPTS[:4]]
+
+    def completion(prompt):
+        return _ids(openai_client.complete(router, prompt, max_tokens=MAX_TOKENS,
+                                           temperature=0.0, return_token_ids=True))  # fmt: skip
+
+    def streamed(prompt):
+        chunks = openai_client.stream_completion(router, prompt, max_tokens=MAX_TOKENS,
+                                                 temperature=0.0, return_token_ids=True)  # fmt: skip
+        return [t for chunk in chunks for t in openai_client.token_ids(chunk)]
+
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(completion, prompts))
+        streams = list(pool.map(streamed, prompts[:3]))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        assert out == reference[_key(prompt)], f"completion {i}"
+    for i, (prompt, out) in enumerate(zip(prompts, streams)):
+        assert out == reference[_key(prompt)], f"streamed completion {i}"
+    for messages in CHATS:
+        body = openai_client.chat(router, messages, max_tokens=MAX_TOKENS, temperature=0.0)
+        assert body["choices"][0]["message"]["content"] == reference[_chat_key(messages)]
+        chunks = openai_client.stream_chat(router, messages, max_tokens=MAX_TOKENS,
+                                           temperature=0.0)  # fmt: skip
+        assert openai_client.streamed_text(chunks) == reference[_chat_key(messages)]
+    # Round-robin: every prefill and every decode of this router took requests.
+    for name_, member in zip((*prefills, *decodes), members):
+        deadline = time.monotonic() + 15
+        while _served(member) <= served_before[id(member)] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _served(member) > served_before[id(member)], f"{name_} served nothing"
+
+
+def test_a_decode_joining_then_dying_while_traffic_flows(
+    tiny_models, start_server, put_async_set, routers, reference
+):
+    """A new decode instance registers while requests flow through the router and
+    starts taking them; killed, it is removed and later requests succeed."""
+    router = routers["join"]
+    _wait_registered(router, 2)
+    results: list[tuple[float, float, bool, str]] = []  # (sent, done, ok, detail)
+    stop = threading.Event()
+
+    def traffic(worker: int) -> None:
+        i = worker
+        while not stop.is_set():
+            prompt = MANY_PROMPTS[i % len(MANY_PROMPTS)]
+            i += 2
+            sent = time.monotonic()
+            try:
+                out = _ids(openai_client.complete(router, prompt, max_tokens=MAX_TOKENS,
+                                                  temperature=0.0, return_token_ids=True,
+                                                  timeout_s=60))  # fmt: skip
+                ok = out == reference[_key(prompt)]
+                detail = "" if ok else f"wrong output: {out}"
+            except Exception as e:  # noqa: BLE001 - recorded and judged below
+                ok, detail = False, repr(e)[:300]
+            results.append((sent, time.monotonic(), ok, detail))
+
+    workers = [threading.Thread(target=traffic, args=(w,), daemon=True) for w in range(2)]
+    for w in workers:
+        w.start()
+    joined = _start(start_server, tiny_models["tiny-llama"], "p2p-pa-djoin", "kv_consumer",
+                    routers=[router], kv_load_timeout_s=LOAD_TIMEOUT_S)  # fmt: skip
+    try:
+        joined.server.wait_ready()
+        _wait_registered(router, 3)
+        deadline = time.monotonic() + 60
+        while _served(joined) < 2:
+            assert time.monotonic() < deadline, "the new decode instance never took requests"
+            time.sleep(0.5)
+        joined.server.kill()
+        killed_at = time.monotonic()
+        router.wait_for_instances(
+            lambda found: all(i["http_addr"] != f"127.0.0.1:{joined.server.port}" for i in found),
+            timeout_s=30, what="the killed instance removed",
+        )  # fmt: skip
+        removed_at = time.monotonic()
+        time.sleep(5)  # traffic after the removal
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(timeout=90)
+        joined.server.stop()
+    assert removed_at - killed_at < 15  # a refused connection drops it before heartbeats expire
+    after = [r for r in results if r[0] > removed_at]
+    assert len(after) >= 2 and all(ok for _, _, ok, _ in after), after
+    # Only requests in flight to the dying instance may have failed.
+    failed = [r for r in results if not r[2]]
+    assert all(sent <= removed_at for sent, _, _, _ in failed), failed
+    assert len(failed) <= 2, failed
+    assert sum(ok for _, _, ok, _ in results) >= 10
 
 
 @pytest.fixture(scope="module")

@@ -785,12 +785,12 @@ async def warm_up(url: str, model: str, n: int, concurrency: int) -> int:
 
 def run_serving(args) -> dict:
     began = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     env = cpu_test_env(**SERVER_ENV)
     bench_log = LOGS / f"{STEM}-bench.log"
     bench_log.parent.mkdir(parents=True, exist_ok=True)
     bench_log.write_text("")
     with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-router-")))
         routers: dict[str, RouterProcess] = {}
         fakes: dict[str, FakeProcess] = {}
         servers: dict[str, Any] = {}

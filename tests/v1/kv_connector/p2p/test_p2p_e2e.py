@@ -305,6 +305,11 @@ def test_router_completions_streams_and_chats_equal_colocated(put_async_set, rou
         assert _served(member) > served_before[id(member)], f"{name_} served nothing"
 
 
+# One client, a pause between its requests: traffic flows, but leaves the
+# joining server CPU to start on a 2-core machine (busy workers starve it).
+JOIN_TRAFFIC_PACE_S = 2.0
+
+
 def test_a_decode_joining_then_dying_while_traffic_flows(
     tiny_models, start_server, put_async_set, routers, reference
 ):
@@ -315,11 +320,11 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
     results: list[tuple[float, float, bool, str]] = []  # (sent, done, ok, detail)
     stop = threading.Event()
 
-    def traffic(worker: int) -> None:
-        i = worker
+    def traffic() -> None:
+        i = 0
         while not stop.is_set():
             prompt = MANY_PROMPTS[i % len(MANY_PROMPTS)]
-            i += 2
+            i += 1
             sent = time.monotonic()
             try:
                 out = _ids(openai_client.complete(router, prompt, max_tokens=MAX_TOKENS,
@@ -330,8 +335,9 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
             except Exception as e:  # noqa: BLE001 - recorded and judged below
                 ok, detail = False, repr(e)[:300]
             results.append((sent, time.monotonic(), ok, detail))
+            stop.wait(JOIN_TRAFFIC_PACE_S)
 
-    workers = [threading.Thread(target=traffic, args=(w,), daemon=True) for w in range(2)]
+    workers = [threading.Thread(target=traffic, daemon=True)]
     for w in workers:
         w.start()
     joined = _start(start_server, tiny_models["tiny-llama"], "p2p-pa-djoin", "kv_consumer",
@@ -362,8 +368,8 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
     # Only requests in flight to the dying instance may have failed.
     failed = [r for r in results if not r[2]]
     assert all(sent <= removed_at for sent, _, _, _ in failed), failed
-    assert len(failed) <= 2, failed
-    assert sum(ok for _, _, ok, _ in results) >= 10
+    assert len(failed) <= 1, failed
+    assert sum(ok for _, _, ok, _ in results) >= 5
 
 
 @pytest.fixture(scope="module")

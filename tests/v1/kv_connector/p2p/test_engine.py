@@ -797,3 +797,33 @@ def test_a_receive_that_fails_after_the_sender_finished_does_not_wedge_the_peer(
     assert decode.totals()["rejected_messages"] == 1
     assert prefill.totals()["failed_sends"] == 0
     assert_nothing_held(decode)
+
+
+def test_an_unanswered_get_is_sent_again_on_a_fresh_socket(make_engine):
+    """A prefill that never answers the first Get (lost on its connection)
+    answers the resent one: decode learns the outcome long before its deadline."""
+    decode = make_engine("fake", "GET", seed=2)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        start = time.monotonic()
+        decode.expect("k", 0, start + 20.0, get_from=f"127.0.0.1:{port}")
+        gets = []
+        while len(gets) < 2:
+            assert router.poll(5000), "no Get (or no resent Get) arrived"
+            route, *body = router.recv_multipart()
+            msg = proto.open_frame(None, body)
+            assert msg.key == "k"
+            gets.append((route, msg))
+        (first_route, _), (route, second) = gets
+        assert route != first_route  # a fresh socket, a new connection
+        router.send_multipart([route, *proto.seal(None, Reply(req_no=second.req_no,
+                                                              status=Status.GONE))])
+        slot = wait_slot(decode, "k", timeout=5.0)
+        assert slot.state is SlotState.FAILED and Status.GONE in slot.reason
+        assert time.monotonic() - start < 10.0
+        decode.release(slot)
+    finally:
+        router.close(linger=0)
+        ctx.term()

@@ -76,6 +76,10 @@ logger = init_logger(__name__)
 
 POLL_INTERVAL_S = 0.05
 GET_RETRY_INTERVAL_S = 0.05
+# A Get unanswered this long is sent again on a fresh socket: seen on loaded
+# 2-core machines, a first Get on a new connection was not delivered until
+# its socket was closed. Get is idempotent (the offer follows at most once).
+GET_RESEND_AFTER_S = 1.0
 # How long a GET answered "released" is remembered, so a late Get gets "gone".
 TOMBSTONE_TTL_S = 300.0
 LOG_INTERVAL_S = 10.0
@@ -350,15 +354,29 @@ class _Peer:
             self._sock.close(linger=0)
             self._sock = None
 
-    def request(self, make_msg: Callable[[int], proto._Msg], deadline: float) -> Reply:
+    def request(
+        self, make_msg: Callable[[int], proto._Msg], deadline: float,
+        resend_after_s: float | None = None,
+    ) -> Reply:
+        """Send a control message and wait for its Reply until ``deadline``;
+        with ``resend_after_s`` (idempotent messages only) resend it on a
+        fresh socket whenever that long passes without a reply."""
         req_no = next(self._req_no)
         sock = self._socket()
         sock.send_multipart(proto.seal(self.engine.secret, make_msg(req_no)))
+        resend_at = time.monotonic() + resend_after_s if resend_after_s else None
         while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
+            now = time.monotonic()
+            left_ms = int((deadline - now) * 1000)
             if left_ms <= 0 or self.engine.stopped.is_set():
                 self._reset_socket()
                 raise TransportError(f"no reply from {self.addr} in time")
+            if resend_at is not None and now >= resend_at:
+                self._reset_socket()
+                req_no = next(self._req_no)
+                sock = self._socket()
+                sock.send_multipart(proto.seal(self.engine.secret, make_msg(req_no)))
+                resend_at = now + resend_after_s
             if not sock.poll(min(left_ms, 100)):
                 continue
             frames = sock.recv_multipart()
@@ -391,11 +409,14 @@ class _Peer:
     def _get(self, job: _GetJob) -> None:
         engine = self.engine
         while True:
+            if not engine._still_expected(job.key):
+                return  # the KV arrived (or decode gave up): nothing left to ask for
             try:
                 reply = self.request(
                     lambda n: Get(req_no=n, sender_addr=engine.addr, key=job.key,
                                   skip_blocks=job.skip_blocks),
                     job.deadline,
+                    resend_after_s=GET_RESEND_AFTER_S,
                 )
             except TransportError as e:
                 job.on_failure(str(e))
@@ -685,6 +706,10 @@ class P2pEngine:
         with self._lock:
             self._finished_sends.append(xfer)
         xfer.done.set()
+
+    def _still_expected(self, key: str) -> bool:
+        with self._lock:
+            return key in self._expected and key not in self._slots
 
     def _fail_expected(self, key: str, reason: str) -> None:
         with self._lock:

@@ -44,6 +44,7 @@ fi
 
 pids=()
 cleanup() {
+    trap - EXIT INT TERM  # once, whichever fired
     echo "stopping ${#pids[@]} processes"
     for pid in "${pids[@]}"; do kill -TERM "${pid}" 2>/dev/null || true; done
     wait 2>/dev/null || true

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -64,3 +65,17 @@ def require(*modules: str) -> None:
             file=sys.stderr,
         )
         sys.exit(EXIT_MISSING)
+
+
+def machine() -> str:
+    """One line naming the machine, for the results every benchmark writes."""
+    try:
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        model = platform.processor()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return f"{os.cpu_count()} CPUs ({model}), {mem:.0f} GiB, {platform.platform()}"

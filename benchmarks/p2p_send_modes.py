@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -54,7 +53,7 @@ from vllm_disagg.testing.p2p import P2pInstance, free_kv_port, kv_transfer_confi
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import HEAD_DIM, build_model
 
-from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
+from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
 
 RESULTS = Path(__file__).parent / "results"
 STEM = "p2p_send_modes"
@@ -806,19 +805,6 @@ def transport_of(server: VllmServer) -> str:
         if "P2P engine listening on" in line and "transport" in line:
             return line.split("transport ", 1)[1].split(",", 1)[0]
     return "unknown"
-
-
-def machine() -> str:
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        model = platform.processor()
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return f"{os.cpu_count()} CPUs ({model}), {mem:.0f} GiB, {platform.platform()}"
 
 
 def main() -> int:

@@ -53,7 +53,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import random
 import re
 import signal
@@ -72,7 +71,7 @@ from vllm_disagg.testing.p2p import free_kv_port, kv_transfer_config
 from vllm_disagg.testing.router import RouterProcess
 from vllm_disagg.testing.server import VllmServer, cpu_test_env, get_free_port, vllm_executable
 
-from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
+from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
 
 RESULTS = Path(__file__).parent / "results"
 LOGS = RESULTS / "logs"
@@ -249,6 +248,24 @@ class FakeProcess:
         stop_process(self.proc)
 
 
+def start_routers_over_fakes(
+    stack: contextlib.ExitStack, fakes: dict[str, FakeProcess], tag: str
+) -> dict[str, RouterProcess]:
+    """One router per hand-off style in ROUTERS, its instances the fake prefill
+    and decode (static: the fakes do not register); stopped by ``stack``."""
+    routers = {}
+    for target, handoff in ROUTERS.items():
+        router = RouterProcess(
+            ["--static-prefill", f"{fakes['prefill'].http_addr},127.0.0.1:1",
+             "--static-decode", f"{fakes['decode'].http_addr},127.0.0.1:2",
+             "--handoff", handoff, "--log-level", "warning"],
+            log_path=LOGS / f"{STEM}-{tag}-{target}.log",
+        )  # fmt: skip
+        stack.callback(router.stop)
+        routers[target] = router.start()
+    return routers
+
+
 def stop_process(proc: subprocess.Popen | None) -> None:
     """SIGTERM a process this script started (its own session), then SIGKILL its group."""
     if proc is None or proc.poll() is not None:
@@ -330,19 +347,6 @@ def cpu_seconds(pid: int) -> float:
         return t.user + t.system
     except psutil.Error:
         return float("nan")
-
-
-def machine() -> str:
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        model = platform.processor()
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return f"{os.cpu_count()} CPUs ({model}), {mem:.0f} GiB, {platform.platform()}"
 
 
 def load_snapshot(mine: set[int] = frozenset()) -> dict[str, Any]:
@@ -555,21 +559,12 @@ async def measure_ceiling(
 def run_overhead(args) -> dict:
     fakes = {role: FakeProcess(role, LOGS / f"{STEM}-fake-{role}.log")
              for role in ("prefill", "decode")}  # fmt: skip
-    routers: dict[str, RouterProcess] = {}
     began = time.monotonic()
     with contextlib.ExitStack() as stack:
         for fake in fakes.values():
             stack.callback(fake.stop)
             fake.start()
-        for target, handoff in ROUTERS.items():
-            router = RouterProcess(
-                ["--static-prefill", f"{fakes['prefill'].http_addr},127.0.0.1:1",
-                 "--static-decode", f"{fakes['decode'].http_addr},127.0.0.1:2",
-                 "--handoff", handoff, "--log-level", "warning"],
-                log_path=LOGS / f"{STEM}-{target}-fakes.log",
-            )  # fmt: skip
-            stack.callback(router.stop)
-            routers[target] = router.start()
+        routers = start_routers_over_fakes(stack, fakes, "fakes")
         pids = {
             "router_seq": routers["router_seq"].proc.pid,
             "router_conc": routers["router_conc"].proc.pid,
@@ -800,15 +795,7 @@ def run_serving(args) -> dict:
                 fakes[role] = FakeProcess(role, LOGS / f"{STEM}-dry-fake-{role}.log")
                 stack.callback(fakes[role].stop)
                 fakes[role].start()
-            for target, handoff in ROUTERS.items():
-                router = RouterProcess(
-                    ["--static-prefill", f"{fakes['prefill'].http_addr},127.0.0.1:1",
-                     "--static-decode", f"{fakes['decode'].http_addr},127.0.0.1:2",
-                     "--handoff", handoff, "--log-level", "warning"],
-                    log_path=LOGS / f"{STEM}-dry-{target}.log",
-                )  # fmt: skip
-                stack.callback(router.stop)
-                routers[target] = router.start()
+            routers.update(start_routers_over_fakes(stack, fakes, "dry"))
             urls = {"colocated": fakes["colocated"].url,
                     **{t: r.url for t, r in routers.items()}}  # fmt: skip
             startup_s = time.monotonic() - began

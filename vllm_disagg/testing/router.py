@@ -17,7 +17,7 @@ from typing import Any
 
 import requests
 
-from vllm_disagg.testing.server import get_free_port
+from vllm_disagg.testing.server import LoggedProcess, get_free_port
 
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -27,8 +27,10 @@ class RouterStartupError(RuntimeError):
     pass
 
 
-class RouterProcess:
+class RouterProcess(LoggedProcess):
     """``python -m vllm_disagg.router`` on loopback ports chosen here."""
+
+    DEFAULT_TAIL_LINES = 60
 
     def __init__(
         self,
@@ -99,16 +101,6 @@ class RouterProcess:
             return requests.get(f"{self.url}/health", timeout=5).status_code == 200
         except requests.RequestException:
             return False
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def log_tail(self, lines: int = 60) -> str:
-        tail = "\n".join(self.log_text().splitlines()[-lines:])
-        return f"--- last {lines} lines of {self.log_path} ---\n{tail}"
 
     def stop(self) -> int | None:
         proc = self.proc

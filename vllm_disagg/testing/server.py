@@ -58,7 +58,26 @@ class ServerStartupError(RuntimeError):
     pass
 
 
-class VllmServer:
+class LoggedProcess:
+    """A helper process whose output goes to ``self.log_path``: its text and a
+    tail to show when something fails."""
+
+    log_path: Path
+    DEFAULT_TAIL_LINES = 80
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int | None = None) -> str:
+        lines = lines or self.DEFAULT_TAIL_LINES
+        tail = "\n".join(self.log_text().splitlines()[-lines:])
+        return f"--- last {lines} lines of {self.log_path} ---\n{tail}"
+
+
+class VllmServer(LoggedProcess):
     """One ``vllm serve`` process tree, started in its own process group."""
 
     def __init__(
@@ -140,15 +159,6 @@ class VllmServer:
             f"vllm serve not ready after {self.startup_timeout_s:.0f}s\n" + self.log_tail()
         )
 
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def log_tail(self, lines: int = 80) -> str:
-        tail = "\n".join(self.log_text().splitlines()[-lines:])
-        return f"--- last {lines} lines of {self.log_path} ---\n{tail}"
 
     def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:
         """SIGTERM the server, then SIGKILL its process group if it lingers."""

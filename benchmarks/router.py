@@ -79,8 +79,14 @@ STEM = "router"
 
 # --- part 1 settings -----------------------------------------------------------
 
-TARGETS = ("direct", "direct_pd", "router_seq", "router_conc")
+TARGETS = ("direct", "direct_pd", "router_seq", "router_conc", "router_hyper")
 ROUTERS = {"router_seq": "sequential", "router_conc": "concurrent"}
+# Part 1 also runs the sequential router on hypercorn, the HTTP server it used
+# before uvicorn, so the default's choice stays measured.
+OVERHEAD_ROUTERS = {
+    **{target: ["--handoff", handoff] for target, handoff in ROUTERS.items()},
+    "router_hyper": ["--handoff", "sequential", "--http-server", "hypercorn"],
+}
 # scenario -> (stream, chunks (= max_tokens), ms between chunks, concurrencies)
 SCENARIOS = {
     "stream": (True, 4, 0.0, (1, 8, 32)),
@@ -91,7 +97,7 @@ SCENARIOS = {
 }
 GOAL_SCENARIO, GOAL_CONCURRENCY, GOAL_P50_S = "stream", 32, 0.002
 CEILING_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128)
-CEILING_TARGETS = ("direct", "router_seq", "router_conc")
+CEILING_TARGETS = ("direct", "router_seq", "router_conc", "router_hyper")
 FAKE_MODEL = "fake-model"
 PROMPT_WORDS = 200  # ~1.2 KB of prompt in every request body
 REQUEST_TIMEOUT_S = 30.0
@@ -249,16 +255,17 @@ class FakeProcess:
 
 
 def start_routers_over_fakes(
-    stack: contextlib.ExitStack, fakes: dict[str, FakeProcess], tag: str
+    stack: contextlib.ExitStack, fakes: dict[str, FakeProcess], tag: str,
+    targets: dict[str, list[str]],
 ) -> dict[str, RouterProcess]:
-    """One router per hand-off style in ROUTERS, its instances the fake prefill
-    and decode (static: the fakes do not register); stopped by ``stack``."""
+    """One router per target (its flags in ``targets``), its instances the fake
+    prefill and decode (static: the fakes do not register); stopped by ``stack``."""
     routers = {}
-    for target, handoff in ROUTERS.items():
+    for target, flags in targets.items():
         router = RouterProcess(
             ["--static-prefill", f"{fakes['prefill'].http_addr},127.0.0.1:1",
              "--static-decode", f"{fakes['decode'].http_addr},127.0.0.1:2",
-             "--handoff", handoff, "--log-level", "warning"],
+             *flags, "--log-level", "warning"],
             log_path=LOGS / f"{STEM}-{tag}-{target}.log",
         )  # fmt: skip
         stack.callback(router.stop)
@@ -564,10 +571,9 @@ def run_overhead(args) -> dict:
         for fake in fakes.values():
             stack.callback(fake.stop)
             fake.start()
-        routers = start_routers_over_fakes(stack, fakes, "fakes")
+        routers = start_routers_over_fakes(stack, fakes, "fakes", OVERHEAD_ROUTERS)
         pids = {
-            "router_seq": routers["router_seq"].proc.pid,
-            "router_conc": routers["router_conc"].proc.pid,
+            **{target: router.proc.pid for target, router in routers.items()},
             "fake_prefill": fakes["prefill"].proc.pid,
             "fake_decode": fakes["decode"].proc.pid,
             "client": os.getpid(),
@@ -646,9 +652,11 @@ def summarize_overhead(part: dict) -> dict:
                                         "ttfb": diff("router_seq", "direct", "ttfb")},
                 "router_conc - direct": {"total": diff("router_conc", "direct", "total"),
                                          "ttfb": diff("router_conc", "direct", "ttfb")},
+                "router_hyper - direct_pd": {"total": diff("router_hyper", "direct_pd", "total"),
+                                             "ttfb": diff("router_hyper", "direct_pd", "ttfb")},
             }  # fmt: skip
             router_hist[key] = {}
-            for target in ROUTERS:
+            for target in OVERHEAD_ROUTERS:
                 h = by_target[target]["router_hist"]
                 buckets = sorted((float(le), n) for le, n in h.items())
                 total = buckets[-1][1] if buckets else 0
@@ -676,6 +684,7 @@ def summarize_overhead(part: dict) -> dict:
         "client_p50_vs_direct_s": added[goal_key]["router_seq - direct"]["total"]["p50"],
         "client_p50_conc_s": added[goal_key]["router_conc - direct"]["total"]["p50"],
         "router_hist_p50_s": router_hist[goal_key]["router_seq"]["p50"],
+        "client_p50_hypercorn_s": added[goal_key]["router_hyper - direct_pd"]["total"]["p50"],
         "paced_p50_s": added.get("paced/32", {}).get("router_seq - direct_pd", {})
         .get("total", {}).get("p50"),
     }
@@ -795,7 +804,8 @@ def run_serving(args) -> dict:
                 fakes[role] = FakeProcess(role, LOGS / f"{STEM}-dry-fake-{role}.log")
                 stack.callback(fakes[role].stop)
                 fakes[role].start()
-            routers.update(start_routers_over_fakes(stack, fakes, "dry"))
+            routers.update(start_routers_over_fakes(
+                stack, fakes, "dry", {t: ["--handoff", h] for t, h in ROUTERS.items()}))
             urls = {"colocated": fakes["colocated"].url,
                     **{t: r.url for t, r in routers.items()}}  # fmt: skip
             startup_s = time.monotonic() - began
@@ -1018,7 +1028,9 @@ def overhead_markdown(part: dict) -> list[str]:
         "Targets: `direct` = the fake decode instance alone; `direct_pd` = the client does the "
         "hand-off itself (fake prefill with `max_tokens` 1, then fake decode): the same "
         "backend work as through the router, without the router; `router_seq` / "
-        "`router_conc` = through the router, `--handoff sequential` / `concurrent`. "
+        "`router_conc` = through the router, `--handoff sequential` / `concurrent`, on "
+        "uvicorn (the default); `router_hyper` = `--handoff sequential` on hypercorn "
+        "(`--http-server hypercorn`). "
         "Latency: the client's, request sent .. last byte (`total`) and .. first byte "
         "(`ttfb`). Added latency at a percentile = that percentile through the router minus "
         "the same percentile of the baseline (not a per-request difference).",
@@ -1027,26 +1039,29 @@ def overhead_markdown(part: dict) -> list[str]:
         "",
         "`router alone` = router_seq - direct_pd (the goal's measure: the router is the only "
         "difference); `vs direct` = router_seq - direct (includes the prefill leg's round trip "
-        "to the fake); `concurrent vs direct` = router_conc - direct. `router histogram` = the "
+        "to the fake); `concurrent vs direct` = router_conc - direct; `hypercorn alone` = "
+        "router_hyper - direct_pd. `router histogram` = the "
         "router's own `vllm_disagg_router_added_latency_seconds` over the same requests "
         "(time to the client's first byte minus time waiting on instances, measured inside "
         "the handler; quantiles interpolated in buckets 0.5/1/2/5/10/25 ms, so coarse), and "
         "the share of its requests at or under 2 ms (exact: a bucket bound).",
         "",
         "| scenario | concurrency | router alone p10 | p50 | p90 | p99 | vs direct p50 | p99 "
-        "| concurrent vs direct p50 | p99 | histogram p50 seq | conc | <= 2 ms seq | conc |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| concurrent vs direct p50 | p99 | hypercorn alone p50 | p99 | histogram p50 seq "
+        "| conc | <= 2 ms seq | conc |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, a in s["added"].items():
         scenario, conc = key.split("/")
         alone = a["router_seq - direct_pd"]["total"]
         vs = a["router_seq - direct"]["total"]
         cc = a["router_conc - direct"]["total"]
+        hy = a["router_hyper - direct_pd"]["total"]
         h = s["router_hist"][key]
         lines.append(
             f"| {scenario} | {conc} | {ms(alone['p10'])} | **{ms(alone['p50'])}** "
             f"| {ms(alone['p90'])} | {ms(alone['p99'])} | {ms(vs['p50'])} | {ms(vs['p99'])} "
-            f"| {ms(cc['p50'])} | {ms(cc['p99'])} "
+            f"| {ms(cc['p50'])} | {ms(cc['p99'])} | {ms(hy['p50'])} | {ms(hy['p99'])} "
             f"| {ms(h['router_seq']['p50'])} | {ms(h['router_conc']['p50'])} "
             f"| {pct_str(h['router_seq']['share_le_2ms'])} "
             f"| {pct_str(h['router_conc']['share_le_2ms'])} |"
@@ -1058,7 +1073,8 @@ def overhead_markdown(part: dict) -> list[str]:
         f"({g['key']}, router alone): p50 {ms(g['client_p50_s'])} ms from the client "
         f"-> **{'met' if g['met_client'] else 'NOT met'}**; the router's own histogram p50 "
         f"{ms(g['router_hist_p50_s'])} ms -> {'met' if g['met_router_hist'] else 'not met'} "
-        "inside the handler. "
+        f"inside the handler. The same router on hypercorn: p50 "
+        f"{ms(g['client_p50_hypercorn_s'])} ms. "
         + (f"With 32 streams that stay open like a decode's (`paced`, 16 tokens 10 ms apart): "
            f"router alone p50 {ms(g['paced_p50_s'])} ms." if g.get("paced_p50_s") is not None
            else ""),
@@ -1085,16 +1101,16 @@ def overhead_markdown(part: dict) -> list[str]:
         "CPU time (user + system, psutil) each process spent over a target's batches, "
         "divided by the requests of those batches. A router that is not in use costs ~0.",
         "",
-        "| scenario | concurrency | target | router_seq | router_conc | fake_prefill "
-        "| fake_decode | client |",
-        "|---|---|---|---|---|---|---|---|",
+        "| scenario | concurrency | target | router_seq | router_conc | router_hyper "
+        "| fake_prefill | fake_decode | client |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for key, by_target in s["cpu"].items():
         scenario, conc = key.split("/")
         for target, row in by_target.items():
             cells = " | ".join(f_(None if v is None else v * 1e6) for v in
-                               (row.get(n) for n in ("router_seq", "router_conc", "fake_prefill",
-                                                     "fake_decode", "client")))  # fmt: skip
+                               (row.get(n) for n in ("router_seq", "router_conc", "router_hyper",
+                                                     "fake_prefill", "fake_decode", "client")))  # fmt: skip
             lines.append(f"| {scenario} | {conc} | {target} | {cells} |")
     lines += [
         "",
@@ -1129,8 +1145,9 @@ def overhead_markdown(part: dict) -> list[str]:
         + "; ".join(f"{t} {c[t]['max_rps']:.0f} req/s (knee at {c[t]['knee_concurrency']})"
                     for t in CEILING_TARGETS)
         + f". Through the router: x{c['router_seq']['max_rps'] / c['direct']['max_rps']:.2f} "
-        f"(sequential) and x{c['router_conc']['max_rps'] / c['direct']['max_rps']:.2f} "
-        "(concurrent) of the rate the same client gets from the fake decode instance alone.",
+        f"(sequential), x{c['router_conc']['max_rps'] / c['direct']['max_rps']:.2f} "
+        f"(concurrent) and x{c['router_hyper']['max_rps'] / c['direct']['max_rps']:.2f} "
+        "(sequential on hypercorn) of the rate the same client gets from the fake decode instance alone.",
         "",
         f"Part 1 took {meta['took_s']:.0f} s; load average before "
         f"{load_line(meta['load_before'])}, after {load_line(meta['load_after'])}. Router "

@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -73,6 +74,7 @@ def test_every_flag_reaches_the_config():
     (["--static-prefill", "10.0.0.1:1"], "--static-prefill: '10.0.0.1:1' is not HTTP_ADDR,KV_ADDR"),
     (["--static-decode", "nohost,h:2"], "--static-decode HTTP_ADDR: 'nohost' is not 'host:port'"),
     (["--registration-token", ""], "--registration-token: must not be empty"),
+    (["--http-server", "gunicorn"], "--http-server: 'gunicorn' is not one of uvicorn, hypercorn"),
 ])  # fmt: skip
 def test_bad_values_name_the_flag(argv, message):
     with pytest.raises(ConfigError) as e:
@@ -106,6 +108,24 @@ def test_console_script_bad_flag_is_one_line_exit_2():
     assert result.stderr == (
         "vllm-disagg-router: error: --handoff: 'eager' is not one of sequential, concurrent\n"
     )
+
+
+@pytest.mark.parametrize("http_server", ["uvicorn", "hypercorn"])
+@pytest.mark.parametrize("taken", ["--port", "--discovery-port"])
+def test_a_port_in_use_is_one_line_exit_1(http_server, taken):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        ports = {"--port": "0", "--discovery-port": "0", taken: str(holder.getsockname()[1])}
+        result = subprocess.run(
+            [sys.executable, "-m", "vllm_disagg.router", "--host", "127.0.0.1",
+             "--discovery-host", "127.0.0.1", "--http-server", http_server,
+             *(item for pair in ports.items() for item in pair)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("vllm-disagg-router: error: cannot listen: "), result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_example_script_serves_and_stops_on_sigterm(tmp_path):

@@ -3,7 +3,8 @@
 ``create_app(config)`` builds everything one router runs (registry with the
 static instances, policies, discovery listener, metrics, upstream client) and
 ties their start and stop to the app's serving lifetime; ``serve(app)`` runs
-it with hypercorn until a shutdown trigger fires. Nothing is module-global:
+it with uvicorn (or hypercorn, ``--http-server``) until a shutdown trigger
+fires. Nothing is module-global:
 several routers can live in one process (tests do).
 """
 
@@ -17,8 +18,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
-from hypercorn.asyncio import serve as hypercorn_serve
-from hypercorn.config import Config as HypercornConfig
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
@@ -109,7 +108,6 @@ def create_app(
 
     @app.before_serving
     async def start() -> None:
-        await discovery.start()
         await proxy.start()
         state.ready.set()
         logger.info(
@@ -121,7 +119,6 @@ def create_app(
     @app.after_serving
     async def stop() -> None:
         await proxy.close()
-        await discovery.close()
 
     async def forward(endpoint: str) -> Response:
         declared = request.content_length
@@ -197,12 +194,68 @@ def _listen(host: str, port: int) -> socket.socket:
 async def serve(app: Quart, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:
     """Serve ``app`` (from create_app) until ``shutdown_trigger`` returns.
 
-    The HTTP socket is bound here, so ``--port 0`` works and
-    ``router_state(app).http_port`` holds the port before ``ready`` is set.
+    Both ports are bound here, before the ASGI server runs: ``--port 0``
+    works, ``router_state(app).http_port`` holds the port before ``ready`` is
+    set, and a port in use raises its own OSError or ZMQError to the caller
+    (the ASGI servers would wrap it in a lifespan failure and a traceback).
     """
     state = router_state(app)
     sock = _listen(state.config.host, state.config.port)
     state.http_port = sock.getsockname()[1]
+    try:
+        await state.discovery.start()
+    except BaseException:
+        sock.close()
+        raise
+    if shutdown_trigger is None:
+        shutdown_trigger = asyncio.Event().wait  # until cancelled
+    try:
+        if state.config.http_server == "hypercorn":
+            await _serve_hypercorn(app, sock, shutdown_trigger)
+        else:
+            await _serve_uvicorn(app, sock, shutdown_trigger)
+    finally:
+        await state.discovery.close()
+
+
+async def _serve_uvicorn(
+    app: Quart, sock: socket.socket, shutdown_trigger: Callable[[], Awaitable[None]]
+) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, lifespan="off", log_config=None, access_log=False, http="httptools",
+        timeout_keep_alive=75, timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S), backlog=1024,
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+
+    async def stop_on_trigger() -> None:
+        await shutdown_trigger()
+        server.should_exit = True
+
+    # The app's start and stop run here, not through ASGI lifespan events, so
+    # a start-up error (the discovery port in use) reaches the caller as
+    # itself instead of uvicorn's "Application startup failed" and exit(3).
+    try:
+        await app.startup()
+    except BaseException:
+        sock.close()
+        raise
+    watcher = asyncio.create_task(stop_on_trigger())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watcher.cancel()
+        sock.close()
+        await app.shutdown()
+
+
+async def _serve_hypercorn(
+    app: Quart, sock: socket.socket, shutdown_trigger: Callable[[], Awaitable[None]]
+) -> None:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
     hypercorn = HypercornConfig()
     hypercorn.bind = [f"fd://{sock.detach()}"]  # hypercorn owns and closes it
     hypercorn.accesslog = None

@@ -27,6 +27,7 @@ from vllm_disagg.router.protocol import (
 PREFILL_POLICIES = ("round_robin", "least_outstanding", "prefix_aware")
 DECODE_POLICIES = ("round_robin", "least_outstanding")
 HANDOFFS = ("sequential", "concurrent")
+HTTP_SERVERS = ("uvicorn", "hypercorn")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_TIMEOUT_S = 86400.0
 MAX_RETRIES = 10
@@ -89,6 +90,7 @@ class RouterConfig:
     static_prefill: tuple[StaticInstance, ...] = ()
     static_decode: tuple[StaticInstance, ...] = ()
     log_level: str = "info"
+    http_server: str = "uvicorn"
 
     def __post_init__(self) -> None:
         for name in ("port", "discovery_port"):
@@ -104,6 +106,7 @@ class RouterConfig:
         self._choice("policy_decode", DECODE_POLICIES)
         self._choice("handoff", HANDOFFS)
         self._choice("log_level", LOG_LEVELS)
+        self._choice("http_server", HTTP_SERVERS)
         for f in fields(self):
             if f.name.endswith("_s"):
                 value = getattr(self, f.name)
@@ -205,6 +208,10 @@ class RouterConfig:
                          help="decode instances that do not register themselves")
         parser.add_argument("--log-level", default=d.log_level,
                             help=f"one of {', '.join(LOG_LEVELS)} (default %(default)s)")
+        parser.add_argument("--http-server", default=d.http_server,
+                            help=f"ASGI server for the HTTP front end, one of "
+                                 f"{', '.join(HTTP_SERVERS)} (default %(default)s: it costs "
+                                 "less CPU per request, see benchmarks/results/router.md)")
         return parser
 
     @classmethod
@@ -214,6 +221,6 @@ class RouterConfig:
         }
         for name in ("static_prefill", "static_decode"):
             values[name] = tuple(StaticInstance.parse(_flag(name), s) for s in values[name])
-        for name in ("policy_prefill", "policy_decode", "handoff", "log_level"):
+        for name in ("policy_prefill", "policy_decode", "handoff", "log_level", "http_server"):
             values[name] = values[name].lower().replace("-", "_")
         return cls(**values)

@@ -79,7 +79,13 @@ class DiscoveryServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_FRAME_BYTES)
         sock.setsockopt(zmq.IPV6, 1 if ":" in self.host else 0)
-        sock.bind(f"tcp://{format_addr(self.host, self.port or '*')}")
+        try:
+            sock.bind(f"tcp://{format_addr(self.host, self.port or '*')}")
+        except zmq.ZMQError:
+            sock.close()
+            self._ctx.term()
+            self._ctx = None
+            raise
         self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         self._socket = sock
         self._task = asyncio.create_task(self._serve(), name="router-discovery")

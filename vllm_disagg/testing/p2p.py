@@ -50,12 +50,8 @@ class P2pInstance:
 
 
 def free_kv_port(span: int = 4) -> int:
-    """A free port with ``span - 1`` more after it likely free (one per worker)."""
-    for _ in range(50):
-        port = get_free_port()
-        if port + span < 65535:
-            return port
-    raise RuntimeError("no free port range")
+    """A ``kv_port`` with ``span - 1`` free ports after it (one per worker)."""
+    return get_free_port(span)
 
 
 def disaggregated_completion(

@@ -9,6 +9,7 @@ file, and on exit stops exactly the process group it started.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,10 +27,36 @@ DEFAULT_STARTUP_TIMEOUT_S = 300.0
 DEFAULT_STOP_TIMEOUT_S = 30.0
 
 
-def get_free_port() -> int:
+# Ports tests choose for servers come from below the kernel's ephemeral range
+# (net.ipv4.ip_local_port_range, 32768-60999 by default). A port the kernel
+# handed out for bind(0) was free when asked, but until the server binds it any
+# other process's bind(0) or outgoing connection may take it, and every vLLM
+# server picks its internal ports that way: with a dozen servers starting at
+# once that race was real. Below the range only explicit choices compete.
+_PORT_LOW, _PORT_HIGH = 20000, 29000  # 29500+: torch.distributed defaults
+_issued: set[int] = set()
+_port_rng = random.Random()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def get_free_port(span: int = 1) -> int:
+    """A port with ``span - 1`` more after it, all free now and never handed
+    out before by this process, outside the kernel's ephemeral range."""
+    for _ in range(1000):
+        port = _port_rng.randrange(_PORT_LOW, _PORT_HIGH - span)
+        ports = range(port, port + span)
+        if not _issued.intersection(ports) and all(_bindable(p) for p in ports):
+            _issued.update(ports)
+            return port
+    raise RuntimeError(f"no {span} free consecutive ports in {_PORT_LOW}..{_PORT_HIGH}")
 
 
 def vllm_executable() -> str:

@@ -315,16 +315,19 @@ def test_idle_group_runs_no_steps(dp2_server):
 
 
 def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_reference, dp2_server):
-    started = threading.Barrier(len(PAUSE_JOBS) + 1, timeout=120)
+    # Pause as soon as the first token streams. Waiting for every stream to
+    # start instead let the earliest ones run to max_tokens on a busy machine
+    # before the pause landed; requests not yet running must freeze as well.
+    generating = threading.Event()
     progress: dict[int, int] = {}
     with ThreadPoolExecutor(max_workers=len(PAUSE_JOBS)) as pool:
         futures = {
             job.index: pool.submit(
-                run_job, dp2_server, job, on_first_chunk=started.wait, progress=progress
+                run_job, dp2_server, job, on_first_chunk=generating.set, progress=progress
             )
             for job in PAUSE_JOBS
         }
-        started.wait()  # every request is generating
+        assert generating.wait(timeout=120), "no request started generating"
         r = requests.post(f"{dp2_server.url}/pause", params={"mode": "keep"}, timeout=120)
         assert r.status_code == 200, r.text
         paused = wait_for_settled_steps([dp2_server])
@@ -333,7 +336,8 @@ def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_referenc
         assert wait_for_settled_steps([dp2_server]) == paused, "a rank stepped while paused"
         # The streams drained what was generated before the pause, then stopped.
         assert progress == frozen, "tokens arrived while paused"
-        assert not any(f.done() for f in futures.values()), "keep mode must freeze requests"
+        done = {i: f.exception() or "finished" for i, f in futures.items() if f.done()}
+        assert not done, f"keep mode must freeze requests: {done}"
         assert all(n < PAUSE_MAX_TOKENS for n in frozen.values()), frozen
         r = requests.post(f"{dp2_server.url}/resume", timeout=60)
         assert r.status_code == 200, r.text

@@ -26,6 +26,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     KVLayout,
     P2pEngine,
+    RecvSlot,
     SendTransfer,
     SlotState,
 )
@@ -827,3 +828,39 @@ def test_an_unanswered_get_is_sent_again_on_a_fresh_socket(make_engine):
     finally:
         router.close(linger=0)
         ctx.term()
+
+
+# --- CUDA stream ordering ------------------------------------------------------
+
+
+def test_a_copy_within_one_device_needs_no_wait():
+    kv = {f"l{i}": torch.zeros(4, *BLOCK_SHAPE) for i in range(2)}
+    layout = KVLayout(kv, BLOCK_SIZE)
+    assert layout.write_blocks(0, [1], torch.ones(PAGE, dtype=torch.uint8)) is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_pool_block_is_read_before_copy_into_cache_returns():
+    """The host pool block is freed, and may be refilled by the next receive,
+    as soon as copy_into_cache returns; the asynchronous host-to-device copies
+    must have read it by then."""
+    blocks, shape = 256, (2, 16, 8, 64)  # 64 KiB pages, 25 MiB in all
+    kv = {f"l{i}": torch.zeros(blocks, *shape, device="cuda") for i in range(2)}
+    layout = KVLayout(kv, BLOCK_SIZE)
+    n = 200
+    src = torch.empty(2 * n * layout.page_bytes, dtype=torch.uint8).pin_memory()
+    src.view(torch.float32).copy_(torch.arange(src.numel() // 4, dtype=torch.float32))
+    expected = src.clone()
+    slot = RecvSlot(key="k", num_blocks=n, skip_blocks=0, page_bytes=layout.page_bytes,
+                    num_layers=2, tensor=src, pool_alloc=None, deadline=time.monotonic() + 60)
+    engine = P2pEngine.__new__(P2pEngine)  # only copy_into_cache's layout is used
+    engine.layout = layout
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # keep the stream busy so the copies queue behind it
+    P2pEngine.copy_into_cache(engine, slot, list(range(n)), 0)
+    src.fill_(0)  # the next receive into the freed pool block
+    torch.cuda.synchronize()
+    for i, t in enumerate(layout.tensors):
+        got = t[:n].reshape(-1).view(torch.uint8).cpu()
+        want = expected[i * n * layout.page_bytes : (i + 1) * n * layout.page_bytes]
+        assert torch.equal(got, want), f"layer {i} read the refilled pool block"

@@ -143,14 +143,18 @@ class KVLayout:
         index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
         return [t.index_select(0, index).reshape(-1).view(torch.uint8)]
 
-    def write_blocks(self, layer: int, block_ids: list[int], src: torch.Tensor) -> None:
-        """Copy ``len(block_ids)`` pages of bytes from ``src`` into the cache."""
+    def write_blocks(self, layer: int, block_ids: list[int], src: torch.Tensor) -> bool:
+        """Copy ``len(block_ids)`` pages of bytes from ``src`` into the cache;
+        True when that was an asynchronous copy from another device (host
+        memory into a CUDA cache) that may still be reading ``src``."""
         t = self.tensors[layer]
         pages = src.view(t.dtype).view(len(block_ids), *t.shape[1:])
-        if pages.device != t.device:
+        crossing = pages.device != t.device
+        if crossing:
             pages = pages.to(t.device, non_blocking=True)
         index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
         t.index_copy_(0, index, pages)
+        return crossing and t.device.type == "cuda"
 
 
 def check_compatible(local: LayoutSpec, remote: LayoutSpec) -> str | None:
@@ -421,6 +425,7 @@ class _Peer:
             except TransportError as e:
                 job.on_failure(str(e))
                 return
+            logger.debug("P2P %s: Get of %s answered %s", engine.addr, job.key, reply.status)
             if reply.status == Status.OK:
                 return  # the offer follows on our listener
             if reply.status != Status.NOT_READY:
@@ -478,6 +483,8 @@ class _Peer:
                     if attempt == 0:
                         continue
                 break
+            logger.debug("P2P %s: offer of %s to %s answered %s after %.3f s", engine.addr,
+                         xfer.key, self.addr, reply.status, time.monotonic() - start)
             if reply.status != Status.OK:
                 engine._finish_send(xfer, ok=False, reason=f"{reply.status} {reply.reason}")
                 return
@@ -588,6 +595,7 @@ class P2pEngine:
         xfer.all_saved()
         with self._lock:
             self._holds[key] = xfer
+        logger.debug("P2P %s: holding %d blocks of %s for a Get", self.addr, len(block_ids), key)
         return xfer
 
     def take_finished_sends(self) -> list[SendTransfer]:
@@ -629,9 +637,17 @@ class P2pEngine:
                 f"the {len(block_ids)} blocks from {first_block} this request needs"
             )
         pages = self.layout.page_bytes
+        pending = False
         for i in range(slot.num_layers):
             data = slot.layer(i)[offset * pages :]
-            self.layout.write_blocks(i, block_ids, data)
+            pending |= self.layout.write_blocks(i, block_ids, data)
+        if pending:
+            # The source is a pinned pool block, freed (and free for the next
+            # receive to overwrite) once the caller releases the slot: wait
+            # until the copies queued on the current stream have read it.
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.layout.device))
+            done.synchronize()
 
     def abandon(self, key: str) -> None:
         """The worker stops waiting for ``key``; its room is freed now or when the receive ends."""
@@ -889,6 +905,8 @@ class P2pEngine:
         with self._lock:
             xfer = self._holds.pop(msg.key, None)
             released = msg.key in self._tombstones
+        logger.debug("P2P %s: Get of %s from %s: %s", self.addr, msg.key, msg.sender_addr,
+                     "held" if xfer else "released" if released else "not held yet")
         if xfer is None:
             return Reply(req_no=msg.req_no, status=Status.GONE if released else Status.NOT_READY)
         xfer.peer = msg.sender_addr

@@ -157,6 +157,19 @@ def test_decode_waits_for_remote_kv_then_runs(harness, num_prompt):
     assert_connector_idle(h)
 
 
+def test_a_step_that_only_waits_for_kv_is_marked_idle(harness):
+    h = harness("kv_consumer")
+    rid = wrapped_id(PREFILL, OWN, "keyidle")
+    h.add(h.request("plain", tokens(20, seed=1), max_tokens=2))
+    h.add(h.request(rid, tokens(BLOCK + 3, seed=2), max_tokens=2))
+    assert metas(h.step()).idle is False  # "plain" runs beside the waiting one
+    h.run_until_finished({"plain"})
+    step = h.step()  # only the request waiting for KV is left
+    assert step.scheduled == {} and metas(step).idle is True
+    h.step(finished_recving={rid})
+    assert metas(h.step()).idle is False  # it runs
+
+
 @pytest.mark.parametrize(
     ("num_prompt", "first_block"),
     [
@@ -650,17 +663,6 @@ def test_prefill_prompt_embeds_request_is_saved(harness):
     assert h.holds_blocks(rid)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "scheduler.py P2pSchedulerConnector._is_decode/_is_prefill compare addresses "
-        "as text (peer.decode_addr == self.addr): a request naming this kv_both "
-        "instance in an equivalent spelling (non-canonical IPv6 such as "
-        "[0:0:0:0:0:0:0:1] for ::1, or a host name in other letter case) is computed "
-        "locally, while the prefill side sends it KV nobody loads. Hosts should be "
-        "compared canonically (ipaddress for IPs, case-folded names)."
-    ),
-)
 @pytest.mark.parametrize(
     ("kv_ip", "decode_addr"),
     [("::1", "[0:0:0:0:0:0:0:1]:21001"), ("Decode-1.example", "decode-1.example:21001")],

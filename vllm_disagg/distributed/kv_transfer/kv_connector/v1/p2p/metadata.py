@@ -146,6 +146,17 @@ def format_addr(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def canonical_addr(addr: str) -> tuple[str, int]:
+    """``(host, port)`` of a valid ``host:port`` in one spelling per address:
+    IPs compressed (``[0:0:0:0:0:0:0:1]`` -> ``::1``), names case-folded
+    without a trailing dot. Two spellings of one address compare equal."""
+    host, port = split_addr(addr)
+    try:
+        return ipaddress.ip_address(host).compressed, port
+    except ValueError:
+        return host.lower().rstrip("."), port
+
+
 def check_key(key: Any, label: str = "key") -> str:
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise PeerInfoError(

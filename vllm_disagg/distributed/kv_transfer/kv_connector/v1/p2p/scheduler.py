@@ -24,6 +24,7 @@ from vllm.utils.math_utils import cdiv
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig, dp_rank_of
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    canonical_addr,
     format_addr,
     PeerInfo,
     PeerInfoError,
@@ -70,6 +71,7 @@ class P2pSchedulerConnector:
                 pp_size=parallel.pipeline_parallel_size,
             ),
         )
+        self._canonical_addr = canonical_addr(self.addr)
         # request id -> peers, for every live request that has them
         self._peers: dict[str, PeerInfo] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
@@ -105,17 +107,22 @@ class P2pSchedulerConnector:
         if peer is not None:
             self._peers[request.request_id] = peer
 
+    def _is_me(self, addr: str) -> bool:
+        # Compared canonically: a proxy may spell this address differently.
+        return canonical_addr(addr) == self._canonical_addr
+
     def _is_decode(self, peer: PeerInfo) -> bool:
         role = self.config.role
         if role == "kv_consumer":
             return True
-        return role == "kv_both" and peer.decode_addr == self.addr
+        return role == "kv_both" and self._is_me(peer.decode_addr)
 
     def _is_prefill(self, peer: PeerInfo) -> bool:
         role = self.config.role
         if role == "kv_producer":
             return True
-        return role == "kv_both" and peer.prefill_addr == self.addr and peer.decode_addr != self.addr
+        return (role == "kv_both" and self._is_me(peer.prefill_addr)
+                and not self._is_me(peer.decode_addr))  # fmt: skip
 
     # --- decode ---
 
@@ -155,7 +162,10 @@ class P2pSchedulerConnector:
     # --- every step ---
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
-        meta = P2pConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = P2pConnectorMetadata(
+            loads=list(self._pending_loads.values()),
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
         self._pending_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
 

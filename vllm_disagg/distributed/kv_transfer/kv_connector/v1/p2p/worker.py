@@ -54,6 +54,13 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
+# In a step with nothing scheduled, wait this long at most for a transfer to
+# end before reporting. Without it vLLM runs such steps back to back (1 ms
+# apart) while anything is in flight, and the worker's main thread spins on
+# its step queue, taking CPU and the GIL from the threads doing the transfer.
+# A request that arrives meanwhile starts at most this much later.
+IDLE_STEP_WAIT_S = 0.005
+
 
 def shift_port(addr: str, offset: int) -> str:
     """``host:port`` of the peer worker ``offset`` ports after the instance address."""
@@ -194,6 +201,8 @@ class P2pWorkerConnector:
         engine = self.engine
         if engine is None:
             return results
+        if self._meta is not None and self._meta.idle and (self._loads or self._sends):
+            engine.wait_for_progress(IDLE_STEP_WAIT_S)
         # Sends: report once the send ended *and* vLLM finished the request.
         self._finished_requests |= finished_req_ids & self._sends.keys()
         done = {x.request_id for x in engine.take_finished_sends()}

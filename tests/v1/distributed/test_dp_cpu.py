@@ -1,9 +1,12 @@
 """DP=2 on CPU, for real: `vllm serve` tiny Mixtral with --data-parallel-size 2.
 
-Greedy output must match a --data-parallel-size 1 run of the same model:
-token for token in float32, and by vLLM's logprob rule in bf16 (without expert
-parallelism the experts are sharded across DP ranks, partial sums are reduced
-in another order, and bf16 greedy output may legitimately diverge).
+In bf16, greedy output must match a --data-parallel-size 1 run of the same
+model by vLLM's logprob rule (without expert parallelism the experts are
+sharded across DP ranks, partial sums are reduced in another order, and bf16
+greedy output may legitimately diverge). Token-for-token equality in float32
+is checked by tests/v1/distributed/test_step_sync_dp.py
+(test_200_mixed_requests_match_dp1_and_ranks_stay_in_lockstep), so this
+module starts only the two bf16 servers.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def runs(tiny_models, start_server):
     """Greedy results per (dtype, dp_size); servers run one at a time (2 cores)."""
     model = tiny_models["tiny-mixtral"]
     results, logs = {}, {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("bfloat16",):
         for dp in (1, 2):
             args = [*COMMON_ARGS, "--dtype", dtype, "--data-parallel-size", str(dp)]
             server = start_server(model, args, name=f"mixtral-{dtype}-dp{dp}")
@@ -71,17 +74,9 @@ def _descendants(pid: int) -> set[int]:
     return {p.pid for p in psutil.Process(pid).children(recursive=True)}
 
 
-def test_dp2_float32_token_ids_equal_dp1(runs):
-    results, _ = runs
-    dp1, dp2 = results["float32", 1], results["float32", 2]
-    assert len(dp1) == len(dp2) == NUM_PROMPTS
-    for i, (a, b) in enumerate(zip(dp1, dp2)):
-        assert len(a.token_ids) == MAX_TOKENS
-        assert a.token_ids == b.token_ids, f"prompt {i}: {a.token_ids} != {b.token_ids}"
-
-
 def test_dp2_bfloat16_close_to_dp1(runs):
     results, _ = runs
+    assert len(results["bfloat16", 1]) == len(results["bfloat16", 2]) == NUM_PROMPTS
     for i, (a, b) in enumerate(zip(results["bfloat16", 1], results["bfloat16", 2])):
         ok, why = close_by_logprobs(a, b)
         assert ok, f"prompt {i}: {why}"
@@ -91,8 +86,8 @@ def test_patches_active_inside_engine_and_worker_processes(runs):
     """The engine cores and workers of the DP=2 server logged, from inside
     themselves, that every patch is in place."""
     _, logs = runs
-    server_pid, children = logs["float32"]
-    text = logs["float32", 2]
+    server_pid, children = logs["bfloat16"]
+    text = logs["bfloat16", 2]
     # Probes are measurement-only and off unless VLLM_DISAGG_PROBE=1.
     names = {p.name for p in PATCHES if p.kind != "probe"}
 

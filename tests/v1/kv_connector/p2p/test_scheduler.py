@@ -637,7 +637,7 @@ def test_params_win_over_id_on_kv_both(harness, params_say):
     assert [save.key for save in meta.saves] == (["pk"] if params_say == "prefill" else [])
 
 
-# --- prompt-embeds requests, and a known limit (strict xfail) ---
+# --- prompt-embeds requests, and its own address in any spelling ---
 
 
 def prompt_embeds(num_tokens: int):

@@ -42,3 +42,7 @@ def register() -> None:
     apply_all()
     # An extension point, not a patch: new connector names, nothing of upstream's changes.
     register_connectors()
+    # kill -USR1 <pid>: every thread's stack into the server log (vllm_disagg/diagnostics.py).
+    from vllm_disagg.diagnostics import install_stack_dump_signal
+
+    install_stack_dump_signal()

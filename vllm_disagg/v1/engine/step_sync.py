@@ -908,6 +908,11 @@ class Participant(_NetworkThread):
                 )
                 return
             if stalled := watch.check(self, now):
+                # Where this rank's engine is stuck is in its threads and its
+                # workers' threads: into the log, before the engine exits.
+                from vllm_disagg.diagnostics import dump_stacks
+
+                dump_stacks(stalled)
                 self._fail(stalled)
                 return
 

@@ -70,8 +70,19 @@ def vllm_executable() -> str:
 
 
 def cpu_test_env(**extra: str) -> dict[str, str]:
-    """Environment for small CPU servers: little KV memory, offline, quiet."""
+    """Environment for small CPU servers: little KV memory, offline, quiet,
+    and one unpinned OpenMP thread per worker.
+
+    By default vLLM's CPU workers pin an OpenMP team of one thread per core
+    (``OMP_PROC_BIND``) and those threads spin in barriers. With several
+    servers on 2 cores, every worker pins its team to the same cores, and a
+    thread spinning for a teammate that cannot be scheduled stretched one
+    forward pass past 10 s (seen as a DP group failing with "owes passes but
+    ran none", the stuck rank inside ``torch.softmax``).
+    """
     env = dict(os.environ)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -64,7 +64,15 @@ start_instance() {  # index role buffer
     config=$(printf '{"kv_connector":"P2pNcclConnector","kv_role":"%s","kv_buffer_size":"%s","kv_port":"%s","kv_connector_extra_config":{"kv_ip":"%s","send_type":"%s","proxy_ip":"%s","proxy_port":"%s","http_port":"%s"}}' \
         "${role}" "${buffer}" "${kv_port}" "${HOST}" "${SEND_TYPE}" "${HOST}" "${DISCOVERY_PORT}" "${http_port}")
     local env=()
-    if (( use_gpus )); then env=(CUDA_VISIBLE_DEVICES="${i}"); fi
+    if (( use_gpus )); then
+        env=(CUDA_VISIBLE_DEVICES="${i}")
+    else
+        # Several CPU instances share the cores: vLLM's default pins one
+        # spinning OpenMP thread per core in every worker, and those teams
+        # then wait on each other for seconds. One unpinned thread each.
+        env=(VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
+             OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}")
+    fi
     # shellcheck disable=SC2086  # EXTRA_ARGS is a list of arguments
     env "${env[@]}" vllm serve "${MODEL}" --host "${HOST}" --port "${http_port}" \
         --seed 1024 ${EXTRA_ARGS} --kv-transfer-config "${config}" \

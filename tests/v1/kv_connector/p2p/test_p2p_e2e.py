@@ -67,7 +67,7 @@ REGISTERS_WITH = {
 }
 
 
-def _chatkey(messages: list[dict]) -> str:
+def _chat_key(messages: list[dict]) -> str:
     return repr(messages)
 
 
@@ -79,7 +79,7 @@ def reference(put_async_set) -> dict:
     ref = colocated_reference(server, [*LENGTH_PROMPTS, *MANY_PROMPTS])
     for messages in CHATS:
         body = openai_client.chat(server, messages, max_tokens=MAX_TOKENS, temperature=0.0)
-        ref[_chatkey(messages)] = body["choices"][0]["message"]["content"]
+        ref[_chat_key(messages)] = body["choices"][0]["message"]["content"]
     return ref
 
 
@@ -200,7 +200,7 @@ def test_router_completions_streams_and_chats_equal_colocated(put_async_set, rou
     def streamed(prompt):
         chunks = openai_client.stream_completion(router, prompt, max_tokens=MAX_TOKENS,
                                                  temperature=0.0, return_token_ids=True)  # fmt: skip
-        return [t for chunk in chunks for t in openai_client.tokenids(chunk)]
+        return [t for chunk in chunks for t in openai_client.token_ids(chunk)]
 
     with ThreadPoolExecutor(4) as pool:
         outs = list(pool.map(completion, prompts))
@@ -211,10 +211,10 @@ def test_router_completions_streams_and_chats_equal_colocated(put_async_set, rou
         assert out == reference[key(prompt)], f"streamed completion {i}"
     for messages in CHATS:
         body = openai_client.chat(router, messages, max_tokens=MAX_TOKENS, temperature=0.0)
-        assert body["choices"][0]["message"]["content"] == reference[_chatkey(messages)]
+        assert body["choices"][0]["message"]["content"] == reference[_chat_key(messages)]
         chunks = openai_client.stream_chat(router, messages, max_tokens=MAX_TOKENS,
                                            temperature=0.0)  # fmt: skip
-        assert openai_client.streamed_text(chunks) == reference[_chatkey(messages)]
+        assert openai_client.streamed_text(chunks) == reference[_chat_key(messages)]
     # Round-robin: every prefill and every decode of this router took requests.
     for name_, member in zip((*prefills, *decodes), members):
         deadline = time.monotonic() + 15

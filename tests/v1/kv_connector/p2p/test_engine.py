@@ -287,17 +287,6 @@ def test_bf16_blocks_and_a_capped_skip(make_engine):
     assert_nothing_held(decode)
 
 
-def test_a_finished_receive_or_send_wakes_wait_for_progress(make_engine):
-    prefill, decode = make_engine(seed=1), make_engine(seed=2)
-    assert decode.wait_for_progress(0.01) is False  # nothing in flight
-    xfer = send(prefill, decode, "k", [1, 2], mode="PUT")
-    assert decode.wait_for_progress(WAIT_S) is True  # the receive ended
-    assert wait_slot(decode, "k").state is SlotState.COMPLETE
-    wait_done(xfer)
-    assert prefill.wait_for_progress(WAIT_S) is True  # the send ended
-    assert prefill.wait_for_progress(0.01) is False  # reported once
-
-
 # --- receive buffer and pool -------------------------------------------------
 
 

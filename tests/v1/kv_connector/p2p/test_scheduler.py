@@ -157,19 +157,6 @@ def test_decode_waits_for_remote_kv_then_runs(harness, num_prompt):
     assert_connector_idle(h)
 
 
-def test_a_step_that_only_waits_for_kv_is_marked_idle(harness):
-    h = harness("kv_consumer")
-    rid = wrapped_id(PREFILL, OWN, "keyidle")
-    h.add(h.request("plain", tokens(20, seed=1), max_tokens=2))
-    h.add(h.request(rid, tokens(BLOCK + 3, seed=2), max_tokens=2))
-    assert metas(h.step()).idle is False  # "plain" runs beside the waiting one
-    h.run_until_finished({"plain"})
-    step = h.step()  # only the request waiting for KV is left
-    assert step.scheduled == {} and metas(step).idle is True
-    h.step(finished_recving={rid})
-    assert metas(h.step()).idle is False  # it runs
-
-
 @pytest.mark.parametrize(
     ("num_prompt", "first_block"),
     [

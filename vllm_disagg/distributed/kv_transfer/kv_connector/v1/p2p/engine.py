@@ -536,9 +536,6 @@ class P2pEngine:
         self.secret = secret or None
         self.stats = stats or P2pStatsRecorder()
         self.stopped = threading.Event()
-        # Set whenever a receive or a send ends: what the worker waits on in a
-        # step that has nothing else to do (wait_for_progress).
-        self.progress = threading.Event()
         self.zmq_ctx = zmq.Context()
 
         self._lock = threading.Lock()
@@ -600,14 +597,6 @@ class P2pEngine:
             self._holds[key] = xfer
         logger.debug("P2P %s: holding %d blocks of %s for a Get", self.addr, len(block_ids), key)
         return xfer
-
-    def wait_for_progress(self, timeout_s: float) -> bool:
-        """Block up to ``timeout_s`` until a receive or a send ended since the
-        last call; True if one did."""
-        if self.progress.wait(timeout_s):
-            self.progress.clear()
-            return True
-        return False
 
     def take_finished_sends(self) -> list[SendTransfer]:
         with self._lock:
@@ -733,7 +722,6 @@ class P2pEngine:
         with self._lock:
             self._finished_sends.append(xfer)
         xfer.done.set()
-        self.progress.set()
 
     def _still_expected(self, key: str) -> bool:
         with self._lock:
@@ -757,7 +745,6 @@ class P2pEngine:
                 tensor=torch.empty(0, dtype=torch.uint8), pool_alloc=None,
                 deadline=0.0, state=SlotState.FAILED, reason=reason,
             )
-            self.progress.set()
 
     def _finish_slot(self, slot: RecvSlot, *, ok: bool, reason: str = "") -> None:
         with self._lock:
@@ -766,7 +753,6 @@ class P2pEngine:
             abandoned = slot.abandoned
             if abandoned:
                 self._slots.pop(slot.key, None)
-        self.progress.set()
         if not ok:
             logger.warning("P2P receive of %s failed: %s", slot.key, reason)
         if abandoned:

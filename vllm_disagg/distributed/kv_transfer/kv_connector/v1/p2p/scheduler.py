@@ -162,10 +162,7 @@ class P2pSchedulerConnector:
     # --- every step ---
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
-        meta = P2pConnectorMetadata(
-            loads=list(self._pending_loads.values()),
-            idle=scheduler_output.total_num_scheduled_tokens == 0,
-        )
+        meta = P2pConnectorMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
 

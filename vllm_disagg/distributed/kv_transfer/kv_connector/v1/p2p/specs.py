@@ -33,6 +33,3 @@ class SaveSpec:
 class P2pConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    # No token is scheduled this step: vLLM steps only to learn which
-    # transfers ended (requests waiting for KV, blocks held for a send).
-    idle: bool = False

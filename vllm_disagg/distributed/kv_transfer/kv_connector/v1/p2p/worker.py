@@ -54,15 +54,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# In a step with nothing scheduled, wait this long at most for a transfer to
-# end before reporting. Without it vLLM runs such steps back to back (1 ms
-# apart) while anything is in flight, and the worker's main thread spins on
-# its step queue, taking CPU and the GIL from the threads doing the transfer.
-# A request that arrives meanwhile starts at most this much later. Not under
-# DP: ranks step in lockstep, so one rank's wait would slow every other rank's
-# real steps.
-IDLE_STEP_WAIT_S = 0.005
-
 
 def shift_port(addr: str, offset: int) -> str:
     """``host:port`` of the peer worker ``offset`` ports after the instance address."""
@@ -86,7 +77,6 @@ class P2pWorkerConnector:
             tp_rank=tp_rank, pp_rank=pp_rank,
         )
         self.stats = P2pStatsRecorder()
-        self.idle_step_wait_s = IDLE_STEP_WAIT_S if parallel.data_parallel_size == 1 else 0.0
         self.engine: P2pEngine | None = None
         self.layer_index: dict[str, int] = {}
 
@@ -204,9 +194,6 @@ class P2pWorkerConnector:
         engine = self.engine
         if engine is None:
             return results
-        if (self.idle_step_wait_s and self._meta is not None and self._meta.idle
-                and (self._loads or self._sends)):  # fmt: skip
-            engine.wait_for_progress(self.idle_step_wait_s)
         # Sends: report once the send ended *and* vLLM finished the request.
         self._finished_requests |= finished_req_ids & self._sends.keys()
         done = {x.request_id for x in engine.take_finished_sends()}

@@ -112,7 +112,10 @@ def server_args(args: argparse.Namespace) -> list[str]:
 def make_servers(model: Path, args: argparse.Namespace) -> dict[str, VllmServer | P2pInstance]:
     """Not started: name -> server (P2pInstance for the connector's)."""
     logs = RESULTS / "logs"
-    env = cpu_test_env(**omp_env(args))
+    omp = omp_env(args)
+    env = cpu_test_env(**omp)
+    if "OMP_NUM_THREADS" not in omp and "OMP_NUM_THREADS" not in os.environ:
+        del env["OMP_NUM_THREADS"]  # cpu_test_env's default; a binding chooses its own count
 
     def server(name: str, extra: list[str]) -> VllmServer:
         return VllmServer(

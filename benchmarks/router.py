@@ -82,10 +82,12 @@ STEM = "router"
 
 TARGETS = ("direct", "direct_pd", "router_seq", "router_conc", "router_hyper")
 ROUTERS = {"router_seq": "sequential", "router_conc": "concurrent"}
-# Part 1 also runs the sequential router on hypercorn, the HTTP server it used
-# before uvicorn, so the default's choice stays measured.
+# The router flags of each target: one router per hand-off style ...
+ROUTER_FLAGS = {target: ["--handoff", handoff] for target, handoff in ROUTERS.items()}
+# ... and part 1 also runs the sequential router on hypercorn, the HTTP server
+# it used before uvicorn, so the default's choice stays measured.
 OVERHEAD_ROUTERS = {
-    **{target: ["--handoff", handoff] for target, handoff in ROUTERS.items()},
+    **ROUTER_FLAGS,
     "router_hyper": ["--handoff", "sequential", "--http-server", "hypercorn"],
 }
 # scenario -> (stream, chunks (= max_tokens), ms between chunks, concurrencies)
@@ -806,13 +808,13 @@ def run_serving(args) -> dict:
                 stack.callback(fakes[role].stop)
                 fakes[role].start()
             routers.update(start_routers_over_fakes(
-                stack, fakes, "dry", {t: ["--handoff", h] for t, h in ROUTERS.items()}))
+                stack, fakes, "dry", ROUTER_FLAGS))
             urls = {"colocated": fakes["colocated"].url,
                     **{t: r.url for t, r in routers.items()}}  # fmt: skip
             startup_s = time.monotonic() - began
         else:
-            for target, handoff in ROUTERS.items():
-                router = RouterProcess(["--handoff", handoff, "--log-level", "warning"],
+            for target, flags in ROUTER_FLAGS.items():
+                router = RouterProcess([*flags, "--log-level", "warning"],
                                        log_path=LOGS / f"{STEM}-{target}.log")  # fmt: skip
                 stack.callback(router.stop)
                 routers[target] = router.start()

@@ -64,9 +64,9 @@ def signal_workers() -> list[int]:
     signalled = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.name().startswith(WORKER_TITLE_PREFIX) or any(
-                part.startswith(WORKER_TITLE_PREFIX) for part in child.cmdline()[:1]
-            ):
+            # setproctitle shows in the command line; the name is cut to 15 characters.
+            title = (child.cmdline() or [child.name()])[0]
+            if title.startswith(WORKER_TITLE_PREFIX):
                 child.send_signal(signal.SIGUSR1)
                 signalled.append(child.pid)
         except psutil.Error:

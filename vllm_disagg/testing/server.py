@@ -197,7 +197,6 @@ class VllmServer(LoggedProcess):
             f"vllm serve not ready after {self.startup_timeout_s:.0f}s\n" + self.log_tail()
         )
 
-
     def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:
         """SIGTERM the server, then SIGKILL its process group if it lingers."""
         proc = self.proc

@@ -97,8 +97,11 @@ def test_a_rank_that_owes_passes_and_runs_none_is_reported(group):
 def test_a_pass_that_is_never_granted_is_reported(group):
     coord, engines, relay = group(2, [0, 0], timeout_s=1.0, relay=True)
     wait_until(lambda: coord.registered == [0, 1], what="registration")
-    coord._stop.set()  # the coordinator hangs (its process is stuck) ...
-    coord._failed = "hung"  # ... and says nothing
+    # The coordinator hangs (its process is stuck): it reads nothing, answers
+    # nothing, and sends no Abort on its way out.
+    coord._handle = lambda frames: None
+    coord._failed = "hung"
+    coord._stop.set()
     engines[1].add_work(1)
     wait_until(lambda: engines[1].failures, timeout_s=5, what="a failure report")
     reason = engines[1].failures[0]

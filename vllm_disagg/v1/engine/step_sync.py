@@ -455,6 +455,11 @@ class Coordinator(_NetworkThread):
         if isinstance(msg, Abort):
             self._drop("malformed_messages", "abort", "Abort from a participant")
             return
+        if self._failed is not None:
+            # The first Abort went only to the members of that moment, and a
+            # frame can be lost: every rank that still speaks hears why.
+            self._send(route, Abort(PROTOCOL_VERSION, self._next_seq(), self._failed))
+            return
         self._on_rank_state(route, msg)
 
     def _on_rank_state(self, route: bytes, msg: RankState) -> None:

@@ -115,15 +115,6 @@ def decode_body(body: Mapping[str, Any], peers: dict[str, str] | None) -> dict[s
     return _set_params(dict(body), _with_peers(body.get("kv_transfer_params"), peers))
 
 
-def _name_peers(prefill: Instance, decode: Instance, key: str) -> tuple[str, dict[str, str]]:
-    """The request id and kv_transfer_params both legs carry: the connector
-    finds its peer's control address and the transfer key in either."""
-    return (
-        make_request_id(prefill.kv_addr, decode.kv_addr, key),
-        make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, key),
-    )
-
-
 def _refused(error: BaseException) -> bool:
     return isinstance(error, aiohttp.ClientConnectorError) and isinstance(
         error.os_error, ConnectionRefusedError
@@ -144,6 +135,19 @@ class _Exchange:
     upstream_s: float = 0.0  # time spent waiting on instances, up to the first byte
     counted: bool = False
     decode_sent: bool = False  # the decode leg took over D's reservation
+    _names: dict[tuple[str, str], tuple[str, dict[str, str]]] = field(default_factory=dict)
+
+    def name_peers(self, prefill: Instance, decode: Instance) -> tuple[str, dict[str, str]]:
+        """The request id and kv_transfer_params both legs carry (made once
+        per pair): the connector finds its peer's control address and the
+        transfer key in either."""
+        pair = (prefill.kv_addr, decode.kv_addr)
+        if pair not in self._names:
+            self._names[pair] = (
+                make_request_id(prefill.kv_addr, decode.kv_addr, self.key),
+                make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, self.key),
+            )
+        return self._names[pair]
 
     @property
     def model(self) -> str | None:
@@ -337,7 +341,7 @@ class RequestProxy:
         return "connection" if isinstance(error, aiohttp.ClientConnectionError) else "error"
 
     async def _prefill(self, ex: _Exchange, prefill: Instance, decode: Instance) -> _PrefillResult:
-        request_id, peers = _name_peers(prefill, decode, ex.key)
+        request_id, peers = ex.name_peers(prefill, decode)
         started = time.monotonic()
         ok: bool | None = None
         self.registry.begin(prefill)
@@ -380,7 +384,7 @@ class RequestProxy:
         prefill_task: asyncio.Task | None = None,
     ) -> Reply:
         if prefill is not None:
-            request_id, peers = _name_peers(prefill, decode, ex.key)
+            request_id, peers = ex.name_peers(prefill, decode)
             body = decode_body(ex.body, peers)
         else:
             request_id, body = ex.key, decode_body(ex.body, None)

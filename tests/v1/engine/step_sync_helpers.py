@@ -13,10 +13,7 @@ import threading
 import time
 
 from vllm_disagg.v1.engine.step_sync import (
-    Coordinator,
     Participant,
-    StepSyncConfig,
-    new_group_secret,
 )
 
 DEADLINE_S = 20.0

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import queue
 import random
-import threading
 import time
 
-import msgspec
 import pytest
-import zmq
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.v1.engine.step_sync import (

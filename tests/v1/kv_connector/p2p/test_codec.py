@@ -183,6 +183,21 @@ def test_addresses():
         make_request_id("10.0.0.1:1", "10.0.0.2:1", "not-alnum")
 
 
+def test_repeated_addresses_are_parsed_once_and_errors_keep_their_label():
+    """The router names the same peers on every request; only valid addresses
+    are cached, so a bad one raises naming its own key every time."""
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import metadata
+
+    metadata._split_valid_addr.cache_clear()
+    for _ in range(3):
+        assert split_addr("[2001:db8::7]:21001", "p") == ("2001:db8::7", 21001)
+    assert metadata._split_valid_addr.cache_info().hits == 2
+    for label in ("prefill_addr", "decode_addr", "prefill_addr"):
+        with pytest.raises(PeerInfoError, match=f"^{label}: '999.1.1.1' is not an IPv4"):
+            split_addr("999.1.1.1:1", label)
+    assert metadata._split_valid_addr.cache_info().currsize == 1
+
+
 def test_huge_inputs_are_cheap():
     start = time.perf_counter()
     assert parse_peer_info("x" * 1_000_000, None) is None

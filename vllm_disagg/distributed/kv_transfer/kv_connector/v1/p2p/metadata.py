@@ -5,6 +5,7 @@ scheduler-side connector sends its workers every step.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 import uuid
@@ -131,6 +132,14 @@ def split_addr(addr: Any, label: str = "address") -> tuple[str, int]:
     refused."""
     if not isinstance(addr, str) or len(addr) > MAX_ADDR_CHARS:
         raise PeerInfoError(f"{label}: {_show(addr)} is not 'host:port'")
+    return _split_valid_addr(addr, label)
+
+
+# The router names the same few registered peers on every request; an
+# IP address parse costs more than the rest of the naming. Only valid
+# addresses are cached (lru_cache keeps no exceptions), and at most 4096.
+@functools.lru_cache(maxsize=4096)
+def _split_valid_addr(addr: str, label: str) -> tuple[str, int]:
     match = _ADDR_RE.fullmatch(addr)
     if match is None:
         raise PeerInfoError(

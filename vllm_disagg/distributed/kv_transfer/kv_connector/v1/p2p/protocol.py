@@ -24,7 +24,7 @@ import msgspec
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     MAX_KEY_CHARS,
-    PROTOCOL_VERSION,
+    PROTOCOL_VERSION,  # noqa: F401  (re-exported: the engine checks proto.PROTOCOL_VERSION)
 )
 
 MAC_BYTES = 16

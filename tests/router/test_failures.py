@@ -4,6 +4,7 @@ disconnects, and the fallback to decode-side prefill."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 
@@ -201,6 +202,26 @@ async def test_client_disconnect_mid_stream_cancels_decode(pd):
         await d.disconnected.wait()
         while router.registry.get("d-id").outstanding:
             await asyncio.sleep(0.01)
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
+                         outcome="cancelled") == 1  # fmt: skip
+
+
+async def test_a_stream_the_client_never_started_reading_still_releases_decode(pd):
+    """A client that leaves between D's headers and the first chunk: the HTTP
+    server drops the reply's body without iterating it, which only
+    ``_RelayStream.__del__`` notices. Driven here through the proxy itself,
+    since over HTTP the window is too short to hit on purpose."""
+    router, p, d = await pd()
+    d.chunks = [b"data: %d\n\n" % i for i in range(50)]
+    d.chunk_delay_s = 0.1
+    async with asyncio.timeout(WAIT_S):
+        reply = await router.state.proxy.handle("completions", "/v1/completions", dict(STREAM), {})
+        assert reply.status == 200 and not isinstance(reply.body, bytes)
+        assert router.registry.get("d-id").outstanding == 1
+        del reply
+        gc.collect()
+        await d.disconnected.wait()
+    assert router.registry.get("d-id").outstanding == 0
     assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
                          outcome="cancelled") == 1  # fmt: skip
 

@@ -393,6 +393,29 @@ def test_an_expectation_nobody_serves_is_left_to_the_worker(make_engine):
     assert_nothing_held(decode)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_key_abandoned_while_its_offer_takes_room_is_refused_and_freed(make_engine, transport):
+    """CI caught this interleaving: the worker gave up between the offer
+    taking room and the slot being filed, and the bytes stayed held until
+    the sweep (kv_hold_timeout_s later)."""
+    prefill = make_engine(transport, "PUT_ASYNC", hold=5.0, seed=1)
+    decode = make_engine(transport, "PUT_ASYNC", hold=30.0, seed=2)
+    decode.expect("k", 0, deadline(30.0), get_from=None)
+    allocate = decode.engine._allocate
+
+    def allocate_then_give_up(nbytes):
+        room = allocate(nbytes)
+        decode.abandon("k")
+        return room
+
+    decode.engine._allocate = allocate_then_give_up
+    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=False)
+    assert not wait_done(xfer).ok
+    assert "not_wanted" in xfer.reason.lower(), xfer.reason
+    assert decode.occupancy() == (0, 0)
+    assert "k" not in decode.engine._slots
+
+
 @pytest.mark.parametrize("abandon", [False, True], ids=["release", "abandon"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_layers_never_saved_fail_at_the_sender_deadline(make_engine, transport, abandon):
@@ -405,6 +428,9 @@ def test_layers_never_saved_fail_at_the_sender_deadline(make_engine, transport, 
     xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False)
     nbytes = LAYERS * len(src) * PAGE
     wait_for(lambda: decode.occupancy() == (nbytes, 0), "the offer to reserve room")
+    # The room is taken just before the slot is filed: wait for both, so that
+    # abandon() meets a receiving slot (the other order has its own test).
+    wait_for(lambda: "k" in decode.engine._slots, "the offer's slot")
     if abandon:
         decode.abandon("k")  # while receiving: freed when the receive ends, not now
         with decode.engine._lock:

@@ -897,7 +897,14 @@ class P2pEngine:
             tensor=tensor, pool_alloc=alloc, deadline=deadline,
         )
         with self._lock:
-            self._slots[msg.key] = slot
+            # The worker may have given up on the key while the room was taken
+            # (abandon() then saw neither the slot nor its room as a slot).
+            gave_up = msg.key in self._tombstones
+            if not gave_up:
+                self._slots[msg.key] = slot
+        if gave_up:
+            self.release(slot)
+            return Reply(req_no=msg.req_no, status=Status.NOT_WANTED)
         inbound.queue.put(slot)
         return Reply(req_no=msg.req_no, status=Status.OK, skip_blocks=skip)
 

@@ -694,6 +694,11 @@ def summarize_overhead(part: dict) -> dict:
         ceiling[target] = {"max_rps": best, "at_concurrency": max(rates, key=rates.get),
                            "knee_concurrency": knee}  # fmt: skip
     goal_key = f"{GOAL_SCENARIO}/{GOAL_CONCURRENCY}"
+
+    def alone(key: str, what: str, q: str) -> float | None:
+        """router_seq - direct_pd of a scenario/concurrency that may not have run."""
+        return added.get(key, {}).get("router_seq - direct_pd", {}).get(what, {}).get(q)
+
     goal = {
         "key": goal_key,
         "client_p50_s": added[goal_key]["router_seq - direct_pd"]["total"]["p50"],
@@ -701,15 +706,11 @@ def summarize_overhead(part: dict) -> dict:
         "client_p50_conc_s": added[goal_key]["router_conc - direct"]["total"]["p50"],
         "router_hist_p50_s": router_hist[goal_key]["router_seq"]["p50"],
         "client_p50_hypercorn_s": added[goal_key]["router_hyper - direct_pd"]["total"]["p50"],
-        "paced_p50_s": added.get("paced/32", {}).get("router_seq - direct_pd", {})
-        .get("total", {}).get("p50"),
+        "paced_p50_s": alone("paced/32", "total", "p50"),
         # Streams as a decode serves them: what the router adds to the first token.
-        "decode_ttfb_p50_s": added.get("decode/32", {}).get("router_seq - direct_pd", {})
-        .get("ttfb", {}).get("p50"),
-        "decode_ttfb_p90_s": added.get("decode/32", {}).get("router_seq - direct_pd", {})
-        .get("ttfb", {}).get("p90"),
-        "decode_p50_s": added.get("decode/32", {}).get("router_seq - direct_pd", {})
-        .get("total", {}).get("p50"),
+        "decode_ttfb_p50_s": alone("decode/32", "ttfb", "p50"),
+        "decode_ttfb_p90_s": alone("decode/32", "ttfb", "p90"),
+        "decode_p50_s": alone("decode/32", "total", "p50"),
     }
     goal["met_client"] = goal["client_p50_s"] is not None and goal["client_p50_s"] < GOAL_P50_S
     goal["met_router_hist"] = (

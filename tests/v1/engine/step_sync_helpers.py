@@ -12,9 +12,7 @@ import struct
 import threading
 import time
 
-from vllm_disagg.v1.engine.step_sync import (
-    Participant,
-)
+from vllm_disagg.v1.engine.step_sync import Participant
 
 DEADLINE_S = 20.0
 

@@ -70,7 +70,7 @@ async def test_chat_prefill_caps_max_completion_tokens_and_drops_stream_options(
 async def test_streaming_is_relayed_byte_for_byte(pd):
     router, p, d = await pd()
     d.chunks = [b"data: {\"a\": 1}\n\n", b"data: {\"b\"", b": 2}\n\n", b"data: [DONE]\n\n"]
-    d.chunk_delay_s = 0.05
+    d.chunk_delay_s = 0.2  # apart enough that a busy host does not merge reads
     received = []
     async with asyncio.timeout(WAIT_S):
         async with router.client.post(router.url + "/v1/completions",

@@ -10,6 +10,11 @@ equals a run without the connector. That makes the "a rank holding only
 unschedulable requests" case of step sync testable end to end with no KV
 transfer at all.
 
+With ``lookup_release_file`` as well, the request is held until that file
+exists (``lookup_delay_s`` is then only the backstop): a test releases it at
+the moment it chooses instead of guessing how long a loaded machine needs.
+The server must run on the test's machine; this is a testing connector only.
+
     --kv-transfer-config '{"kv_connector": "DelayedLookupConnector",
         "kv_connector_module_path": "vllm_disagg.testing.kv_connectors",
         "kv_role": "kv_both"}'
@@ -18,6 +23,7 @@ transfer at all.
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +41,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 DELAY_KEY = "lookup_delay_s"
-MAX_DELAY_S = 60.0
+RELEASE_FILE_KEY = "lookup_release_file"
+MAX_DELAY_S = 120.0
 
 
 class _NoMetadata(KVConnectorMetadata):
@@ -47,19 +54,20 @@ class DelayedLookupConnector(KVConnectorBase_V1):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        # request id -> monotonic time its lookup "completes"
-        self._ready_at: dict[str, float] = {}
+        # request id -> (monotonic time its lookup "completes", release file)
+        self._ready_at: dict[str, tuple[float, str | None]] = {}
 
     # --- scheduler side ---
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        ready_at = self._ready_at.get(request.request_id)
-        if ready_at is None:
-            ready_at = time.monotonic() + self._requested_delay(request)
-            self._ready_at[request.request_id] = ready_at
-        if time.monotonic() < ready_at:
+        held = self._ready_at.get(request.request_id)
+        if held is None:
+            held = (time.monotonic() + self._requested_delay(request), _release_file(request))
+            self._ready_at[request.request_id] = held
+        ready_at, release_file = held
+        if time.monotonic() < ready_at and not (release_file and os.path.exists(release_file)):
             return None, False
         return 0, False
 
@@ -97,4 +105,12 @@ class DelayedLookupConnector(KVConnectorBase_V1):
         pass
 
 
-__all__ = ["DELAY_KEY", "DelayedLookupConnector"]
+def _release_file(request: Request) -> str | None:
+    path = (request.kv_transfer_params or {}).get(RELEASE_FILE_KEY)
+    if path is not None and not isinstance(path, str):
+        logger.warning("ignoring %s=%r: not a path", RELEASE_FILE_KEY, path)
+        return None
+    return path
+
+
+__all__ = ["DELAY_KEY", "RELEASE_FILE_KEY", "DelayedLookupConnector"]

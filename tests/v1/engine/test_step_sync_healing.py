@@ -23,7 +23,7 @@ def test_a_request_lost_in_a_connection_reset_is_re_sent(group):
     assert coord.step == 0, "the request was not lost"
     relay.drop_upstream = False
     relay.reset()  # ZMQ reconnects; nothing re-sends the lost bytes
-    wait_until(lambda: settled(coord, engines), timeout_s=3, what="the group to heal")
+    wait_until(lambda: settled(coord, engines), timeout_s=10, what="the group to heal")
     assert coord.step >= 1
     assert not engines[0].failures and not engines[1].failures and not coord.failures
     assert engines[0].part.stats["resends"] >= 1
@@ -39,7 +39,7 @@ def test_a_lost_grant_is_healed(group):
     assert engines[0].part.local_step == 0, "rank 0 got its grant anyway"
     relay.drop_downstream = False
     relay.reset()
-    wait_until(lambda: settled(coord, engines), timeout_s=3, what="the group to heal")
+    wait_until(lambda: settled(coord, engines), timeout_s=10, what="the group to heal")
     assert not engines[0].failures and not coord.failures
 
 
@@ -73,10 +73,10 @@ def test_a_link_that_stays_down_fails_fast_with_a_message(group):
     engines[1].add_work(3)
     wait_until(
         lambda: coord.failures and engines[0].failures and engines[1].failures,
-        timeout_s=6,
+        timeout_s=15,
         what="every side to report the failure",
     )
-    assert time.monotonic() - started < 4
+    assert time.monotonic() - started < 8
     assert "DP rank 0 silent" in coord.failures[0]
     assert "coordinator silent" in engines[0].failures[0]
     assert "aborted the DP group" in engines[1].failures[0]

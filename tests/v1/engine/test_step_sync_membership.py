@@ -40,8 +40,8 @@ def test_a_rank_that_never_registers_fails_every_rank_at_start_up():
         started = time.monotonic()
         for part in parts:
             with pytest.raises(StepSyncGroupError, match=r"DP rank\(s\) 1 did not join"):
-                part.wait_for_group(5)
-        assert time.monotonic() - started < 3
+                part.wait_for_group(30)
+        assert time.monotonic() - started < 15  # the coordinator's reason, not a 30 s wait
         # Participants append (rank, reason) and may hear the Abort before the
         # coordinator's own report lands.
         coordinator_reports = [f for f in failures if isinstance(f, str)]
@@ -66,7 +66,7 @@ def test_a_rank_that_registers_after_the_group_failed_is_told_why():
         started = time.monotonic()
         with pytest.raises(StepSyncGroupError, match=r"DP rank\(s\) 0, 1 did not join"):
             late.wait_for_group(10)
-        assert time.monotonic() - started < 3, "learned by its own deadline, not from rank 0"
+        assert time.monotonic() - started < 8, "learned by its own deadline, not from rank 0"
     finally:
         coord.close(timeout_s=1)
         if late is not None:
@@ -90,7 +90,7 @@ def test_a_rejected_rank_is_told_why_and_the_group_does_not_start():
             with pytest.raises(StepSyncGroupError, match="DP rank 1 was rejected") as error:
                 part.wait_for_group(10)
             assert "step_sync_lookahead=4" in str(error.value)
-        assert time.monotonic() - started < 3, "failed by the deadline, not at once"
+        assert time.monotonic() - started < 8, "failed by the deadline, not at once"
         # Rank 0 is a member only if it spoke before rank 1 was rejected: a
         # failed group admits no one.
         assert 1 not in coord.registered

@@ -41,8 +41,13 @@ class Group:
             engine.step_sync.wait_for_group(5)
         passes = {r: 0 for r in range(dp_size)}
         self.threads = [EngineThread(e, passes).start() for e in self.engines]
+        self.closed = False
 
     def close(self):
+        """Idempotent: a test may close its group early, the fixture again."""
+        if self.closed:
+            return
+        self.closed = True
         for engine in self.engines:
             engine.shutdown_state = EngineShutdownState.REQUESTED
         for thread in self.threads:
@@ -130,7 +135,16 @@ def _apply(thread, op):
     )
 )
 def test_any_interleaving_of_pause_resume_sleep_and_wake_ends_agreed(make_group, schedule):
+    # One fixture serves every example: close each example's group at its end,
+    # or 15 groups' threads pile up and slow the later examples down.
     group = make_group()
+    try:
+        _run_schedule_and_check(group, schedule)
+    finally:
+        group.close()
+
+
+def _run_schedule_and_check(group, schedule):
     for thread in group.threads:  # unknown input types are ignored by upstream
         thread.engine.input_queue.put_nowait(("wake", None))
     for rank, op, delay in schedule:

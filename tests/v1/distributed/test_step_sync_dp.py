@@ -97,8 +97,9 @@ BUSY_JOBS = [Job(2001 + i, " ".join(WORDS[i : i + 10]), 16, "plain") for i in ra
 DRAIN_STREAM_JOB = Job(2100, " ".join(WORDS[2:14]), 192, "stream")
 DRAIN_HELD_JOB = Job(2101, " ".join(WORDS[5:25]), 24, "plain")
 SLEEP_JOBS = [Job(2200 + i, " ".join(WORDS[i : i + 8]), 12, "plain") for i in range(4)]
-# Held requests wait for a file the test creates when it is ready for them;
-# this is only the backstop (a loaded machine once took 8 s to get there).
+# Held requests wait for a file the test creates when it is ready for them
+# (a fixed delay had to guess how long a loaded host needs to get there);
+# this is only the backstop.
 HOLD_S = 100.0
 BUSY_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 60.0

@@ -49,7 +49,8 @@ class RouterMetrics:
         )  # fmt: skip
         self.prefill_failures = Counter(
             f"{PREFIX}_prefill_failures",
-            "Failed prefill attempts by reason (refused, connect, timeout, status).",
+            "Failed prefill attempts by reason (refused, connect_timeout, timeout, connection, "
+            "status, error).",
             ["reason"], registry=self.registry,
         )  # fmt: skip
         self.decode_prefill_fallbacks = Counter(

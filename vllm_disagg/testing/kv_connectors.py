@@ -55,17 +55,17 @@ class DelayedLookupConnector(KVConnectorBase_V1):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         # request id -> (monotonic time its lookup "completes", release file)
-        self._ready_at: dict[str, tuple[float, str | None]] = {}
+        self._held: dict[str, tuple[float, str | None]] = {}
 
     # --- scheduler side ---
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        held = self._ready_at.get(request.request_id)
+        held = self._held.get(request.request_id)
         if held is None:
             held = (time.monotonic() + self._requested_delay(request), _release_file(request))
-            self._ready_at[request.request_id] = held
+            self._held[request.request_id] = held
         ready_at, release_file = held
         if time.monotonic() < ready_at and not (release_file and os.path.exists(release_file)):
             return None, False
@@ -87,7 +87,7 @@ class DelayedLookupConnector(KVConnectorBase_V1):
         return _NoMetadata()
 
     def request_finished(self, request: Request, block_ids) -> tuple[bool, dict | None]:
-        self._ready_at.pop(request.request_id, None)
+        self._held.pop(request.request_id, None)
         return False, None
 
     # --- worker side: nothing to move ---

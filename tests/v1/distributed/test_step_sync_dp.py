@@ -153,22 +153,40 @@ def run_all(server: VllmServer, jobs: list[Job], workers: int = 48) -> dict[int,
         return dict(results)
 
 
+def wait_until_still(read, timeout_s: float, what: str, ok=lambda value: True,
+                     interval_s: float = 1.0):
+    """Read until two reads ``interval_s`` apart are equal (and ``ok``);
+    return that value, or fail after ``timeout_s`` naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    previous = None
+    while True:
+        value = read()
+        if ok(value) and value == previous:
+            return value
+        previous = value if ok(value) else None
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: {value}")
+        time.sleep(interval_s)
+
+
 def wait_for_settled_steps(servers: list[VllmServer], timeout_s: float = DRAIN_TIMEOUT_S):
     """Wait until every rank reports local_step == coordinator_step and the
     values stop moving; return {rank: local_step}."""
-    deadline = time.monotonic() + timeout_s
-    previous = None
-    while time.monotonic() < deadline:
+
+    def read() -> tuple[dict, dict]:
         local, coord = {}, {}
         for server in servers:
             local.update(step_sync_metric(server, "local_step"))
             coord.update(step_sync_metric(server, "coordinator_step"))
-        settled = local and local == coord and len(set(local.values())) == 1
-        if settled and local == previous:
-            return local
-        previous = local if settled else None
-        time.sleep(1.0)
-    raise AssertionError(f"ranks did not settle: local={local} coordinator={coord}")
+        return local, coord
+
+    def settled(steps: tuple[dict, dict]) -> bool:
+        local, coord = steps
+        return bool(local) and local == coord and len(set(local.values())) == 1
+
+    local, _ = wait_until_still(read, timeout_s, "ranks did not settle (local, coordinator)",
+                                ok=settled)  # fmt: skip
+    return local
 
 
 @pytest.fixture(scope="module")
@@ -319,16 +337,6 @@ def test_idle_group_runs_no_steps(dp2_server):
     assert wait_for_settled_steps([dp2_server]) == before
 
 
-def _settled_progress(progress: dict[int, int], quiet_s: float = 1.0) -> dict[int, int]:
-    deadline = time.monotonic() + 30
-    while True:
-        before = dict(progress)
-        time.sleep(quiet_s)
-        if progress == before:
-            return before
-        assert time.monotonic() < deadline, f"tokens kept arriving while paused: {progress}"
-
-
 def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_reference, dp2_server):
     # Pause as soon as the first token streams. Waiting for every stream to
     # start instead let the earliest ones run to max_tokens on a busy machine
@@ -346,7 +354,8 @@ def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_referenc
         r = requests.post(f"{dp2_server.url}/pause", params={"mode": "keep"}, timeout=120)
         assert r.status_code == 200, r.text
         paused = wait_for_settled_steps([dp2_server])
-        frozen = _settled_progress(progress)  # chunks made before the pause may still be in flight
+        # Chunks made before the pause may still be in flight.
+        frozen = wait_until_still(lambda: dict(progress), 30, "tokens kept arriving while paused")
         time.sleep(2.0)
         assert wait_for_settled_steps([dp2_server]) == paused, "a rank stepped while paused"
         # The streams drained what was generated before the pause, then stopped.

@@ -47,7 +47,7 @@ import time
 import uuid
 from pathlib import Path
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import make_request_id
+from vllm_disagg.wire.peers import make_request_id
 from vllm_disagg.testing import openai_client
 from vllm_disagg.testing.p2p import P2pInstance, free_kv_port, kv_transfer_config
 from vllm_disagg.testing.server import VllmServer, cpu_test_env

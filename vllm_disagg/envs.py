@@ -25,6 +25,7 @@ VLLM_DISAGG_METRICS_DIR = "VLLM_DISAGG_METRICS_DIR"
 VLLM_DISAGG_VENV = "VLLM_DISAGG_VENV"
 VLLM_DISAGG_TARGET = "VLLM_DISAGG_TARGET"
 VLLM_DISAGG_P2P_SECRET = "VLLM_DISAGG_P2P_SECRET"
+VLLM_DISAGG_P2P_SECRET_FILE = "VLLM_DISAGG_P2P_SECRET_FILE"
 VLLM_DISAGG_ROUTER_TOKEN = "VLLM_DISAGG_ROUTER_TOKEN"
 
 VARIABLES: dict[str, EnvVar] = {
@@ -54,19 +55,30 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             VLLM_DISAGG_P2P_SECRET,
-            "empty: no authentication",
+            "empty: no authentication (allowed only when kv_ip is a loopback address)",
             "Shared secret of the P2pNcclConnector control plane (HMAC of every "
             "message between instances); set the same value on every prefill and "
-            "decode instance. An environment variable, not a --kv-transfer-config "
-            "key, because command lines are visible to every user in `ps`.",
+            "decode instance. An instance whose kv_ip is reachable beyond loopback "
+            "refuses to start without it (or VLLM_DISAGG_P2P_SECRET_FILE). An "
+            "environment variable, not a --kv-transfer-config key, because command "
+            "lines are visible to every user in `ps`.",
+        ),
+        EnvVar(
+            VLLM_DISAGG_P2P_SECRET_FILE,
+            "unset",
+            "Path of a file holding the P2P secret (surrounding whitespace ignored), "
+            "for secrets mounted as files; used when VLLM_DISAGG_P2P_SECRET is unset.",
         ),
         EnvVar(
             VLLM_DISAGG_ROUTER_TOKEN,
-            "empty: registrations are not authenticated",
+            "empty: registrations are not authenticated, no peer grants",
             "Shared token of the router's service discovery: instances (the connector's "
             "registration client) sign every registration with it (HMAC) and the router "
             "(`--registration-token` or this variable) refuses unsigned or badly signed "
-            "ones. An environment variable so the token never shows in `ps`.",
+            "ones. The router also signs the peers it names in each request with it "
+            "(a peer grant), and instances act only on peers a grant or "
+            "kv_connector_extra_config.allowed_peers vouches for. An environment "
+            "variable so the token never shows in `ps`.",
         ),
         EnvVar(
             VLLM_DISAGG_VENV,
@@ -97,9 +109,27 @@ def probes_enabled() -> bool:
 
 
 def p2p_secret() -> bytes | None:
-    """The P2P control-plane secret as UTF-8 bytes, or None when unset or empty."""
+    """The P2P control-plane secret as UTF-8 bytes, or None when unset or empty:
+    ``VLLM_DISAGG_P2P_SECRET``, else the file ``VLLM_DISAGG_P2P_SECRET_FILE``
+    names (ConfigError when that file cannot be read or is empty)."""
     value = os.environ.get(VLLM_DISAGG_P2P_SECRET)
-    return value.encode() if value else None
+    if value:
+        return value.encode()
+    path = os.environ.get(VLLM_DISAGG_P2P_SECRET_FILE)
+    if not path:
+        return None
+    from vllm_disagg.errors import ConfigError
+
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(1 << 16).strip()
+    except OSError as e:
+        raise ConfigError(
+            f"{VLLM_DISAGG_P2P_SECRET_FILE}: cannot read {path!r} ({e.strerror})"
+        ) from None
+    if not secret:
+        raise ConfigError(f"{VLLM_DISAGG_P2P_SECRET_FILE}: {path!r} is empty")
+    return secret
 
 
 def router_token() -> bytes | None:

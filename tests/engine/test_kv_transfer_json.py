@@ -13,6 +13,7 @@ from vllm.config.kv_transfer import KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from vllm_disagg import envs
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
     P2pConfig,
     SendType,
@@ -186,6 +187,8 @@ def test_create_engine_config_normalises_and_checks(monkeypatch):
         data_parallel_backend="mp",
         kv_transfer_config=json.loads(seed_json("kv_producer", "1e1", "21001")),
     )
+    monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET, "s3cr3t")  # kv_ip is not loopback
+    monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "tok")
     with pytest.raises(ConfigError, match=r"^kv_port: 21001 needs ports 21001\.\.71000"):
         arg_utils.create_engine_config(args)
     assert built[0]["kv_load_failure_policy"] == "recompute"

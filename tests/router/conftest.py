@@ -23,7 +23,7 @@ from multidict import CIMultiDict
 
 from vllm_disagg.router.app import RouterState, build_registry, create_app, router_state, serve
 from vllm_disagg.router.config import RouterConfig
-from vllm_disagg.router.protocol import DISCOVERY_VERSION, Register, Role
+from vllm_disagg.wire.discovery import DISCOVERY_VERSION, Register, Role
 
 WAIT_S = 10.0  # every network wait in these tests is bounded by this
 _kv_ports = itertools.count(21001)

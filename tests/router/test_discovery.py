@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from vllm_disagg import envs
-from vllm_disagg.router.protocol import (
+from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
     Ack,
     Deregister,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from vllm_disagg.router.protocol import Role
+from vllm_disagg.wire.discovery import Role
 
 from .conftest import WAIT_S
 

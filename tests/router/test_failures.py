@@ -10,7 +10,7 @@ import socket
 
 from aiohttp import web
 
-from vllm_disagg.router.protocol import Role
+from vllm_disagg.wire.discovery import Role
 from vllm_disagg.router.registry import BreakerState
 
 from .conftest import WAIT_S, FakeInstance

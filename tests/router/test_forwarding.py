@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+import pytest
+
+from vllm_disagg.wire.peers import (
     DECODE_ADDR_KEY,
     PREFILL_ADDR_KEY,
     REQUEST_KEY_KEY,
     parse_peer_info,
 )
-from vllm_disagg.router.protocol import Role
+from vllm_disagg.wire.discovery import Role
+from vllm_disagg.wire.grants import GRANT_KEY, GrantError, check_grant
 
 from .conftest import WAIT_S
 
@@ -31,9 +34,12 @@ async def test_completion_names_both_peers_and_relays_decode_bytes(pd):
     [prefill], [decode] = p.requests, d.requests
     request_id = prefill.headers["X-Request-Id"]
     assert decode.headers["X-Request-Id"] == request_id
-    peers = parse_peer_info(request_id, None)
+    # The id, which vLLM puts in the response's "id", names no peer and not
+    # the key: those travel in kv_transfer_params only.
+    assert parse_peer_info(request_id, None) is None
+    peers = parse_peer_info(request_id, prefill.body["kv_transfer_params"])
     assert (peers.prefill_addr, peers.decode_addr) == (p.kv_addr, d.kv_addr)
-    assert len(peers.key) == 32
+    assert len(peers.key) == 32 and peers.key not in request_id
     params = {PREFILL_ADDR_KEY: p.kv_addr, DECODE_ADDR_KEY: d.kv_addr, REQUEST_KEY_KEY: peers.key}
     assert prefill.body["kv_transfer_params"] == params
     assert decode.body == {**COMPLETION, "kv_transfer_params": params}
@@ -98,6 +104,23 @@ async def test_client_kv_transfer_params_are_kept_but_cannot_name_peers(pd):
         assert params[REQUEST_KEY_KEY] != "evil"
 
 
+async def test_router_with_a_token_signs_the_peers_it_names(pd):
+    """Instances act only on peers a grant vouches for: with its token, the
+    router signs (prefill, decode, key); a client's own grant is dropped."""
+    token = "fleet-token"
+    router, p, d = await pd(registration_token=token)
+    body = {**COMPLETION, "kv_transfer_params": {GRANT_KEY: "v1.9999999999." + "0" * 32}}
+    status, _, _ = await router.post("/v1/completions", body)
+
+    assert status == 200
+    for seen in (p.requests[0], d.requests[0]):
+        params = seen.body["kv_transfer_params"]
+        peer = parse_peer_info(seen.headers["X-Request-Id"], params)
+        check_grant(token.encode(), params[GRANT_KEY], peer)  # raises unless signed
+        with pytest.raises(GrantError, match="forged"):
+            check_grant(b"another token", params[GRANT_KEY], peer)
+
+
 async def test_client_headers_are_forwarded_but_not_its_request_id(pd):
     router, p, d = await pd()
     headers = {"Authorization": "Bearer k", "X-Request-Id": "mine", "traceparent": "00-ab-cd-01"}
@@ -106,7 +129,8 @@ async def test_client_headers_are_forwarded_but_not_its_request_id(pd):
     for seen in (p.requests[0], d.requests[0]):
         assert seen.headers["Authorization"] == "Bearer k"
         assert seen.headers["traceparent"] == "00-ab-cd-01"
-        assert seen.headers["X-Request-Id"].startswith("___prefill_addr_")
+        assert seen.headers["X-Request-Id"] != "mine"
+        assert parse_peer_info(seen.headers["X-Request-Id"], None) is None
         assert "Remote-Addr" not in seen.headers
 
 

@@ -12,7 +12,7 @@ from vllm_disagg.router.policy import (
     RoundRobinPolicy,
     render_prompt,
 )
-from vllm_disagg.router.protocol import Role
+from vllm_disagg.wire.discovery import Role
 from vllm_disagg.router.registry import Instance
 
 

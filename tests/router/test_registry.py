@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from vllm_disagg.router.protocol import DISCOVERY_VERSION, Register, Role
+from vllm_disagg.wire.discovery import DISCOVERY_VERSION, Register, Role
 from vllm_disagg.router.registry import BreakerState, InstanceRegistry
 
 from .conftest import FakeClock

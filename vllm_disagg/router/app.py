@@ -21,13 +21,14 @@ import msgspec
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
+from vllm_disagg import envs
+from vllm_disagg.wire.peers import format_addr
 from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import DiscoveryServer
 from vllm_disagg.router.metrics import CONTENT_TYPE, RouterMetrics
 from vllm_disagg.router.policy import Policies
-from vllm_disagg.router.protocol import Role
+from vllm_disagg.wire.discovery import Role
 from vllm_disagg.router.proxy import JSON, Reply, RequestProxy, error_json
 from vllm_disagg.router.registry import InstanceRegistry
 
@@ -115,6 +116,13 @@ def create_app(
             "decode=%s)", format_addr(config.host, state.http_port), discovery.endpoint,
             config.handoff, config.policy_prefill, config.policy_decode,
         )  # fmt: skip
+        if config.token is None:
+            logger.warning(
+                "router: no registration token (--registration-token or %s): registrations "
+                "are not authenticated, and the router cannot sign the peers it names, so "
+                "instances without allowed_peers compute every request locally",
+                envs.VLLM_DISAGG_ROUTER_TOKEN,
+            )
 
     @app.after_serving
     async def stop() -> None:

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from vllm_disagg import envs
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+from vllm_disagg.wire.peers import (
     PeerInfoError,
     split_addr,
 )
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.router.protocol import (
+from vllm_disagg.wire.discovery import (
     DEFAULT_DISCOVERY_PORT,
     DEFAULT_HTTP_PORT,
     MAX_MODEL_CHARS,

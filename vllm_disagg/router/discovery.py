@@ -1,6 +1,6 @@
 """The router's service-discovery listener: a ZMQ ROUTER socket on the
 discovery port (30001) that instances' DEALER sockets send ``Register``
-heartbeats and ``Deregister`` to (wire format: ``protocol.py``).
+heartbeats and ``Deregister`` to (wire format: ``vllm_disagg/wire/discovery.py``).
 
 It runs as an asyncio task on the router's event loop, so the registry it
 updates needs no lock. Every message gets an ``Ack``. A frame that fails to
@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 
 from vllm_disagg import envs
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
-from vllm_disagg.router.protocol import (
+from vllm_disagg.wire.peers import format_addr
+from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
     MAC_BYTES,
     MAX_FRAME_BYTES,

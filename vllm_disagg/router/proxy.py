@@ -30,18 +30,15 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
-    PEER_INFO_KEYS,
-    make_kv_transfer_params,
-    make_request_id,
-)
 from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.logs import LogLimiter
 from vllm_disagg.router.metrics import RouterMetrics
 from vllm_disagg.router.policy import Policies
-from vllm_disagg.router.protocol import Role
 from vllm_disagg.router.registry import Instance, InstanceRegistry
+from vllm_disagg.wire.discovery import Role
+from vllm_disagg.wire.grants import GRANT_KEY, make_grant
+from vllm_disagg.wire.peers import PEER_INFO_KEYS, make_kv_transfer_params
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +84,9 @@ def _with_peers(client_params: Any, peers: dict[str, str] | None) -> dict[str, A
     an instance is sent to came from a registration."""
     params = {}
     if isinstance(client_params, dict):
-        params = {k: v for k, v in client_params.items() if k not in PEER_INFO_KEYS}
+        params = {
+            k: v for k, v in client_params.items() if k not in PEER_INFO_KEYS and k != GRANT_KEY
+        }
     if peers:
         params.update(peers)
     return params or None
@@ -132,21 +131,27 @@ class _Exchange:
     deadline: float
     started: float = field(default_factory=time.monotonic)
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # The X-Request-Id both legs carry: vLLM builds the response's id from
+    # it, so it names neither instance nor the transfer key.
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     upstream_s: float = 0.0  # time spent waiting on instances, up to the first byte
     counted: bool = False
     decode_sent: bool = False  # the decode leg took over D's reservation
     _names: dict[tuple[str, str], tuple[str, dict[str, str]]] = field(default_factory=dict)
 
-    def name_peers(self, prefill: Instance, decode: Instance) -> tuple[str, dict[str, str]]:
+    def name_peers(
+        self, prefill: Instance, decode: Instance, token: bytes | None
+    ) -> tuple[str, dict[str, str]]:
         """The request id and kv_transfer_params both legs carry (made once
-        per pair): the connector finds its peer's control address and the
-        transfer key in either."""
+        per pair): the peers' control addresses, the transfer key and, with
+        a token, the grant that vouches for them (``wire/grants.py``). Only
+        in kv_transfer_params: the id, which clients see, carries none of it."""
         pair = (prefill.kv_addr, decode.kv_addr)
         if pair not in self._names:
-            self._names[pair] = (
-                make_request_id(prefill.kv_addr, decode.kv_addr, self.key),
-                make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, self.key),
-            )
+            params = make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, self.key)
+            if token:
+                params[GRANT_KEY] = make_grant(token, prefill.kv_addr, decode.kv_addr, self.key)
+            self._names[pair] = (self.request_id, params)
         return self._names[pair]
 
     @property
@@ -341,7 +346,7 @@ class RequestProxy:
         return "connection" if isinstance(error, aiohttp.ClientConnectionError) else "error"
 
     async def _prefill(self, ex: _Exchange, prefill: Instance, decode: Instance) -> _PrefillResult:
-        request_id, peers = ex.name_peers(prefill, decode)
+        request_id, peers = ex.name_peers(prefill, decode, self.config.token)
         started = time.monotonic()
         ok: bool | None = None
         self.registry.begin(prefill)
@@ -384,10 +389,10 @@ class RequestProxy:
         prefill_task: asyncio.Task | None = None,
     ) -> Reply:
         if prefill is not None:
-            request_id, peers = ex.name_peers(prefill, decode)
+            request_id, peers = ex.name_peers(prefill, decode, self.config.token)
             body = decode_body(ex.body, peers)
         else:
-            request_id, body = ex.key, decode_body(ex.body, None)
+            request_id, body = ex.request_id, decode_body(ex.body, None)
         # Streaming: D's headers come at once, its first chunk after the KV
         # wait and the first token. Otherwise the whole answer is the first
         # byte, bounded by the request deadline only.

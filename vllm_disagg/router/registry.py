@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_disagg.router.protocol import Register, Role
+from vllm_disagg.wire.discovery import Register, Role
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,9 @@
 ``max_tokens=1`` (non-streaming), then the original request to the decode
 instance with the same ``X-Request-Id``: the seed's id that names both
 peers' KV addresses, or (``via_params=True``) a plain id with the peers in
-``kv_transfer_params``, as the router does.
+``kv_transfer_params``, as the router does. Either way the request carries
+the grant a router would sign (``kv_transfer_params.p2p_grant``) under the
+test fleets' token, unless ``grant=False``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,10 @@ import json
 import uuid
 from typing import Any
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
-    make_kv_transfer_params,
-    make_request_id,
-)
 from vllm_disagg.testing import openai_client
-from vllm_disagg.testing.server import VllmServer, get_free_port
+from vllm_disagg.testing.server import VllmServer, get_free_port, test_router_token
+from vllm_disagg.wire.grants import GRANT_KEY, make_grant
+from vllm_disagg.wire.peers import make_kv_transfer_params, make_request_id
 
 
 def kv_transfer_config(role: str, kv_port: int, **extra: Any) -> str:
@@ -62,19 +62,21 @@ def disaggregated_completion(
     max_tokens: int,
     via_params: bool = False,
     key: str | None = None,
+    grant: bool = True,
     timeout_s: float = 120.0,
     **params: Any,
 ) -> dict:
     """Prefill on ``prefill`` (1 token), then the whole request on ``decode``: decode's response."""
     key = key or uuid.uuid4().hex
+    params: dict[str, str] = {}
     if via_params:
         request_id = f"router-{key}"
-        body_extra = {
-            "kv_transfer_params": make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, key)
-        }
+        params = make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, key)
     else:
         request_id = make_request_id(prefill.kv_addr, decode.kv_addr, key)
-        body_extra = {}
+    if grant:
+        params[GRANT_KEY] = make_grant(test_router_token(), prefill.kv_addr, decode.kv_addr, key)
+    body_extra = {"kv_transfer_params": params} if params else {}
     headers = {"X-Request-Id": request_id}
     openai_client.complete(
         prefill, prompt, headers=headers, timeout_s=timeout_s,

@@ -17,7 +17,7 @@ from typing import Any
 
 import requests
 
-from vllm_disagg.testing.server import LoggedProcess, get_free_port
+from vllm_disagg.testing.server import LoggedProcess, cpu_test_env, get_free_port
 
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -44,7 +44,8 @@ class RouterProcess(LoggedProcess):
         self.discovery_port = get_free_port()
         self.model = model  # what openai_client puts in request bodies
         self.log_path = Path(log_path)
-        self.env = env
+        # Inherit the environment, with the test fleets' router token by default.
+        self.env = env if env is not None else cpu_test_env()
         self.command = [
             sys.executable, "-m", "vllm_disagg.router",
             "--host", "127.0.0.1", "--port", str(self.port),

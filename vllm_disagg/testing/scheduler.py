@@ -20,6 +20,8 @@ full-attention group of ``num_blocks`` blocks and no tensors.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,7 +49,11 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
+from vllm_disagg import envs
 from vllm_disagg.distributed.kv_transfer import register_connectors
+from vllm_disagg.testing.server import test_router_token
+from vllm_disagg.wire.grants import GRANT_KEY, make_grant
+from vllm_disagg.wire.peers import PeerInfoError, parse_peer_info
 
 CONNECTOR = "P2pNcclConnector"
 SAMPLED_TOKEN = 7  # what the fake model runner "samples"; never an EOS here
@@ -138,6 +144,29 @@ def make_vllm_config(
     )
 
 
+@contextlib.contextmanager
+def _env_default(name: str, value: str):
+    had = name in os.environ
+    os.environ.setdefault(name, value)
+    try:
+        yield
+    finally:
+        if not had:
+            os.environ.pop(name, None)
+
+
+def _with_grant(request_id: str, params: dict | None) -> dict | None:
+    """``params`` plus a router's grant for the peers the request names, if any."""
+    try:
+        peer = parse_peer_info(request_id, params)
+    except PeerInfoError:
+        return params
+    if peer is None or (params is not None and GRANT_KEY in params):
+        return params
+    grant = make_grant(test_router_token(), peer.prefill_addr, peer.decode_addr, peer.key)
+    return {**(params or {}), GRANT_KEY: grant}
+
+
 def make_scheduler(vllm_config: VllmConfig, num_blocks: int) -> Scheduler:
     block_size = vllm_config.cache_config.block_size
     kv_cache_config = KVCacheConfig(
@@ -195,7 +224,10 @@ class SchedulerHarness:
     ):
         self.vllm_config = make_vllm_config(model, kv_role, **config)
         self.block_size = self.vllm_config.cache_config.block_size
-        self.scheduler = make_scheduler(self.vllm_config, num_blocks)
+        # The connector reads the fleet's router token from the environment
+        # when it is built: the test fleet's, unless the test set one.
+        with _env_default(envs.VLLM_DISAGG_ROUTER_TOKEN, test_router_token().decode()):
+            self.scheduler = make_scheduler(self.vllm_config, num_blocks)
         init_none_hash(sha256)
         self._block_hasher = get_request_block_hasher(self.block_size, sha256)
         self.initial_free_blocks = self.free_blocks
@@ -235,10 +267,18 @@ class SchedulerHarness:
         max_tokens: int = 4,
         kv_transfer_params: dict | None = None,
         prompt_embeds: torch.Tensor | None = None,
+        grant: bool = True,
+        n: int = 1,
     ) -> Request:
         """A generation request; ``prompt_token_ids=None`` with
-        ``prompt_embeds`` (``[num_tokens, hidden]``) for a prompt-embeds one."""
-        sampling_params = SamplingParams(max_tokens=max_tokens)
+        ``prompt_embeds`` (``[num_tokens, hidden]``) for a prompt-embeds one.
+
+        When the id or ``kv_transfer_params`` name valid peers, the request
+        carries the grant a router would add (test fleet token), unless
+        ``grant=False``."""
+        if grant:
+            kv_transfer_params = _with_grant(request_id, kv_transfer_params)
+        sampling_params = SamplingParams(max_tokens=max_tokens, n=n)
         if kv_transfer_params is not None:
             sampling_params.extra_args = {"kv_transfer_params": kv_transfer_params}
         return Request(

@@ -21,6 +21,7 @@ from typing import Any
 
 import requests
 
+from vllm_disagg import envs
 from vllm_disagg.testing import openai_client
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
@@ -69,6 +70,15 @@ def vllm_executable() -> str:
     return found
 
 
+# The router token of test fleets when the environment sets none.
+TEST_ROUTER_TOKEN = "vllm-disagg-test-fleet-token"
+
+
+def test_router_token() -> bytes:
+    """The token test servers and routers get (see :func:`cpu_test_env`)."""
+    return envs.router_token() or TEST_ROUTER_TOKEN.encode()
+
+
 def cpu_test_env(**extra: str) -> dict[str, str]:
     """Environment for small CPU servers: little KV memory, offline, quiet,
     and one unpinned OpenMP thread per worker.
@@ -81,6 +91,9 @@ def cpu_test_env(**extra: str) -> dict[str, str]:
     ran none", the stuck rank inside ``torch.softmax``).
     """
     env = dict(os.environ)
+    # Loopback test fleets share one router token: routers sign the peers
+    # they name with it and P2P instances check the grants.
+    env.setdefault(envs.VLLM_DISAGG_ROUTER_TOKEN, TEST_ROUTER_TOKEN)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -10,14 +10,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import PROTOCOL_VERSION
+from vllm_disagg.wire.peers import (
     DECODE_ADDR_KEY,
     DECODE_MARKER,
     MAX_KEY_CHARS,
     PEER_INFO_KEYS,
     PREFILL_ADDR_KEY,
     PREFILL_MARKER,
-    PROTOCOL_VERSION,
     REQUEST_KEY_KEY,
     PeerInfo,
     PeerInfoError,
@@ -38,7 +38,7 @@ ADDRS = [
 
 
 def test_protocol_version_and_keys():
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2
     assert PEER_INFO_KEYS == (PREFILL_ADDR_KEY, DECODE_ADDR_KEY, REQUEST_KEY_KEY)
     assert len(set(PEER_INFO_KEYS)) == 3
 
@@ -186,7 +186,7 @@ def test_addresses():
 def test_repeated_addresses_are_parsed_once_and_errors_keep_their_label():
     """The router names the same peers on every request; only valid addresses
     are cached, so a bad one raises naming its own key every time."""
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import metadata
+    from vllm_disagg.wire import peers as metadata
 
     metadata._split_valid_addr.cache_clear()
     for _ in range(3):

@@ -44,6 +44,14 @@ def _config(extra=None, *, role="kv_consumer", port=22001, **top) -> P2pConfig:
     return P2pConfig.from_kv_transfer_config(KVTransferConfig(**normalize_kv_transfer_json(obj)))
 
 
+@pytest.fixture(autouse=True)
+def _fleet_credentials(monkeypatch):
+    """A fleet that set what check_security asks for: the checks under test
+    here come after it. Tests of the security rules remove these."""
+    monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET, "s3cr3t")
+    monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "tok")
+
+
 def _error(fn, *args, **kwargs) -> str:
     with pytest.raises(ConfigError) as info:
         fn(*args, **kwargs)
@@ -133,6 +141,7 @@ def test_extra_config_must_be_an_object():
 
 def test_defaults(monkeypatch):
     monkeypatch.delenv(envs.VLLM_DISAGG_P2P_SECRET, raising=False)
+    monkeypatch.delenv(envs.VLLM_DISAGG_ROUTER_TOKEN, raising=False)
     config = _config()
     assert config == P2pConfig(role="kv_consumer", base_port=22001, host="127.0.0.1")
     assert config.send_type is SendType.PUT_ASYNC

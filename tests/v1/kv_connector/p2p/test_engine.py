@@ -54,6 +54,7 @@ HOST = "127.0.0.1"
 WAIT_S = 10.0  # upper bound of any wait for something that should happen soon
 
 TRANSPORTS = ["fake", "tcp"]
+DIGEST = proto.prompt_digest(list(range(100)))  # every transfer here is of one prompt
 
 
 class Node:
@@ -176,12 +177,12 @@ def send(sender: Node, receiver: Node, key: str, src_ids: list[int], *, mode: st
          skip: int = 0, expect: bool = True, exp_deadline: float | None = None):
     """Start one transfer in ``mode``; returns the sender's SendTransfer."""
     if mode == "GET":
-        xfer = sender.hold(key, f"req-{key}", src_ids)
-        receiver.expect(key, skip, exp_deadline or deadline(), get_from=sender.addr)
+        xfer = sender.hold(key, f"req-{key}", src_ids, prompt_digest=DIGEST)
+        receiver.expect(key, skip, exp_deadline or deadline(), get_from=sender.addr, prompt_digest=DIGEST)
         return xfer
     if expect:
-        receiver.expect(key, skip, exp_deadline or deadline(), get_from=None)
-    xfer = sender.start_send(key, f"req-{key}", receiver.addr, src_ids, all_saved=mode == "PUT")
+        receiver.expect(key, skip, exp_deadline or deadline(), get_from=None, prompt_digest=DIGEST)
+    xfer = sender.start_send(key, f"req-{key}", receiver.addr, src_ids, all_saved=mode == "PUT", prompt_digest=DIGEST)
     if mode == "PUT_ASYNC":
         for layer in range(sender.engine.layout.num_layers):
             xfer.layer_saved(layer, None)
@@ -232,8 +233,8 @@ def test_transfer_lands_byte_equal(make_engine, transport, mode, skip):
     if mode == "PUT_ASYNC":
         # layers are saved one by one from this (the model) thread; the
         # transfer cannot complete before the last one is saved
-        decode.expect("k", skip, deadline(), get_from=None)
-        xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False)
+        decode.expect("k", skip, deadline(), get_from=None, prompt_digest=DIGEST)
+        xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False, prompt_digest=DIGEST)
         xfer.layer_saved(0, None)
         wait_for(lambda: decode.occupancy() == (nbytes, 0), "the offer to reserve room")
         xfer.layer_saved(1, None)
@@ -357,9 +358,9 @@ def test_no_room_sender_gets_no_space_and_nothing_is_held(make_engine, mode):
 def test_an_offer_for_an_abandoned_key_is_not_wanted(make_engine):
     prefill = make_engine("fake", "PUT", seed=1)
     decode = make_engine("fake", "PUT", seed=2)
-    decode.expect("k", 0, time.monotonic() + 5, None)
+    decode.expect("k", 0, time.monotonic() + 5, None, prompt_digest=DIGEST)
     decode.abandon("k")
-    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True)
+    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True, prompt_digest=DIGEST)
     assert not wait_done(xfer).ok and Status.NOT_WANTED in xfer.reason
     assert_nothing_held(decode)
 
@@ -368,9 +369,9 @@ def test_no_room_before_decode_expects_the_key_fails_its_load_at_once(make_engin
     """PUT modes: the offer can beat decode's request; the failure waits for it."""
     prefill = make_engine("fake", "PUT", seed=1)
     decode = make_engine("fake", "PUT", buf=1, pool=0, seed=2)
-    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2], all_saved=True)
+    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2], all_saved=True, prompt_digest=DIGEST)
     assert not wait_done(xfer).ok and Status.NO_SPACE in xfer.reason
-    decode.expect("k", 0, time.monotonic() + 60, None)
+    decode.expect("k", 0, time.monotonic() + 60, None, prompt_digest=DIGEST)
     slot = wait_slot(decode, "k", timeout=10.0)
     assert slot.state is SlotState.FAILED
     decode.release(slot)
@@ -384,7 +385,7 @@ def test_an_expectation_nobody_serves_is_left_to_the_worker(make_engine):
     # The engine never times out an expectation by itself (no offer, no
     # slot): the worker's deadline logic reports the load failure and abandons.
     decode = make_engine("fake", "PUT_ASYNC", hold=0.2, seed=2)
-    decode.expect("k", 1, deadline(0.1), get_from=None)
+    decode.expect("k", 1, deadline(0.1), get_from=None, prompt_digest=DIGEST)
     time.sleep(0.5)  # past the deadline and the hold timeout, two sweeps
     assert decode.poll("k") is None
     with decode.engine._lock:
@@ -400,7 +401,7 @@ def test_a_key_abandoned_while_its_offer_takes_room_is_refused_and_freed(make_en
     the sweep (kv_hold_timeout_s later)."""
     prefill = make_engine(transport, "PUT_ASYNC", hold=5.0, seed=1)
     decode = make_engine(transport, "PUT_ASYNC", hold=30.0, seed=2)
-    decode.expect("k", 0, deadline(30.0), get_from=None)
+    decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST)
     allocate = decode.engine._allocate
 
     def allocate_then_give_up(nbytes):
@@ -409,7 +410,7 @@ def test_a_key_abandoned_while_its_offer_takes_room_is_refused_and_freed(make_en
         return room
 
     decode.engine._allocate = allocate_then_give_up
-    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=False)
+    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=False, prompt_digest=DIGEST)
     assert not wait_done(xfer).ok
     assert "not_wanted" in xfer.reason.lower(), xfer.reason
     assert decode.occupancy() == (0, 0)
@@ -423,9 +424,9 @@ def test_layers_never_saved_fail_at_the_sender_deadline(make_engine, transport, 
     prefill = make_engine(transport, "PUT_ASYNC", hold=hold, seed=1)
     decode = make_engine(transport, "PUT_ASYNC", hold=30.0, seed=2)
     src = [1, 2, 3]
-    decode.expect("k", 0, deadline(30.0), get_from=None)  # the receiver waits long
+    decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST)  # the receiver waits long
     start = time.monotonic()
-    xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False)
+    xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False, prompt_digest=DIGEST)
     nbytes = LAYERS * len(src) * PAGE
     wait_for(lambda: decode.occupancy() == (nbytes, 0), "the offer to reserve room")
     # The room is taken just before the slot is filed: wait for both, so that
@@ -471,7 +472,7 @@ def test_get_for_a_key_never_held_fails_at_the_deadline(make_engine):
     decode = make_engine("fake", "GET", seed=2)
     start = time.monotonic()
     exp_deadline = start + 1.0
-    decode.expect("k", 0, exp_deadline, get_from=prefill.addr)
+    decode.expect("k", 0, exp_deadline, get_from=prefill.addr, prompt_digest=DIGEST)
     time.sleep(0.3)
     if time.monotonic() < exp_deadline - 0.2:  # (a heavily loaded machine may oversleep)
         assert decode.poll("k") is None  # NOT_READY: the GET is retried until the deadline
@@ -490,14 +491,14 @@ def test_hold_expires_and_a_late_get_is_gone(make_engine):
     prefill = make_engine("fake", "GET", hold=hold, seed=1)
     decode = make_engine("fake", "GET", seed=2)
     start = time.monotonic()
-    xfer = prefill.hold("k", "req-k", [1, 2])
+    xfer = prefill.hold("k", "req-k", [1, 2], prompt_digest=DIGEST)
     finished = wait_for(prefill.take_finished_sends, "the hold to expire", timeout=5.0)
     assert finished == [xfer] and xfer.done.is_set()
     assert not xfer.ok and "kv_hold_timeout_s" in xfer.reason
     assert time.monotonic() - start >= hold
     assert prefill.totals()["failed_sends"] == 1
 
-    decode.expect("k", 0, deadline(30.0), get_from=prefill.addr)
+    decode.expect("k", 0, deadline(30.0), get_from=prefill.addr, prompt_digest=DIGEST)
     slot = wait_slot(decode, "k", timeout=10.0)  # well before the decode's deadline
     assert slot.state is SlotState.FAILED and Status.GONE in slot.reason
     decode.release(slot)
@@ -511,7 +512,7 @@ def test_a_hold_is_pulled_once(make_engine):
     receive(decode, "k", [3, 4], 0)
     assert wait_done(xfer).ok
     # the hold is gone after the pull: a second GET is retried until its deadline
-    decode.expect("k", 0, deadline(0.3), get_from=prefill.addr)
+    decode.expect("k", 0, deadline(0.3), get_from=prefill.addr, prompt_digest=DIGEST)
     slot = wait_slot(decode, "k", timeout=3.0)
     assert slot.state is SlotState.FAILED
     decode.release(slot)
@@ -531,12 +532,17 @@ def test_a_hold_is_pulled_once(make_engine):
     ],
 )
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_layout_mismatch_refuses_the_hello(make_engine, transport, decode_kw, field):
+def test_layout_mismatch_refuses_the_hello(make_engine, transport, decode_kw, field, caplog):
     prefill = make_engine(transport, "PUT", seed=1)
     decode = make_engine(transport, "PUT", seed=2, **decode_kw)
-    xfer = send(prefill, decode, "k", [1, 2], mode="PUT")
-    assert not wait_done(xfer).ok
-    assert "KV layout mismatch" in xfer.reason and field in xfer.reason, xfer.reason
+    with caplog.at_level(logging.WARNING):
+        xfer = send(prefill, decode, "k", [1, 2], mode="PUT")
+        assert not wait_done(xfer).ok
+    # The peer learns only the kind of refusal; the layout stays in the decode's log.
+    assert "refused the channel (layout;" in xfer.reason, xfer.reason
+    assert "KV layout mismatch" not in xfer.reason and field not in xfer.reason
+    assert any("KV layout mismatch" in r.getMessage() and field in r.getMessage()
+               for r in caplog.records)
     assert decode.totals()["rejected_messages"] == 1
     assert_nothing_allocated(decode)
     assert not decode.engine._inbound
@@ -580,8 +586,8 @@ def test_many_concurrent_transfers_land_in_the_right_blocks(make_engine, transpo
             dst = [free_dst.pop() for _ in range(n - skip)]
             plan.append((sender, f"s{s}-req{j}", src, skip, dst))
     for _, key, _, skip, _ in plan:
-        decode.expect(key, skip, deadline(), get_from=None)
-    xfers = [sender.start_send(key, key, decode.addr, src, all_saved=False)
+        decode.expect(key, skip, deadline(), get_from=None, prompt_digest=DIGEST)
+    xfers = [sender.start_send(key, key, decode.addr, src, all_saved=False, prompt_digest=DIGEST)
              for sender, key, src, _, _ in plan]
     for layer in range(LAYERS):  # interleaved layer saves, as two forward passes would
         order = list(xfers)
@@ -617,7 +623,7 @@ def _flood_frames(n: int, secret: bytes | None) -> list[list[bytes]]:
         lambda i: [msgspec.msgpack.encode(["nope", i]), b""],  # unknown tag
         lambda i: [b"\x92\xa5offer", b""],  # truncated
         # a well-formed message under another secret (or none)
-        lambda i: proto.seal(foreign, Offer(req_no=i, channel_id="feed", key=f"k{i}",
+        lambda i: proto.seal(foreign, Offer(req_no=i, channel_id="feed", key=f"k{i}", prompt_digest=DIGEST,
                                             xfer_id=0, num_blocks=2)),
         lambda i: proto.seal(None, Reply(req_no=i, status=Status.OK)),
         lambda i: proto.seal(foreign, Hello(
@@ -716,8 +722,8 @@ def test_engines_sharing_a_secret_transfer(make_engine):
 def test_an_engine_with_another_secret_is_refused(make_engine, intruder_secret):
     decode = make_engine("fake", "PUT", secret=b"right", seed=2)
     intruder = make_engine("fake", "PUT", secret=intruder_secret, hold=0.5, seed=1)
-    decode.expect("k", 0, deadline(), get_from=None)
-    xfer = intruder.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True)
+    decode.expect("k", 0, deadline(), get_from=None, prompt_digest=DIGEST)
+    xfer = intruder.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True, prompt_digest=DIGEST)
     assert not wait_done(xfer).ok
     assert "no reply" in xfer.reason
     assert decode.totals()["rejected_messages"] == 1  # the Hello, unauthenticated
@@ -759,8 +765,8 @@ def test_a_failed_send_breaks_the_channel_and_the_next_transfer_recovers(make_en
 def test_an_outage_mid_transfer_fails_it_and_the_next_transfer_recovers(make_engine):
     prefill = make_engine("fake", "PUT_ASYNC", seed=1)
     decode = make_engine("fake", "PUT_ASYNC", seed=2)
-    decode.expect("a", 0, deadline(), get_from=None)
-    x1 = prefill.start_send("a", "req-a", decode.addr, [1, 2, 3], all_saved=False)
+    decode.expect("a", 0, deadline(), get_from=None, prompt_digest=DIGEST)
+    x1 = prefill.start_send("a", "req-a", decode.addr, [1, 2, 3], all_saved=False, prompt_digest=DIGEST)
     x1.layer_saved(0, None)
     wait_for(lambda: decode.occupancy()[0] > 0, "the offer to reserve room")
     FakeTransport.break_all("injected outage")
@@ -835,7 +841,7 @@ def test_an_unanswered_get_is_sent_again_on_a_fresh_socket(make_engine):
     port = router.bind_to_random_port("tcp://127.0.0.1")
     try:
         start = time.monotonic()
-        decode.expect("k", 0, start + 20.0, get_from=f"127.0.0.1:{port}")
+        decode.expect("k", 0, start + 20.0, get_from=f"127.0.0.1:{port}", prompt_digest=DIGEST)
         gets = []
         while len(gets) < 2:
             assert router.poll(5000), "no Get (or no resent Get) arrived"

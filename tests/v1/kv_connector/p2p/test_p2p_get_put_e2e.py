@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import make_request_id
+from vllm_disagg.wire.peers import make_request_id
 from vllm_disagg.testing.openai_client import complete
 from vllm_disagg.testing.p2p import disaggregated_completion
 

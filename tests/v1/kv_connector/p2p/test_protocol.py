@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import PROTOCOL_VERSION
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import PROTOCOL_VERSION
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     MAC_BYTES,
     MAX_ADDR_CHARS,
@@ -53,7 +53,7 @@ def _hello(**kw) -> Hello:
 
 def _offer(**kw) -> Offer:
     fields = dict(req_no=2, channel_id="0123456789abcdef", key="cmpl-1___127.0.0.1:5000",
-                  xfer_id=0, num_blocks=4, request_id="req-1")
+                  xfer_id=0, num_blocks=4, prompt_digest=b"d" * 16, request_id="req-1")
     fields.update(kw)
     return Offer(**fields)
 

@@ -21,7 +21,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import
     make_instance_id,
     start_registration,
 )
-from vllm_disagg.router.protocol import (
+from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
     MAX_ID_CHARS,
     Ack,
@@ -321,7 +321,7 @@ def test_scheduler_shutdown_deregisters(routers, tmp_path, monkeypatch):
     router = routers()
     vllm_config = make_vllm_config(write_model_config(tmp_path), "kv_consumer")
     vllm_config.kv_transfer_config.kv_connector_extra_config.update(
-        proxy_ip=f"127.0.0.1:{router.port}", http_port=20002
+        proxy_ip=f"127.0.0.1:{router.port}", http_port=20002, allowed_peers="127.0.0.1"
     )
     scheduler = make_scheduler(vllm_config, num_blocks=16)
     [msg] = router.receive(1, kind=Register)

@@ -13,16 +13,19 @@ Block size 16, 64 tokens per step (chunked prefill), prefix caching on.
 
 from __future__ import annotations
 
+from unittest.mock import ANY
+
 import pytest
 from vllm.utils.math_utils import cdiv
 from vllm.v1.request import RequestStatus
 
+from vllm_disagg import envs
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+from vllm_disagg.wire.peers import (
     make_kv_transfer_params,
     make_request_id,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.specs import (
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
     SaveSpec,
@@ -126,6 +129,7 @@ def test_decode_waits_for_remote_kv_then_runs(harness, num_prompt):
             first_block=0,
             block_ids=held,
             num_blocks=num_blocks,
+        prompt_digest=ANY,
         )
     ]
     assert metas(step).saves == []
@@ -190,6 +194,7 @@ def test_decode_loads_only_blocks_after_local_prefix_hit(harness, num_prompt, fi
         first_block=first_block,
         block_ids=held[first_block:],
         num_blocks=num_blocks,
+        prompt_digest=ANY,
     )
 
     step = h.step(finished_recving={rid})
@@ -418,7 +423,7 @@ def test_prefill_saves_in_the_step_completing_the_prompt(harness, send_type, num
     num_blocks = cdiv(num_prompt, BLOCK)
     held = h.block_ids(rid)
     assert metas(step).saves == [
-        SaveSpec(request_id=rid, key="key9", decode_addr=DECODE, block_ids=held[:num_blocks])
+        SaveSpec(request_id=rid, key="key9", decode_addr=DECODE, block_ids=held[:num_blocks], prompt_digest=ANY)
     ]
     assert metas(step).loads == []
     # max_tokens=1: finished in this step, its blocks kept for the send.
@@ -654,7 +659,9 @@ def test_prefill_prompt_embeds_request_is_saved(harness):
     ("kv_ip", "decode_addr"),
     [("::1", "[0:0:0:0:0:0:0:1]:21001"), ("Decode-1.example", "decode-1.example:21001")],
 )
-def test_kv_both_recognizes_its_address_in_any_spelling(harness, kv_ip, decode_addr):
+def test_kv_both_recognizes_its_address_in_any_spelling(harness, kv_ip, decode_addr, monkeypatch):
+    # A host name may be reachable beyond loopback: the plane needs its secret.
+    monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET, "s3cr3t")
     h = harness("kv_both", kv_ip=kv_ip)
     rid = wrapped_id(PREFILL, decode_addr, "key23")
     h.add(h.request(rid, tokens(BLOCK + 5, seed=37), max_tokens=1))

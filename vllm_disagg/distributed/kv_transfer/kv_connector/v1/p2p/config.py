@@ -26,8 +26,15 @@ Decisions:
   of the default route), what a multi-host deployment needs and what the old
   connector used; 127.0.0.1 when the machine has no route.
 * The shared secret of the control plane is never read from the JSON (command
-  lines are visible in ``ps``) but from the ``VLLM_DISAGG_P2P_SECRET``
-  environment variable; unset or empty means no authentication.
+  lines are visible in ``ps``) but from ``VLLM_DISAGG_P2P_SECRET`` (or the
+  file ``VLLM_DISAGG_P2P_SECRET_FILE`` names). Safe by default
+  (:meth:`P2pConfig.check_security`): an instance whose ``kv_ip`` is not a
+  loopback address refuses to start without one, unless
+  ``allow_unauthenticated`` is set (logged as a warning); and the peers a
+  request names are acted on only when the router's grant
+  (``VLLM_DISAGG_ROUTER_TOKEN``, see ``vllm_disagg/wire/grants.py``) or the
+  operator's ``allowed_peers`` vouches for them, so an instance with
+  neither refuses to start.
 * ``kv_load_failure_policy`` defaults to ``"recompute"`` for this connector:
   a lost transfer costs time, never a failed request.
 * ``proxy_ip`` names one router or several (router replicas behind a load
@@ -49,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_disagg import envs
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
+from vllm_disagg.wire.peers import canonical_addr, format_addr
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 
@@ -91,6 +98,8 @@ EXTRA_CONFIG_KEYS = (
     "proxy_port",
     "http_port",
     "http_ip",
+    "allowed_peers",
+    "allow_unauthenticated",
 )
 
 DEFAULT_KV_BUFFER_SIZE = 10**9
@@ -191,7 +200,7 @@ _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 def parse_host(key: str, value: Any) -> str:
     """An IPv4 address, an IPv6 address (brackets optional) or a host name.
 
-    The same grammar the request-id codec accepts (``metadata.py``): no
+    The same grammar the request-id codec accepts (``vllm_disagg/wire/peers.py``): no
     underscores, no IPv6 zone ids.
     """
     what = "an IPv4 or IPv6 address or a host name"
@@ -305,6 +314,69 @@ def _default_host() -> str:
     return host
 
 
+def is_loopback_host(host: str) -> bool:
+    """True for loopback addresses and ``localhost``; a host name is not
+    resolved (it may name any machine)."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+_ALLOWED_WHAT = (
+    "peers: host, host:port ([IPv6]:port) or an IP network (10.0.0.0/8), as a "
+    "comma-separated string or a JSON list"
+)
+
+
+@dataclass(frozen=True)
+class AllowedPeers:
+    """The operator's list of peers a request may name without a router grant."""
+
+    hosts: tuple[tuple[str, int | None], ...] = ()  # canonical host, port or None (any)
+    networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+
+    def allows(self, canonical: tuple[str, int]) -> bool:
+        """``canonical``: ``(host, port)`` from ``wire.peers.canonical_addr``."""
+        host, port = canonical
+        for h, p in self.hosts:
+            if h == host and p in (None, port):
+                return True
+        if self.networks:
+            try:
+                ip = ipaddress.ip_address(host)
+            except ValueError:
+                return False
+            return any(ip in net for net in self.networks)
+        return False
+
+
+def parse_allowed_peers(key: str, value: Any) -> AllowedPeers:
+    items = value
+    if isinstance(value, str):
+        items = [i for i in value.split(",") if i.strip()]
+    if not isinstance(items, list | tuple) or not items or len(items) > 4096:
+        raise ConfigError(f"{key}: {_show(value)} is not a list of {_ALLOWED_WHAT}")
+    hosts: list[tuple[str, int | None]] = []
+    networks = []
+    for item in items:
+        if isinstance(item, str) and "/" in item:
+            try:
+                networks.append(ipaddress.ip_network(item.strip(), strict=False))
+            except ValueError:
+                raise ConfigError(f"{key}: {_show(item)} is not {_ALLOWED_WHAT}") from None
+            continue
+        try:
+            host, port = _parse_router(key, item)
+        except ConfigError:
+            raise ConfigError(f"{key}: {_show(item)} is not {_ALLOWED_WHAT}") from None
+        canonical_host, _ = canonical_addr(format_addr(host.strip("[]"), port or 1))
+        hosts.append((canonical_host, port))
+    return AllowedPeers(tuple(hosts), tuple(networks))
+
+
 # --- normalising the JSON ---------------------------------------------------
 
 
@@ -391,6 +463,12 @@ class P2pConfig:
     http_ip: str | None = None
     # Control-plane HMAC key (VLLM_DISAGG_P2P_SECRET); None: no authentication.
     secret: bytes | None = field(default=None, repr=False)
+    # The router's token (VLLM_DISAGG_ROUTER_TOKEN): checks the peer grants.
+    grant_token: bytes | None = field(default=None, repr=False)
+    # Peers an operator vouches for without a grant (see parse_allowed_peers).
+    allowed_peers: AllowedPeers | None = None
+    # Run beyond loopback without a secret (logged as a warning at start).
+    allow_unauthenticated: bool = False
     # Derived from proxy_ip and proxy_port: (host, port) of every router.
     routers: tuple[tuple[str, int], ...] = field(init=False, default=())
 
@@ -428,9 +506,48 @@ class P2pConfig:
                 "http_port: required with proxy_ip/proxy_port (the port of this "
                 "instance's API server that the router forwards requests to)"
             )
-        if self.secret is not None and not isinstance(self.secret, bytes):
-            raise ConfigError("secret: must be bytes or None")
-        set_(self, "secret", self.secret or None)
+        for name in ("secret", "grant_token"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bytes):
+                raise ConfigError(f"{name}: must be bytes or None")
+            set_(self, name, getattr(self, name) or None)
+        if self.allowed_peers is not None and not isinstance(self.allowed_peers, AllowedPeers):
+            set_(self, "allowed_peers", parse_allowed_peers("allowed_peers", self.allowed_peers))
+        if not isinstance(self.allow_unauthenticated, bool):
+            raise ConfigError(
+                f"allow_unauthenticated: {_show(self.allow_unauthenticated)} is not true or false"
+            )
+
+    @property
+    def binds_beyond_loopback(self) -> bool:
+        """Whether the workers' ports (kv_ip) can be reached from other machines."""
+        return not is_loopback_host(self.host)
+
+    def check_security(self) -> None:
+        """Safe by default, checked at start-up (API server and engine core):
+        one line naming what to set when the configuration is open."""
+        if self.binds_beyond_loopback and self.secret is None:
+            if not self.allow_unauthenticated:
+                raise ConfigError(
+                    f"{_EXTRA}.kv_ip: {self.host} is reachable beyond loopback and the "
+                    f"P2P control plane has no secret: set {envs.VLLM_DISAGG_P2P_SECRET} "
+                    f"(or {envs.VLLM_DISAGG_P2P_SECRET_FILE}) to the same value on every "
+                    f"instance, or set {_EXTRA}.allow_unauthenticated to true to accept "
+                    "KV from anyone who can reach the port"
+                )
+            if "allow_unauthenticated" not in _warned:
+                _warned.add("allow_unauthenticated")
+                logger.warning(
+                    "%s: allow_unauthenticated is set: the P2P ports on %s accept KV and "
+                    "control messages from anyone who can reach them (no %s)",
+                    CONNECTOR_NAME, self.host, envs.VLLM_DISAGG_P2P_SECRET,
+                )
+        if self.grant_token is None and self.allowed_peers is None:
+            raise ConfigError(
+                f"{CONNECTOR_NAME}: nothing vouches for the peers a request names: set "
+                f"{envs.VLLM_DISAGG_ROUTER_TOKEN} to the router's token (the router signs "
+                f"the peers of every request with it) or list the peers in "
+                f"{_EXTRA}.allowed_peers"
+            )
 
     @property
     def mem_pool_size_gb(self) -> float:
@@ -471,7 +588,19 @@ class P2pConfig:
             "role": parse_choice("kv_role", kv_transfer_config.kv_role, ROLES),
             "base_port": parse_port("kv_port", kv_transfer_config.kv_port),
             "secret": envs.p2p_secret(),
+            "grant_token": envs.router_token(),
         }
+        if "allowed_peers" in extra:
+            kwargs["allowed_peers"] = parse_allowed_peers(
+                key("allowed_peers"), extra["allowed_peers"]
+            )
+        if "allow_unauthenticated" in extra:
+            value = extra["allow_unauthenticated"]
+            if not isinstance(value, bool):
+                raise ConfigError(
+                    f"{key('allow_unauthenticated')}: {_show(value)} is not true or false"
+                )
+            kwargs["allow_unauthenticated"] = value
         if "send_type" in extra:
             choices = tuple(t.value for t in SendType)
             kwargs["send_type"] = parse_choice(key("send_type"), extra["send_type"], choices)
@@ -622,6 +751,7 @@ def check_p2p_config(vllm_config) -> None:
     if kv_transfer_config is None or kv_transfer_config.kv_connector != CONNECTOR_NAME:
         return
     config = P2pConfig.from_vllm_config(vllm_config)
+    config.check_security()
     config.check_port_plan(vllm_config.parallel_config)
     config.check_dp_load_balancing(vllm_config.parallel_config)
 

@@ -26,7 +26,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pCo
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.scheduler import (
     P2pSchedulerConnector,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.specs import P2pConnectorMetadata
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import P2pConnectorMetadata
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
     P2pKVConnectorStats,
     P2pPromMetrics,
@@ -50,6 +50,8 @@ class P2pNcclConnector(KVConnectorBase_V1):
     ):
         super().__init__(vllm_config, role, kv_cache_config)
         config = P2pConfig.from_vllm_config(vllm_config)
+        # Also here, not only in the API server: offline LLM() starts no server.
+        config.check_security()
         self._scheduler: P2pSchedulerConnector | None = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -124,7 +126,9 @@ class P2pNcclConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors()
 
     def get_kv_connector_stats(self) -> P2pKVConnectorStats | None:
-        return self._worker.take_stats() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self._scheduler.take_stats() if self._scheduler is not None else None
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -39,6 +39,7 @@ thread copies the buffer into the KV cache (:meth:`P2pEngine.take_received`).
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 import queue
 import secrets
@@ -51,7 +52,7 @@ import torch
 import zmq
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
+from vllm_disagg.wire.peers import format_addr
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Get,
     Hello,
@@ -76,6 +77,13 @@ logger = init_logger(__name__)
 
 POLL_INTERVAL_S = 0.05
 GET_RETRY_INTERVAL_S = 0.05
+# An idle receive thread checks this often whether its sender hung up.
+IDLE_CHECK_INTERVAL_S = 1.0
+# A peer thread with nothing to do for this long exits and frees its socket
+# and channel (a new one is made on the next transfer to that peer).
+PEER_IDLE_S = 60.0
+# Inbound channels (one receive thread each) at most; Hellos beyond are refused.
+MAX_INBOUND_CHANNELS = 256
 # A Get unanswered this long is sent again on a fresh socket: seen on loaded
 # 2-core machines, a first Get on a new connection was not delivered until
 # its socket was closed. Get is idempotent (the offer follows at most once).
@@ -189,6 +197,7 @@ class RecvSlot:
     tensor: torch.Tensor  # uint8, the whole transfer, layer-major
     pool_alloc: PoolAllocation | None
     deadline: float
+    prompt_digest: bytes = b""  # the sender's: the worker copies only on a match
     created: float = field(default_factory=time.monotonic)
     state: SlotState = SlotState.RECEIVING
     reason: str = ""
@@ -214,6 +223,7 @@ class _Expectation:
 
     skip_blocks: int
     deadline: float
+    prompt_digest: bytes
     abandoned: bool = False
 
 
@@ -241,10 +251,19 @@ class _InboundChannel:
         except TransportError as e:
             self._break(f"channel set-up failed: {e}")
             return
+        next_check = time.monotonic() + IDLE_CHECK_INTERVAL_S
         while not engine.stopped.is_set() and not self.broken:
             try:
                 slot = self.queue.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + IDLE_CHECK_INTERVAL_S
+                    if self.channel.peer_closed():
+                        # The sender's process is gone (its socket closed):
+                        # free the thread and the socket now, not never.
+                        self._break("the sender closed the channel")
+                        return
                 continue
             start = time.monotonic()
             try:
@@ -258,12 +277,16 @@ class _InboundChannel:
             engine._finish_slot(slot, ok=True)
 
     def _break(self, reason: str) -> None:
-        self.broken = True
         engine = self.engine
-        logger.warning("P2P channel from %s closed: %s", self.peer, reason)
+        with engine._lock:
+            # Under the engine lock: an offer either sees the channel broken,
+            # or is queued before the drain below and failed by it.
+            self.broken = True
+            if engine._inbound.get(self.channel_id) is self:
+                del engine._inbound[self.channel_id]
+        engine._log_limited("channel_closed", f"P2P channel from {self.peer} closed: {reason}")
         if self.channel is not None:
             self.channel.close()
-        engine._drop_inbound(self)
         while True:
             try:
                 slot = self.queue.get_nowait()
@@ -285,6 +308,7 @@ class SendTransfer:
     block_ids: list[int]
     num_layers: int
     deadline: float
+    prompt_digest: bytes = b""
     layers_ready: int = 0
     events: dict[int, torch.cuda.Event] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
@@ -336,6 +360,11 @@ class _Peer:
         self.channel_id = ""
         self._sock: zmq.Socket | None = None
         self._req_no = itertools.count(1)
+        # GET jobs answered "not ready", each with the time to ask again:
+        # they wait here, not in the thread, so other transfers go first.
+        self._later: list[tuple[float, int, _GetJob]] = []
+        self._later_no = itertools.count()
+        self.retired = False
         self.thread = threading.Thread(target=self._run, name=f"p2p-peer-{addr}", daemon=True)
         self.thread.start()
 
@@ -397,45 +426,62 @@ class _Peer:
 
     def _run(self) -> None:
         engine = self.engine
+        idle_since = time.monotonic()
         while not engine.stopped.is_set():
+            now = time.monotonic()
+            wait = POLL_INTERVAL_S
+            if self._later:
+                wait = min(wait, max(0.0, self._later[0][0] - now))
             try:
-                job = self.jobs.get(timeout=POLL_INTERVAL_S)
+                job = self.jobs.get(timeout=wait)
             except queue.Empty:
-                continue
-            if isinstance(job, _GetJob):
-                self._get(job)
-            else:
-                self._send(job)
+                job = None
+            if job is not None:
+                self._do(job)
+            now = time.monotonic()
+            while self._later and self._later[0][0] <= now:
+                self._do(heapq.heappop(self._later)[2])
+            if job is not None or self._later:
+                idle_since = now
+            elif now - idle_since > PEER_IDLE_S and engine._retire_peer(self):
+                break
         self._reset_socket()
         if self.channel is not None:
             self.channel.close()
 
+    def _do(self, job: SendTransfer | _GetJob) -> None:
+        if isinstance(job, _GetJob):
+            self._get(job)
+        else:
+            self._send(job)
+
     def _get(self, job: _GetJob) -> None:
+        """Ask once; a "not ready" answer puts the job back with a retry time,
+        so a key the prefill never holds delays no other transfer."""
         engine = self.engine
-        while True:
-            if not engine._still_expected(job.key):
-                return  # the KV arrived (or decode gave up): nothing left to ask for
-            try:
-                reply = self.request(
-                    lambda n: Get(req_no=n, sender_addr=engine.addr, key=job.key,
-                                  skip_blocks=job.skip_blocks),
-                    job.deadline,
-                    resend_after_s=GET_RESEND_AFTER_S,
-                )
-            except TransportError as e:
-                job.on_failure(str(e))
-                return
-            logger.debug("P2P %s: Get of %s answered %s", engine.addr, job.key, reply.status)
-            if reply.status == Status.OK:
-                return  # the offer follows on our listener
-            if reply.status != Status.NOT_READY:
-                job.on_failure(f"prefill {self.addr} answered {reply.status} {reply.reason}")
-                return
-            if time.monotonic() + GET_RETRY_INTERVAL_S > job.deadline:
-                job.on_failure(f"prefill {self.addr} did not have the KV ready in time")
-                return
-            if engine.stopped.wait(GET_RETRY_INTERVAL_S):
-                return
+        if not engine._still_expected(job.key):
+            return  # the KV arrived (or decode gave up): nothing left to ask for
+        try:
+            reply = self.request(
+                lambda n: Get(req_no=n, sender_addr=engine.addr, key=job.key,
+                              skip_blocks=job.skip_blocks),
+                job.deadline,
+                resend_after_s=GET_RESEND_AFTER_S,
+            )
+        except TransportError as e:
+            job.on_failure(str(e))
+            return
+        logger.debug("P2P %s: Get of %s answered %s", engine.addr, job.key, reply.status)
+        if reply.status == Status.OK:
+            return  # the offer follows on our listener
+        if reply.status != Status.NOT_READY:
+            job.on_failure(f"prefill {self.addr} answered {reply.status} {reply.reason}")
+            return
+        retry_at = time.monotonic() + GET_RETRY_INTERVAL_S
+        if retry_at > job.deadline:
+            job.on_failure(f"prefill {self.addr} did not have the KV ready in time")
+            return
+        heapq.heappush(self._later, (retry_at, next(self._later_no), job))
 
     def _ensure_channel(self, deadline: float) -> None:
         if self.channel is not None:
@@ -452,7 +498,8 @@ class _Peer:
             deadline,
         )
         if reply.status != Status.OK:
-            raise TransportError(f"peer {self.addr} refused the channel: {reply.reason}")
+            raise TransportError(f"peer {self.addr} refused the channel ({reply.reason}; "
+                                 "its log says why)")
         self.channel = finish(reply.setup, deadline)
         self.channel_id = channel_id
         logger.info("P2P channel to %s is up (%s)", self.addr, engine.transport.name)
@@ -472,10 +519,11 @@ class _Peer:
                 reply = self.request(
                     lambda n: Offer(req_no=n, channel_id=self.channel_id, key=xfer.key,
                                     xfer_id=0, num_blocks=len(xfer.block_ids),
+                                    prompt_digest=xfer.prompt_digest,
                                     request_id=xfer.request_id[:512]),
                     xfer.deadline,
                 )
-                if reply.status == Status.REJECTED and "unknown channel" in reply.reason:
+                if reply.status == Status.REJECTED and reply.reason == "unknown_channel":
                     # The receiver dropped its end of the channel (a receive of its
                     # failed after we had sent every byte): ours is useless, and kept
                     # it would get every later offer refused. Offer again on a new one.
@@ -572,29 +620,38 @@ class P2pEngine:
     # --- model-thread API: sending ---
 
     def start_send(
-        self, key: str, request_id: str, peer: str, block_ids: list[int], *, all_saved: bool
+        self, key: str, request_id: str, peer: str, block_ids: list[int], *,
+        all_saved: bool, prompt_digest: bytes,
     ) -> SendTransfer:
         """Queue the KV of ``block_ids`` for ``peer``; layers follow via layer_saved()."""
         xfer = SendTransfer(
             key=key, request_id=request_id, peer=peer, block_ids=list(block_ids),
             num_layers=self.layout.num_layers,
-            deadline=time.monotonic() + self.hold_timeout_s,
+            deadline=time.monotonic() + self.hold_timeout_s, prompt_digest=prompt_digest,
         )
         if all_saved:
             xfer.all_saved()
-        self._peer(peer).jobs.put(xfer)
+        self._submit(peer, xfer)
         return xfer
 
-    def hold(self, key: str, request_id: str, block_ids: list[int]) -> SendTransfer:
-        """GET mode: keep the KV of ``block_ids`` until a peer pulls it or the hold expires."""
+    def hold(
+        self, key: str, request_id: str, block_ids: list[int], *, prompt_digest: bytes
+    ) -> SendTransfer:
+        """GET mode: keep the KV of ``block_ids`` until a peer pulls it or the hold expires.
+
+        A second hold of one key (a retried id) replaces the first, which
+        ends as a failed send at once: nothing could ever pull it."""
         xfer = SendTransfer(
             key=key, request_id=request_id, peer="", block_ids=list(block_ids),
             num_layers=self.layout.num_layers,
-            deadline=time.monotonic() + self.hold_timeout_s,
+            deadline=time.monotonic() + self.hold_timeout_s, prompt_digest=prompt_digest,
         )
         xfer.all_saved()
         with self._lock:
+            replaced = self._holds.get(key)
             self._holds[key] = xfer
+        if replaced is not None:
+            self._finish_send(replaced, ok=False, reason="replaced by a second hold of its key")
         logger.debug("P2P %s: holding %d blocks of %s for a Get", self.addr, len(block_ids), key)
         return xfer
 
@@ -605,18 +662,24 @@ class P2pEngine:
 
     # --- model-thread API: receiving ---
 
-    def expect(self, key: str, skip_blocks: int, deadline: float, get_from: str | None) -> None:
-        """Decode knows request ``key``: it holds ``skip_blocks`` leading blocks itself.
+    def expect(
+        self, key: str, skip_blocks: int, deadline: float, get_from: str | None,
+        prompt_digest: bytes,
+    ) -> None:
+        """Decode knows request ``key``: it holds ``skip_blocks`` leading blocks itself,
+        and accepts KV only for the prompt whose digest is ``prompt_digest``.
 
         With ``get_from`` (GET mode) the prefill worker at that address is asked
         to offer the KV now."""
         with self._lock:
-            self._expected[key] = _Expectation(skip_blocks=skip_blocks, deadline=deadline)
-        if get_from is not None:
-            self._peer(get_from).jobs.put(
-                _GetJob(key=key, skip_blocks=skip_blocks, deadline=deadline,
-                        on_failure=lambda reason: self._fail_expected(key, reason))
+            self._expected[key] = _Expectation(
+                skip_blocks=skip_blocks, deadline=deadline, prompt_digest=prompt_digest
             )
+        if get_from is not None:
+            self._submit(get_from, _GetJob(
+                key=key, skip_blocks=skip_blocks, deadline=deadline,
+                on_failure=lambda reason: self._fail_expected(key, reason),
+            ))
 
     def poll(self, key: str) -> RecvSlot | None:
         """The slot of ``key`` once it is complete or failed (then owned by the caller)."""
@@ -694,12 +757,24 @@ class P2pEngine:
 
     # --- internals ---
 
-    def _peer(self, addr: str) -> _Peer:
+    def _submit(self, addr: str, job: SendTransfer | _GetJob) -> None:
+        """Queue ``job`` on the thread of peer ``addr`` (started if there is none).
+        Under the lock, so a peer thread retiring at this moment cannot drop it."""
         with self._lock:
             peer = self._peers.get(addr)
             if peer is None:
                 peer = self._peers[addr] = _Peer(self, addr)
-            return peer
+            peer.jobs.put(job)
+
+    def _retire_peer(self, peer: _Peer) -> bool:
+        """An idle peer thread asks to exit: yes unless a job arrived meanwhile."""
+        with self._lock:
+            if not peer.jobs.empty():
+                return False
+            if self._peers.get(peer.addr) is peer:
+                del self._peers[peer.addr]
+            peer.retired = True
+            return True
 
     def _pool_used(self) -> int:
         return self._pool.used_bytes if self._pool is not None else 0
@@ -758,11 +833,6 @@ class P2pEngine:
         if abandoned:
             self.release(slot)
 
-    def _drop_inbound(self, inbound: _InboundChannel) -> None:
-        with self._lock:
-            if self._inbound.get(inbound.channel_id) is inbound:
-                del self._inbound[inbound.channel_id]
-
     def _recv_layer(self, channel: Channel, slot: RecvSlot, layer: int) -> None:
         dst = slot.layer(layer)
         if slot.pool_alloc is not None and not self.transport.receives_into_host:
@@ -813,7 +883,7 @@ class P2pEngine:
                 except Exception as e:  # noqa: BLE001 - one bad message must not stop the listener
                     logger.exception("P2P listener failed to handle a message")
                     reply = Reply(req_no=getattr(msg, "req_no", 0), status=Status.REJECTED,
-                                  reason=str(e)[: proto.MAX_REASON_CHARS])
+                                  reason="internal")
                 if reply is not None:
                     router.send_multipart([route, *proto.seal(self.secret, reply)])
             now = time.monotonic()
@@ -833,8 +903,10 @@ class P2pEngine:
         return None
 
     def _refuse(self, req_no: int, kind: str, reason: str) -> Reply:
+        """Refuse with the kind only: the details (the local layout, say) go
+        to this side's log, never to a peer that may be a stranger."""
         self._reject(kind, reason)
-        return Reply(req_no=req_no, status=Status.REJECTED, reason=reason[: proto.MAX_REASON_CHARS])
+        return Reply(req_no=req_no, status=Status.REJECTED, reason=kind)
 
     def _on_hello(self, msg: Hello) -> Reply:
         if msg.version != proto.PROTOCOL_VERSION:
@@ -852,6 +924,14 @@ class P2pEngine:
         with self._lock:
             if msg.channel_id in self._inbound:
                 return self._refuse(msg.req_no, "duplicate", "channel id in use")
+            # A sender uses only its newest channel to us: an older one from
+            # the same address belongs to a sender that restarted or gave up on it.
+            stale = [c for c in self._inbound.values() if c.peer == msg.sender_addr]
+            if not stale and len(self._inbound) >= MAX_INBOUND_CHANNELS:
+                return self._refuse(msg.req_no, "busy",
+                                    f"{MAX_INBOUND_CHANNELS} inbound channels already open")
+        for old in stale:
+            old._break("the sender opened a new channel")
         try:
             reply_setup, finish = self.transport.accept(msg.setup)
         except TransportError as e:
@@ -877,6 +957,12 @@ class P2pEngine:
             return self._refuse(msg.req_no, "duplicate", f"second offer for {msg.key}")
         if gave_up or (exp is not None and exp.abandoned):
             return Reply(req_no=msg.req_no, status=Status.NOT_WANTED)
+        if exp is not None and msg.prompt_digest != exp.prompt_digest:
+            # KV of another prompt under this key: never filed, the load fails now.
+            self.stats.record_digest_mismatch()
+            self._fail_key(msg.key, "offered KV belongs to another prompt (digest mismatch)")
+            return self._refuse(msg.req_no, "digest", f"offer of {msg.key}: prompt digest "
+                                "differs from the request's")
         skip = min(exp.skip_blocks, msg.num_blocks - 1) if exp is not None else 0
         deadline = exp.deadline if exp is not None else time.monotonic() + self.hold_timeout_s
         nbytes = self.layout.num_layers * (msg.num_blocks - skip) * self.layout.page_bytes
@@ -895,17 +981,24 @@ class P2pEngine:
             key=msg.key, num_blocks=msg.num_blocks, skip_blocks=skip,
             page_bytes=self.layout.page_bytes, num_layers=self.layout.num_layers,
             tensor=tensor, pool_alloc=alloc, deadline=deadline,
+            prompt_digest=msg.prompt_digest,
         )
         with self._lock:
             # The worker may have given up on the key while the room was taken
-            # (abandon() then saw neither the slot nor its room as a slot).
+            # (abandon() then saw neither the slot nor its room as a slot), or
+            # the channel may have broken: its drain runs under this lock too,
+            # so a slot queued here is either received or failed, never stuck.
             gave_up = msg.key in self._tombstones
-            if not gave_up:
+            broken = inbound.broken
+            if not gave_up and not broken:
                 self._slots[msg.key] = slot
-        if gave_up:
+                inbound.queue.put(slot)
+        if gave_up or broken:
             self.release(slot)
+            if broken:
+                return self._refuse(msg.req_no, "unknown_channel",
+                                    f"offer on closed channel {msg.channel_id!r}")
             return Reply(req_no=msg.req_no, status=Status.NOT_WANTED)
-        inbound.queue.put(slot)
         return Reply(req_no=msg.req_no, status=Status.OK, skip_blocks=skip)
 
     def _on_get(self, msg: Get) -> Reply:
@@ -917,7 +1010,7 @@ class P2pEngine:
         if xfer is None:
             return Reply(req_no=msg.req_no, status=Status.GONE if released else Status.NOT_READY)
         xfer.peer = msg.sender_addr
-        self._peer(msg.sender_addr).jobs.put(xfer)
+        self._submit(msg.sender_addr, xfer)
         return Reply(req_no=msg.req_no, status=Status.OK)
 
     def _sweep(self, now: float) -> None:

@@ -17,15 +17,41 @@ writes ``num_layers`` messages (one per layer, the blocks from
 
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 
 import msgspec
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
-    MAX_KEY_CHARS,
-    PROTOCOL_VERSION,  # noqa: F401  (re-exported: the engine checks proto.PROTOCOL_VERSION)
-)
+from vllm_disagg.wire.peers import MAX_KEY_CHARS
+
+# Version of everything P2P instances exchange (request naming, the messages
+# below); a peer with another version is refused at its Hello.
+# History:
+#   1: first version (kv_transfer_params p2p_* keys, the seed's request-id
+#      format, Hello/Offer/Get/Reply).
+#   2: Offer carries the prompt's digest; peers need a grant (p2p_grant).
+PROTOCOL_VERSION = 2
+DIGEST_BYTES = 16
+
+
+def prompt_digest(token_ids) -> bytes:
+    """What both sides of a transfer compute from the request's prompt: KV is
+    copied into a decode's cache only when the sender's digest equals the
+    decode's own, so KV of one prompt is never filed under another's prefix."""
+    h = hashlib.sha256(b"p2p-prompt-v1")
+    h.update(len(token_ids).to_bytes(8, "little"))
+    h.update(array.array("q", token_ids).tobytes())
+    return h.digest()[:DIGEST_BYTES]
+
+
+def embeds_digest(embeds) -> bytes:
+    """:func:`prompt_digest` of a prompt given as embeddings (a CPU tensor)."""
+    t = embeds.detach().contiguous().cpu()
+    h = hashlib.sha256(b"p2p-embeds-v1")
+    h.update(f"{tuple(t.shape)}|{t.dtype}".encode())
+    h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+    return h.digest()[:DIGEST_BYTES]
 
 MAC_BYTES = 16
 MAX_FRAME_BYTES = 8192
@@ -67,6 +93,7 @@ class Offer(_Msg, tag="offer"):
     key: str
     xfer_id: int
     num_blocks: int  # blocks of the whole prompt
+    prompt_digest: bytes  # prompt_digest() of the prompt whose KV this is
     request_id: str = ""  # sender's internal id, for logs only
 
 
@@ -154,6 +181,7 @@ def _check_bounds(msg: Message) -> None:
         need(len(msg.channel_id) <= 64, "channel_id too long")
         need(len(msg.request_id) <= 512, "request_id too long")
         need(msg.num_blocks > 0, "num_blocks must be positive")
+        need(len(msg.prompt_digest) == DIGEST_BYTES, "prompt_digest length")
     elif isinstance(msg, Get):
         need(0 < len(msg.key) <= MAX_KEY_CHARS, "key length")
         need(len(msg.sender_addr) <= MAX_ADDR_CHARS, "sender_addr too long")

@@ -6,7 +6,7 @@ load balancing) every rank is an instance a router can address (behind one
 API server only its first rank registers, see
 :func:`registers_for_its_api_server`). Its daemon
 thread sends every router named in ``proxy_ip`` a ``Register`` (the whole
-state of the instance, see ``vllm_disagg/router/protocol.py``) every
+state of the instance, see ``vllm_disagg/wire/discovery.py``) every
 ``interval_s``, from one DEALER socket per router, and a ``Deregister`` on
 :meth:`RegistrationClient.close`.
 
@@ -33,10 +33,10 @@ import msgspec
 import zmq
 
 from vllm_disagg import envs
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
+from vllm_disagg.wire.peers import format_addr
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
-from vllm_disagg.router.protocol import (
+from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
     HEARTBEAT_INTERVAL_S,
     MAX_FRAME_BYTES,

@@ -12,18 +12,33 @@ step whose forward pass completes the prompt (the last chunk under chunked
 prefill), the workers are told to send (PUT, PUT_ASYNC) or hold (GET) the
 prompt's blocks, and ``request_finished`` delays freeing them until the
 workers report the send finished (sent, refused or expired).
+
+Both sides act on the peers a request names only when a router grant or the
+operator's ``allowed_peers`` vouches for them (:class:`PeerVouching`);
+otherwise the request is computed locally and counted (``refused_peers``).
+A transfer key is used once per side: the children of ``n > 1``, beam
+search's per-step requests and a retried id carry the key of a transfer that
+is already under way or done, and are computed locally at once instead of
+waiting for KV that will never come a second time.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig, dp_rank_of
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    embeds_digest,
+    prompt_digest,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import P2pStatsRecorder
+from vllm_disagg.wire.grants import GRANT_KEY, GrantError, check_grant
+from vllm_disagg.wire.peers import (
     canonical_addr,
     format_addr,
     PeerInfo,
@@ -33,7 +48,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import (
     start_registration,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.specs import (
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
     SaveSpec,
@@ -49,11 +64,78 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 BAD_PEER_LOG_INTERVAL_S = 10.0
+# Keys used once are remembered this many at most (oldest forgotten first).
+MAX_USED_KEYS = 65536
+
+
+class PeerVouching:
+    """Whether this instance may act on the peers a request names: a valid
+    router grant in ``kv_transfer_params``, or every named peer other than
+    this instance on the operator's ``allowed_peers``."""
+
+    def __init__(self, config: P2pConfig, own_addr: str):
+        self._token = config.grant_token
+        self._allowed = config.allowed_peers
+        self._own = canonical_addr(own_addr)
+
+    def refusal(self, peer: PeerInfo, kv_transfer_params: dict | None) -> str | None:
+        """None when vouched for, else why not (for a rate-limited log line)."""
+        grant = kv_transfer_params.get(GRANT_KEY) if isinstance(kv_transfer_params, dict) else None
+        problem = "no router token to check a grant with"
+        if self._token is not None and grant is not None:
+            try:
+                check_grant(self._token, grant, peer)
+                return None
+            except GrantError as e:
+                problem = f"grant refused ({e})"
+        elif self._token is not None:
+            problem = "no grant"
+        if self._allowed is not None:
+            others = [
+                a for a in (canonical_addr(peer.prefill_addr), canonical_addr(peer.decode_addr))
+                if a != self._own
+            ]
+            if all(self._allowed.allows(a) for a in others):
+                return None
+            problem += "; a named peer is not on allowed_peers"
+        return problem
+
+
+class UsedKeys:
+    """Transfer keys this side has used, each for ``ttl_s`` (bounded)."""
+
+    def __init__(self, ttl_s: float, max_keys: int = MAX_USED_KEYS):
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self._keys: OrderedDict[str, float] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        until = self._keys.get(key)
+        if until is None:
+            return False
+        if time.monotonic() > until:
+            del self._keys[key]
+            return False
+        return True
+
+    def add(self, key: str) -> None:
+        self._keys[key] = time.monotonic() + self.ttl_s
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
+
+
+@dataclass
+class _Peers:
+    """What a live request that names vouched-for peers carries."""
+
+    info: PeerInfo
+    digest: bytes
 
 
 @dataclass
 class _Prefill:
-    peer: PeerInfo
+    peer: _Peers
     num_prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
 
@@ -72,8 +154,15 @@ class P2pSchedulerConnector:
             ),
         )
         self._canonical_addr = canonical_addr(self.addr)
+        self._vouching = PeerVouching(config, self.addr)
+        self.stats = P2pStatsRecorder()
+        # Long enough that a duplicate of a request arrives within it: the
+        # other side holds a key's KV at most this long.
+        self._used_keys = UsedKeys(
+            2 * max(config.kv_load_timeout_s, config.kv_hold_timeout_s) + 60.0
+        )
         # request id -> peers, for every live request that has them
-        self._peers: dict[str, PeerInfo] = {}
+        self._peers: dict[str, _Peers] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loaded: set[str] = set()  # requests that asked for remote KV once
         self._prefills: dict[str, _Prefill] = {}
@@ -96,16 +185,32 @@ class P2pSchedulerConnector:
         try:
             peer = parse_peer_info(request.request_id, request.kv_transfer_params)
         except PeerInfoError as e:
-            now = time.monotonic()
-            if now - self._last_bad_peer_log >= BAD_PEER_LOG_INTERVAL_S:
-                self._last_bad_peer_log = now
-                logger.warning(
-                    "request %s: unusable P2P peer information (%s); it is computed "
-                    "locally", request.request_id, e,
-                )
+            self._refuse(request, f"unusable P2P peer information ({e})")
             return
-        if peer is not None:
-            self._peers[request.request_id] = peer
+        if peer is None:
+            return
+        refusal = self._vouching.refusal(peer, request.kv_transfer_params)
+        if refusal is not None:
+            self._refuse(request, f"nothing vouches for its P2P peers: {refusal}")
+            return
+        if request.prompt_token_ids is not None:
+            digest = prompt_digest(request.prompt_token_ids)
+        elif request.prompt_embeds is not None:
+            digest = embeds_digest(request.prompt_embeds)
+        else:
+            self._refuse(request, "neither prompt token ids nor embeddings to check KV against")
+            return
+        self._peers[request.request_id] = _Peers(peer, digest)
+
+    def _refuse(self, request: Request, why: str) -> None:
+        self.stats.record_refused_peers()
+        now = time.monotonic()
+        if now - self._last_bad_peer_log >= BAD_PEER_LOG_INTERVAL_S:
+            self._last_bad_peer_log = now
+            logger.warning("request %s: %s; it is computed locally", request.request_id, why)
+
+    def take_stats(self):
+        return self.stats.take()
 
     def _is_me(self, addr: str) -> bool:
         # Compared canonically: a proxy may spell this address differently.
@@ -129,8 +234,11 @@ class P2pSchedulerConnector:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        peer = self._peers.get(request.request_id)
-        if peer is None or request.request_id in self._loaded or not self._is_decode(peer):
+        peers = self._peers.get(request.request_id)
+        if peers is None or request.request_id in self._loaded:
+            return 0, False
+        if not self._is_decode(peers.info) or peers.info.key in self._used_keys:
+            # Another request (n > 1 sibling, beam step, retry) took this key.
             return 0, False
         remote = request.num_prompt_tokens - num_computed_tokens
         if remote <= 0:
@@ -141,15 +249,17 @@ class P2pSchedulerConnector:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        peer = self._peers.get(req_id)
-        if num_external_tokens <= 0 or peer is None or req_id in self._loaded:
+        peers = self._peers.get(req_id)
+        if num_external_tokens <= 0 or peers is None or req_id in self._loaded:
             return
+        peer = peers.info
         num_prompt = request.num_prompt_tokens
         num_local = num_prompt - num_external_tokens
         num_blocks = cdiv(num_prompt, self.block_size)
         first_block = num_local // self.block_size
         block_ids = list(blocks.get_block_ids()[0])
         self._loaded.add(req_id)
+        self._used_keys.add(peer.key)
         self._pending_loads[req_id] = LoadSpec(
             request_id=req_id,
             key=peer.key,
@@ -157,6 +267,7 @@ class P2pSchedulerConnector:
             first_block=first_block,
             block_ids=block_ids[first_block:num_blocks],
             num_blocks=num_blocks,
+            prompt_digest=peers.digest,
         )
 
     # --- every step ---
@@ -168,7 +279,7 @@ class P2pSchedulerConnector:
 
         for new in scheduler_output.scheduled_new_reqs:
             peer = self._peers.get(new.req_id)
-            if peer is None or not self._is_prefill(peer):
+            if peer is None or not self._is_prefill(peer.info):
                 continue
             prefill = _Prefill(peer, new.prompt_len, list(new.block_ids[0]))
             self._prefills[new.req_id] = prefill
@@ -192,13 +303,19 @@ class P2pSchedulerConnector:
         if computed_after < prefill.num_prompt_tokens or prefill.num_prompt_tokens == 0:
             return
         del self._prefills[req_id]
+        key = prefill.peer.info.key
+        if key in self._used_keys:
+            # n > 1 siblings and retried ids share the key: one transfer per key.
+            return
+        self._used_keys.add(key)
         num_blocks = cdiv(prefill.num_prompt_tokens, self.block_size)
         meta.saves.append(
             SaveSpec(
                 request_id=req_id,
-                key=prefill.peer.key,
-                decode_addr=prefill.peer.decode_addr,
+                key=key,
+                decode_addr=prefill.peer.info.decode_addr,
                 block_ids=prefill.block_ids[:num_blocks],
+                prompt_digest=prefill.peer.digest,
             )
         )
         self._sending.add(req_id)

@@ -30,6 +30,10 @@ COUNTERS = {
     "spills": "received transfers stored in the host tensor pool (receive buffer full)",
     "dropped": "offered transfers refused for lack of room (recomputed locally)",
     "rejected_messages": "control-plane messages rejected (malformed, unauthenticated, unknown)",
+    "refused_peers": "requests whose named peers no grant or allowed_peers vouched for "
+    "(computed locally)",
+    "digest_mismatches": "offered KV whose prompt digest differed from the request's "
+    "(refused; recomputed locally)",
 }
 # gauges: last value wins
 GAUGES = {
@@ -125,6 +129,12 @@ class P2pStatsRecorder:
 
     def record_rejected(self, kind: str) -> None:
         self._add(rejected_messages=1)
+
+    def record_refused_peers(self) -> None:
+        self._add(refused_peers=1)
+
+    def record_digest_mismatch(self) -> None:
+        self._add(digest_mismatches=1)
 
     def set_occupancy(self, buffer_bytes: int, pool_bytes: int) -> None:
         with self._lock:

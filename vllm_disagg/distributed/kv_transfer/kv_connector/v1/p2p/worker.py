@@ -37,8 +37,8 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     SendTransfer,
     SlotState,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import format_addr
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.specs import (
+from vllm_disagg.wire.peers import format_addr
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
 )
@@ -129,7 +129,7 @@ class P2pWorkerConnector:
             for save in meta.saves:
                 xfer = self.engine.start_send(
                     save.key, save.request_id, shift_port(save.decode_addr, self.rank_offset),
-                    save.block_ids, all_saved=False,
+                    save.block_ids, all_saved=False, prompt_digest=save.prompt_digest,
                 )
                 self._streaming.append(xfer)
                 self._sends[save.request_id] = xfer
@@ -151,6 +151,7 @@ class P2pWorkerConnector:
             engine.expect(
                 load.key, skip, deadline,
                 get_from=shift_port(load.prefill_addr, self.rank_offset) if get_mode else None,
+                prompt_digest=load.prompt_digest,
             )
 
     def save_kv_layer(self, layer_name: str) -> None:
@@ -178,7 +179,7 @@ class P2pWorkerConnector:
             started = [
                 engine.start_send(
                     s.key, s.request_id, shift_port(s.decode_addr, self.rank_offset),
-                    s.block_ids, all_saved=True,
+                    s.block_ids, all_saved=True, prompt_digest=s.prompt_digest,
                 )
                 for s in meta.saves
             ]
@@ -187,7 +188,9 @@ class P2pWorkerConnector:
                 xfer.done.wait(max(0.0, xfer.deadline - time.monotonic()))
         elif send_type is SendType.GET:
             for s in meta.saves:
-                self._sends[s.request_id] = engine.hold(s.key, s.request_id, s.block_ids)
+                self._sends[s.request_id] = engine.hold(
+                    s.key, s.request_id, s.block_ids, prompt_digest=s.prompt_digest
+                )
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
@@ -218,6 +221,11 @@ class P2pWorkerConnector:
                 engine.abandon(load.key)
                 self._fail_load(load, f"no KV from {load.prefill_addr} within "
                                 f"kv_load_timeout_s={self.config.kv_load_timeout_s}")
+            elif slot.state is SlotState.COMPLETE and slot.prompt_digest != load.prompt_digest:
+                # Arrived before this request was known, for another prompt.
+                engine.release(slot)
+                self.stats.record_digest_mismatch()
+                self._fail_load(load, "received KV belongs to another prompt (digest mismatch)")
             elif slot.state is SlotState.COMPLETE:
                 try:
                     engine.copy_into_cache(slot, load.block_ids, load.first_block)

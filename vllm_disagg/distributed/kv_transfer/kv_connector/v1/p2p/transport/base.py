@@ -73,6 +73,11 @@ class Channel(abc.ABC):
     def close(self) -> None:
         """Release the link; idempotent. Blocked calls on it raise TransportError."""
 
+    def peer_closed(self) -> bool:
+        """Without blocking: True when the peer is known to have gone (its end
+        closed). Called by an idle receiver; False when it cannot tell."""
+        return False
+
 
 AcceptFinish = Callable[[float], Channel]
 InitiateFinish = Callable[[bytes, float], Channel]

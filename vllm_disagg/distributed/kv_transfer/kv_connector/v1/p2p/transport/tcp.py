@@ -177,6 +177,18 @@ class TcpChannel(Channel):
             self._error = "channel closed"
         self._shutdown()
 
+    def peer_closed(self) -> bool:
+        # Only an idle receiver asks, so nothing else reads the socket now;
+        # a peek neither consumes bytes nor blocks.
+        if self._error is not None:
+            return True
+        try:
+            return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
     def _check(self) -> None:
         if self._error is not None:
             raise TransportError(self._error)

@@ -47,9 +47,8 @@ import time
 import uuid
 from pathlib import Path
 
-from vllm_disagg.wire.peers import make_request_id
 from vllm_disagg.testing import openai_client
-from vllm_disagg.testing.p2p import P2pInstance, free_kv_port, kv_transfer_config
+from vllm_disagg.testing.p2p import P2pInstance, free_kv_port, kv_transfer_config, peer_naming
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import HEAD_DIM, build_model
 
@@ -207,7 +206,7 @@ def per_transfer(d: dict[str, float], what: str) -> float | None:
     return d[f"vllm:p2p_{what}_seconds_sum"] / count if count > 0 else None
 
 
-def stream_times(server, prompt, headers=None) -> tuple[list[float], list[int], float]:
+def stream_times(server, prompt, headers=None, **params) -> tuple[list[float], list[int], float]:
     """Seconds from now to each streamed chunk with tokens, the token ids, and
     the start time. Two tokens in one chunk (the API server merges outputs a
     slow reader has not taken yet) leave one time."""
@@ -215,7 +214,7 @@ def stream_times(server, prompt, headers=None) -> tuple[list[float], list[int], 
     times, ids = [], []
     chunks = openai_client.stream_completion(
         server, prompt, headers=headers, timeout_s=REQUEST_TIMEOUT_S, max_tokens=2,
-        temperature=0.0, ignore_eos=True, return_token_ids=True,
+        temperature=0.0, ignore_eos=True, return_token_ids=True, **params,
     )  # fmt: skip
     for chunk in chunks:
         new = openai_client.token_ids(chunk)
@@ -236,15 +235,15 @@ def colocated_once(server: VllmServer, prompt: list[int]) -> dict:
 
 def disagg_once(prefill: P2pInstance, decode: P2pInstance, prompt: list[int]) -> dict:
     """The proxy flow, timed from the client; the connector metrics' deltas."""
-    headers = {"X-Request-Id": make_request_id(prefill.kv_addr, decode.kv_addr, uuid.uuid4().hex)}
+    headers, params = peer_naming(prefill.kv_addr, decode.kv_addr)
     p_before, d_before = snapshot(prefill), snapshot(decode)
     start = time.perf_counter()
     openai_client.complete(
         prefill, prompt, headers=headers, timeout_s=REQUEST_TIMEOUT_S, max_tokens=1,
-        temperature=0.0,
+        temperature=0.0, **params,
     )  # fmt: skip
     prefill_s = time.perf_counter() - start
-    times, ids, decode_start = stream_times(decode, prompt, headers)
+    times, ids, decode_start = stream_times(decode, prompt, headers, **params)
     offset = decode_start - start
     p_after, p_moved = settled(prefill, p_before, "vllm:p2p_send_seconds_count")
     d_after, d_moved = settled(decode, d_before, "vllm:p2p_recv_seconds_count")

@@ -54,6 +54,26 @@ def free_kv_port(span: int = 4) -> int:
     return get_free_port(span)
 
 
+def peer_naming(
+    prefill_addr: str, decode_addr: str, *, key: str | None = None,
+    via_params: bool = False, grant: bool = True,
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """(headers, body fields) naming the peers of one request as a proxy
+    does: the seed's ``X-Request-Id``, or (``via_params``) the peers in
+    ``kv_transfer_params``; with the router's grant under the test fleet's
+    token unless ``grant=False``."""
+    key = key or uuid.uuid4().hex
+    params: dict[str, str] = {}
+    if via_params:
+        request_id = f"router-{key}"
+        params = make_kv_transfer_params(prefill_addr, decode_addr, key)
+    else:
+        request_id = make_request_id(prefill_addr, decode_addr, key)
+    if grant:
+        params[GRANT_KEY] = make_grant(test_router_token(), prefill_addr, decode_addr, key)
+    return {"X-Request-Id": request_id}, ({"kv_transfer_params": params} if params else {})
+
+
 def disaggregated_completion(
     prefill: P2pInstance,
     decode: P2pInstance,
@@ -67,17 +87,8 @@ def disaggregated_completion(
     **params: Any,
 ) -> dict:
     """Prefill on ``prefill`` (1 token), then the whole request on ``decode``: decode's response."""
-    key = key or uuid.uuid4().hex
-    params: dict[str, str] = {}
-    if via_params:
-        request_id = f"router-{key}"
-        params = make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, key)
-    else:
-        request_id = make_request_id(prefill.kv_addr, decode.kv_addr, key)
-    if grant:
-        params[GRANT_KEY] = make_grant(test_router_token(), prefill.kv_addr, decode.kv_addr, key)
-    body_extra = {"kv_transfer_params": params} if params else {}
-    headers = {"X-Request-Id": request_id}
+    headers, body_extra = peer_naming(prefill.kv_addr, decode.kv_addr, key=key,
+                                      via_params=via_params, grant=grant)  # fmt: skip
     openai_client.complete(
         prefill, prompt, headers=headers, timeout_s=timeout_s,
         max_tokens=1, temperature=0.0, **body_extra, **params,

@@ -18,6 +18,11 @@
 #   EXTRA_ARGS       more `vllm serve` arguments for every instance
 #   LOG_DIR          where logs go (default ./xpyd-logs)
 #   PYTHON           the interpreter with this package installed (default python3)
+#   VLLM_DISAGG_ROUTER_TOKEN  the fleet's router token (default: a fresh random
+#                    one): registrations and the router's peer grants are
+#                    signed with it
+#   VLLM_DISAGG_P2P_SECRET    the P2P plane's secret (default: a fresh random
+#                    one); required when HOST is not a loopback address
 set -euo pipefail
 
 : "${MODEL:?set MODEL to a model path or name}"
@@ -34,6 +39,10 @@ EXTRA_ARGS="${EXTRA_ARGS:-}"
 LOG_DIR="${LOG_DIR:-./xpyd-logs}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 mkdir -p "${LOG_DIR}"
+# Every process started below inherits both (environment, not command line:
+# `ps` shows command lines to every user).
+export VLLM_DISAGG_ROUTER_TOKEN="${VLLM_DISAGG_ROUTER_TOKEN:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+export VLLM_DISAGG_P2P_SECRET="${VLLM_DISAGG_P2P_SECRET:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
 
 total=$((NUM_PREFILL + NUM_DECODE))
 use_gpus=0

@@ -480,3 +480,56 @@ def test_dense_dp_ranks_keep_their_own_ports_after_vllm_resets_the_rank():
     parallel.reconfigure_for_independent_dp_rank()
     assert parallel.data_parallel_rank == 0
     assert dp_rank_of(parallel) == 3
+
+
+# --- safe by default (check_security) ------------------------------------------
+
+
+def test_beyond_loopback_without_a_secret_refuses_to_start(monkeypatch):
+    monkeypatch.delenv(envs.VLLM_DISAGG_P2P_SECRET, raising=False)
+    config = P2pConfig(role="kv_producer", base_port=21001, host="10.1.2.3", grant_token=b"t")
+    message = _error(config.check_security)
+    assert message.startswith("kv_connector_extra_config.kv_ip: 10.1.2.3 is reachable")
+    assert envs.VLLM_DISAGG_P2P_SECRET in message and "allow_unauthenticated" in message
+    assert "\n" not in message
+    # Loopback-only needs no secret; a secret or the explicit opt-in does.
+    P2pConfig(role="kv_producer", base_port=21001, grant_token=b"t").check_security()
+    P2pConfig(role="kv_producer", base_port=21001, host="10.1.2.3", grant_token=b"t",
+              secret=b"s").check_security()  # fmt: skip
+    P2pConfig(role="kv_producer", base_port=21001, host="10.1.2.3", grant_token=b"t",
+              allow_unauthenticated=True).check_security()  # fmt: skip
+
+
+def test_allow_unauthenticated_is_read_and_checked():
+    assert _config({"allow_unauthenticated": True}).allow_unauthenticated is True
+    assert _error(_config, {"allow_unauthenticated": "yes"}).startswith(
+        "kv_connector_extra_config.allow_unauthenticated: 'yes' is not true or false"
+    )
+
+
+def test_nothing_to_vouch_for_peers_refuses_to_start(monkeypatch):
+    config = P2pConfig(role="kv_consumer", base_port=21001)
+    assert "nothing vouches for the peers" in _error(config.check_security)
+    P2pConfig(role="kv_consumer", base_port=21001, allowed_peers="10.0.0.0/8").check_security()
+
+
+def test_allowed_peers_grammar():
+    allowed = _config({"allowed_peers": ["10.0.0.5:22001", "10.1.0.0/16"]}).allowed_peers
+    assert allowed.allows(("10.0.0.5", 22001)) and not allowed.allows(("10.0.0.5", 22002))
+    assert allowed.allows(("10.1.200.3", 1)) and not allowed.allows(("10.2.0.1", 1))
+    for bad in ("10.0.0.0/99", "a_b:1", [], 5):
+        assert _error(_config, {"allowed_peers": bad}).startswith(
+            "kv_connector_extra_config.allowed_peers: "
+        )
+
+
+def test_secret_file(monkeypatch, tmp_path):
+    monkeypatch.delenv(envs.VLLM_DISAGG_P2P_SECRET, raising=False)
+    path = tmp_path / "secret"
+    path.write_text("  from-a-file\n")
+    monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET_FILE, str(path))
+    assert _config().secret == b"from-a-file"
+    path.write_text("\n")
+    assert _error(_config).startswith(f"{envs.VLLM_DISAGG_P2P_SECRET_FILE}: ")
+    monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET_FILE, str(tmp_path / "missing"))
+    assert "cannot read" in _error(_config)

@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_disagg.wire.peers import make_request_id
 from vllm_disagg.testing import openai_client
 from vllm_disagg.testing.openai_client import complete
 from vllm_disagg.testing.p2p import (
@@ -30,6 +29,7 @@ from vllm_disagg.testing.p2p import (
     disaggregated_completion,
     free_kv_port,
     kv_transfer_config,
+    peer_naming,
 )
 from vllm_disagg.testing.server import get_free_port
 
@@ -150,7 +150,7 @@ def test_dp2_decode_loads_remote_kv_and_a_waiting_rank_never_stalls_the_group(xp
     prefill = prefills[0]
 
     # A request on rank 1 whose prefill never happens: it waits for KV.
-    orphan_id = make_request_id(prefill.kv_addr, decodes[1].kv_addr)
+    orphan_headers, orphan_params = peer_naming(prefill.kv_addr, decodes[1].kv_addr)
     done_after: dict[str, float] = {}  # what -> seconds from the start when it finished
 
     def note_done(what: str):
@@ -159,7 +159,7 @@ def test_dp2_decode_loads_remote_kv_and_a_waiting_rank_never_stalls_the_group(xp
     with ThreadPoolExecutor(16) as pool:
         started = time.monotonic()
         orphan = pool.submit(
-            complete, decodes[1], ORPHAN, headers={"X-Request-Id": orphan_id},
+            complete, decodes[1], ORPHAN, headers=orphan_headers, **orphan_params,
             max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True,
         )  # fmt: skip
         orphan.add_done_callback(note_done("orphan"))

@@ -16,9 +16,8 @@ import time
 
 import pytest
 
-from vllm_disagg.wire.peers import make_request_id
 from vllm_disagg.testing.openai_client import complete
-from vllm_disagg.testing.p2p import disaggregated_completion
+from vllm_disagg.testing.p2p import disaggregated_completion, peer_naming
 
 from .e2e_common import (
     BLOCK_SIZE,
@@ -96,8 +95,9 @@ def test_a_dead_prefill_costs_a_recompute_within_the_deadline(get_put_set, refer
     prompt = LENGTH_PROMPTS[2]
     # The prefill is gone, so only the decode half of the proxy flow runs.
     start = time.monotonic()
+    headers, params = peer_naming(p.kv_addr, d.kv_addr)
     out = complete(
-        d, prompt, headers={"X-Request-Id": make_request_id(p.kv_addr, d.kv_addr)},
+        d, prompt, headers=headers, **params,
         max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True,
     )  # fmt: skip
     elapsed = time.monotonic() - start

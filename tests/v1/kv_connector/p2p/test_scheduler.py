@@ -30,7 +30,11 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     P2pConnectorMetadata,
     SaveSpec,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import prompt_digest
+from vllm_disagg.errors import ConfigError
 from vllm_disagg.testing.scheduler import SchedulerHarness, tokens, write_model_config
+from vllm_disagg.testing.server import test_router_token
+from vllm_disagg.wire.grants import GRANT_KEY, make_grant
 
 BLOCK = 16
 BUDGET = 64  # max_num_batched_tokens
@@ -666,3 +670,134 @@ def test_kv_both_recognizes_its_address_in_any_spelling(harness, kv_ip, decode_a
     rid = wrapped_id(PREFILL, decode_addr, "key23")
     h.add(h.request(rid, tokens(BLOCK + 5, seed=37), max_tokens=1))
     assert [load.key for load in metas(h.step()).loads] == ["key23"]
+
+
+# --- who vouches for the named peers (issue 17) ------------------------------
+
+NOT_VOUCHED = [
+    pytest.param(None, id="no-grant"),
+    pytest.param("v1.9999999999." + "0" * 32, id="forged-grant"),
+    pytest.param("not a grant", id="malformed-grant"),
+]
+
+
+def count_refusals(h, monkeypatch) -> list:
+    """Calls of the refused_peers counter (vLLM's scheduler drains the stats)."""
+    calls: list = []
+    monkeypatch.setattr(h.connector.stats, "record_refused_peers", lambda: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
+@pytest.mark.parametrize("grant", NOT_VOUCHED)
+def test_peers_nobody_vouches_for_are_computed_locally_and_counted(harness, role, grant,
+                                                                   monkeypatch):
+    """A client naming peers itself (HTTP-only poisoning, outbound connections
+    to any address) gets a plain local computation; nothing waits or sends."""
+    h = harness(role)
+    refused = count_refusals(h, monkeypatch)
+    prefill, decode = (PREFILL, OWN) if role == "kv_consumer" else (OWN, DECODE)
+    rid = wrapped_id(prefill, decode, "forged")
+    params = None if grant is None else {GRANT_KEY: grant}
+    h.add(h.request(rid, tokens(2 * BLOCK, seed=41), max_tokens=2, grant=False,
+                    kv_transfer_params=params))  # fmt: skip
+    step = h.step()
+    assert step.scheduled == {rid: 2 * BLOCK}
+    assert_no_transfer(step)
+    h.run_until_finished(rid)
+    assert_connector_idle(h)
+    assert refused == [1]
+
+
+def test_a_grant_is_bound_to_its_peers_and_key(harness, monkeypatch):
+    """A grant the router made for one request cannot name another decode."""
+    h = harness("kv_producer")
+    refused = count_refusals(h, monkeypatch)
+    good = make_grant(test_router_token(), OWN, DECODE, "k1")
+    rid = wrapped_id(OWN, ANOTHER, "k1")
+    h.add(h.request(rid, tokens(BLOCK, seed=42), max_tokens=1, grant=False,
+                    kv_transfer_params={GRANT_KEY: good}))  # fmt: skip
+    assert_no_transfer(h.step())
+    assert refused == [1]
+
+
+def test_allowed_peers_vouch_without_a_grant(model_dir, monkeypatch):
+    monkeypatch.delenv(envs.VLLM_DISAGG_ROUTER_TOKEN, raising=False)
+    vllm_config_kw = dict(block_size=BLOCK, max_num_batched_tokens=BUDGET)
+    from vllm_disagg.testing.scheduler import make_scheduler, make_vllm_config
+
+    vllm_config = make_vllm_config(model_dir, "kv_producer", **vllm_config_kw)
+    vllm_config.kv_transfer_config.kv_connector_extra_config["allowed_peers"] = "10.0.0.2"
+    scheduler = make_scheduler(vllm_config, num_blocks=64)
+    connector = scheduler.connector._scheduler
+    vouching = connector._vouching
+    from vllm_disagg.wire.peers import parse_peer_info
+
+    assert vouching.refusal(parse_peer_info(wrapped_id(OWN, DECODE, "a"), None), None) is None
+    assert vouching.refusal(parse_peer_info(wrapped_id(OWN, ANOTHER, "b"), None), None)
+
+
+def test_no_token_and_no_allowed_peers_refuses_to_start(model_dir, monkeypatch):
+    from vllm_disagg.testing.scheduler import make_scheduler, make_vllm_config
+
+    monkeypatch.delenv(envs.VLLM_DISAGG_ROUTER_TOKEN, raising=False)
+    with pytest.raises(ConfigError, match=r"nothing vouches for the peers.*allowed_peers"):
+        make_scheduler(make_vllm_config(model_dir, "kv_consumer"), num_blocks=64)
+
+
+# --- one transfer per key: n > 1, beam search, retries ------------------------
+
+
+def test_decode_siblings_sharing_a_key_do_not_wait(harness):
+    """n > 1: the children share the proxy's key; only the first loads, the
+    others compute at once (they used to wait kv_load_timeout_s)."""
+    h = harness("kv_consumer")
+    proxy_id = make_request_id(PREFILL, OWN, "shared")
+    first, second = f"0_cmpl-{proxy_id}-0-aa", f"1_cmpl-{proxy_id}-0-aa"
+    prompt = tokens(2 * BLOCK, seed=43)
+    h.add(h.request(first, prompt, max_tokens=2), h.request(second, prompt, max_tokens=2))
+    step = h.step()
+    assert [load.request_id for load in metas(step).loads] == [first]
+    assert step.scheduled == {second: 2 * BLOCK}
+    assert h.is_waiting_for_remote(first)
+
+
+def test_beam_search_steps_reusing_a_key_do_not_wait(harness):
+    """Beam search sends {id}-{uuid}-beam-{i} per step, all with the key."""
+    h = harness("kv_consumer")
+    proxy_id = make_request_id(PREFILL, OWN, "beam")
+    prompt = tokens(BLOCK + 3, seed=44)
+    first = f"cmpl-{proxy_id}-1111-beam-0"
+    h.add(h.request(first, prompt, max_tokens=1))
+    assert metas(h.step()).loads
+    h.step(finished_recving={first})
+    h.run_until_finished(first)
+    later = f"cmpl-{proxy_id}-2222-beam-0"
+    h.add(h.request(later, prompt + [5], max_tokens=1))
+    step = h.step()
+    assert not metas(step).loads and later in step.scheduled
+
+
+def test_prefill_sends_one_transfer_per_key(harness):
+    """A retried id or n > 1 on the prefill: a second hold of one key used to
+    orphan the first and keep the engine busy."""
+    h = harness("kv_producer", send_type="GET")
+    proxy_id = make_request_id(OWN, DECODE, "once")
+    prompt = tokens(BLOCK, seed=45)
+    h.add(h.request(f"cmpl-{proxy_id}-0-aa", prompt, max_tokens=1))
+    h.add(h.request(f"cmpl-{proxy_id}-0-bb", prompt, max_tokens=1))
+    saves = [save.request_id for save in metas(h.step()).saves]
+    assert saves == [f"cmpl-{proxy_id}-0-aa"]
+
+
+def test_load_and_save_carry_the_prompt_digest(harness):
+    prompt = tokens(BLOCK + 7, seed=46)
+    h = harness("kv_consumer")
+    h.add(h.request(wrapped_id(PREFILL, OWN, "d1"), prompt, max_tokens=1))
+    (load,) = metas(h.step()).loads
+    assert load.prompt_digest == prompt_digest(prompt)
+    p = harness("kv_producer")
+    p.add(p.request(wrapped_id(OWN, DECODE, "d2"), prompt, max_tokens=1))
+    (save,) = metas(p.step()).saves
+    assert save.prompt_digest == prompt_digest(prompt)
+    assert prompt_digest(prompt) != prompt_digest(prompt[:-1] + [prompt[-1] + 1])

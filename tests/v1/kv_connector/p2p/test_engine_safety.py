@@ -1,0 +1,273 @@
+"""The P2P engine when a party misbehaves: strangers, wrong KV, dead peers.
+
+Each test is one finding of the xPyD safety review (issue 17) and fails on
+the code before the fix: KV of another prompt filed under a key, a refused
+Hello that told a stranger the layout, a never-held GET key blocking every
+other GET of its prefill, a second GET hold orphaning the first, threads
+and sockets of dead peers never reclaimed, a Hello flood starting a thread
+each, and an offer racing a channel break stranding its slot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import engine as engine_mod
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import SlotState
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    Hello,
+    Offer,
+    Reply,
+    Status,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import FakeTransport
+
+from .test_engine import (  # noqa: F401  (make_engine is a fixture)
+    DIGEST,
+    HOST,
+    assert_nothing_allocated,
+    deadline,
+    make_engine,
+    receive,
+    send,
+    wait_done,
+    wait_for,
+    wait_slot,
+)
+
+OTHER_DIGEST = proto.prompt_digest(list(range(1, 101)))
+
+
+class Stranger:
+    """A bare ZMQ DEALER speaking the control protocol without the secret."""
+
+    def __init__(self, addr: str, secret: bytes | None = None):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://{addr}")
+        self.secret = secret
+
+    def ask(self, msg, timeout_s: float = 2.0) -> Reply | None:
+        self.sock.send_multipart(proto.seal(self.secret, msg))
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return proto.open_frame(self.secret, self.sock.recv_multipart())
+
+    def close(self):
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+_fake = FakeTransport(torch.device("cpu"), HOST)
+
+
+def hello(decode, *, channel_id: str = "c0ffee", sender: str = "127.0.0.1:1", **kw) -> Hello:
+    """A Hello with a fresh fake-transport token (the stranger never joins)."""
+    setup, _ = _fake.initiate()
+    fields = dict(
+        version=proto.PROTOCOL_VERSION, req_no=1, sender_addr=sender, channel_id=channel_id,
+        transport="fake", setup=setup, layout=decode.engine.layout.spec, send_type="PUT_ASYNC",
+    )
+    fields.update(kw)
+    return Hello(**fields)
+
+
+def joined_hello(stranger: Stranger, decode, channel_id: str = "c0ffee"):
+    """Open a channel as a stranger would, joining its data side."""
+    setup, finish = _fake.initiate()
+    msg = Hello(
+        version=proto.PROTOCOL_VERSION, req_no=1, sender_addr="127.0.0.1:1",
+        channel_id=channel_id, transport="fake", setup=setup,
+        layout=decode.engine.layout.spec, send_type="PUT_ASYNC",
+    )
+    reply = stranger.ask(msg)
+    assert reply.status == Status.OK
+    return finish(reply.setup, deadline(5.0))
+
+
+# --- wrong KV ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["fake", "tcp"])
+def test_offer_of_another_prompt_is_refused_and_the_load_fails_at_once(make_engine, transport):
+    """HTTP-only poisoning: prompt A prefilled, prompt B decoded under one key."""
+    prefill = make_engine(transport, "PUT", seed=1)
+    decode = make_engine(transport, "PUT", seed=2)
+    before = [t.clone() for t in decode.layers]
+    decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST)
+    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True,
+                              prompt_digest=OTHER_DIGEST)  # fmt: skip
+    assert not wait_done(xfer).ok
+    slot = wait_slot(decode, "k", timeout=5.0)  # fails now, not after 30 s
+    assert slot.state is SlotState.FAILED and "digest" in slot.reason
+    decode.release(slot)
+    assert decode.totals()["digest_mismatches"] == 1
+    assert all((a == b).all() for a, b in zip(before, decode.layers))
+    assert_nothing_allocated(decode)
+
+
+def test_kv_received_before_the_request_keeps_the_senders_digest(make_engine):
+    """PUT_ASYNC can deliver before decode knows the request: the worker then
+    compares the slot's digest with its own request's (worker.py)."""
+    prefill = make_engine("fake", "PUT", seed=1)
+    decode = make_engine("fake", "PUT", seed=2)
+    xfer = send(prefill, decode, "k", [1, 2], mode="PUT", expect=False)
+    assert wait_done(xfer).ok
+    decode.expect("k", 0, deadline(), get_from=None, prompt_digest=OTHER_DIGEST)
+    slot = wait_slot(decode, "k")
+    assert slot.state is SlotState.COMPLETE and slot.prompt_digest == DIGEST != OTHER_DIGEST
+    decode.release(slot)
+
+
+# --- what a stranger learns and costs -------------------------------------------
+
+
+def test_a_refused_hello_names_the_kind_only(make_engine):
+    decode = make_engine("fake", "PUT_ASYNC")
+    stranger = Stranger(decode.addr)
+    try:
+        spec = decode.engine.layout.spec
+        wrong = proto.LayoutSpec(num_layers=spec.num_layers + 1, page_bytes=spec.page_bytes,
+                                 block_size=spec.block_size, dtype=spec.dtype)  # fmt: skip
+        reply = stranger.ask(hello(decode, layout=wrong))
+        assert reply.status == Status.REJECTED and reply.reason == "layout"
+        reply = stranger.ask(hello(decode, send_type="GET"))
+        assert reply.reason == "send_type"
+    finally:
+        stranger.close()
+
+
+def test_a_hello_without_the_secret_gets_no_reply_and_no_thread(make_engine):
+    decode = make_engine("fake", "PUT_ASYNC", secret=b"fleet")
+    threads = threading.active_count()
+    stranger = Stranger(decode.addr, secret=b"guess")
+    try:
+        assert stranger.ask(hello(decode), timeout_s=0.5) is None
+    finally:
+        stranger.close()
+    assert decode.totals()["rejected_messages"] == 1
+    assert threading.active_count() == threads and not decode.engine._inbound
+
+
+def test_hello_flood_is_capped(make_engine, monkeypatch):
+    monkeypatch.setattr(engine_mod, "MAX_INBOUND_CHANNELS", 8)
+    decode = make_engine("fake", "PUT_ASYNC")
+    threads = threading.active_count()
+    stranger = Stranger(decode.addr)
+    try:
+        replies = [stranger.ask(hello(decode, channel_id=f"c{i}", sender=f"10.0.0.{i}:1"))
+                   for i in range(40)]  # fmt: skip
+    finally:
+        stranger.close()
+    assert [r.status for r in replies].count(Status.OK) == 8
+    assert {r.reason for r in replies if r.status != Status.OK} == {"busy"}
+    assert len(decode.engine._inbound) == 8
+    assert threading.active_count() <= threads + 8
+
+
+def test_a_new_hello_from_a_sender_replaces_its_old_channel(make_engine):
+    decode = make_engine("fake", "PUT_ASYNC")
+    stranger = Stranger(decode.addr)
+    try:
+        for i in range(5):  # a prefill that restarted five times
+            assert stranger.ask(hello(decode, channel_id=f"c{i}")).status == Status.OK
+        wait_for(lambda: len(decode.engine._inbound) == 1, "one channel per sender")
+        assert list(decode.engine._inbound) == ["c4"]
+    finally:
+        stranger.close()
+
+
+def test_a_channel_whose_sender_died_is_reclaimed(make_engine):
+    """tcp: a killed prefill left a CLOSE_WAIT socket and a thread per lifetime."""
+    decode = make_engine("tcp", "PUT")
+    senders = []
+    for seed in range(3):
+        prefill = make_engine("tcp", "PUT", seed=seed)
+        senders.append(f"p2p-recv-{prefill.addr}")
+        xfer = send(prefill, decode, f"k{seed}", [1, 2], mode="PUT")
+        assert wait_done(xfer).ok
+        receive(decode, f"k{seed}", [10, 11], 0)
+        prefill.engine.close()  # its sockets close, as when the process dies
+    wait_for(lambda: not decode.engine._inbound, "inbound channels of dead senders closed",
+             timeout=3 * engine_mod.IDLE_CHECK_INTERVAL_S + 5)  # fmt: skip
+    alive = [t.name for t in threading.enumerate() if t.name in senders]
+    assert not alive, alive
+
+
+def test_idle_peer_threads_retire(make_engine, monkeypatch):
+    """50 decodes that died left 50 live sender threads on the prefill."""
+    monkeypatch.setattr(engine_mod, "PEER_IDLE_S", 0.3)
+    prefill = make_engine("fake", "PUT", hold=0.3)
+    dead = [f"127.0.0.{i + 1}:9" for i in range(50)]  # nothing listens on port 9
+    xfers = [prefill.start_send(f"k{i}", f"r{i}", addr, [1], all_saved=True, prompt_digest=DIGEST)
+             for i, addr in enumerate(dead)]  # fmt: skip
+    for xfer in xfers:
+        assert not wait_done(xfer).ok
+    wait_for(lambda: not prefill.engine._peers, "peer threads retired", timeout=10.0)
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("p2p-peer-")],
+             "peer threads exited", timeout=10.0)  # fmt: skip
+    # A later transfer to a live peer starts a fresh thread and works.
+    decode = make_engine("fake", "PUT")
+    assert wait_done(send(prefill, decode, "later", [1, 2], mode="PUT")).ok
+
+
+# --- GET ---------------------------------------------------------------------
+
+
+def test_a_key_the_prefill_never_holds_does_not_delay_other_gets(make_engine):
+    prefill = make_engine("fake", "GET", seed=1)
+    decode = make_engine("fake", "GET", seed=2)
+    decode.expect("never", 0, deadline(5.0), get_from=prefill.addr, prompt_digest=DIGEST)
+    time.sleep(0.2)  # its Get is being answered "not ready" over and over
+    start = time.monotonic()
+    send(prefill, decode, "good", [1, 2, 3], mode="GET")
+    receive(decode, "good", [20, 21, 22], 0)
+    assert time.monotonic() - start < 2.0  # was the never-held key's whole deadline
+    decode.abandon("never")
+
+
+def test_a_second_hold_of_a_key_ends_the_first(make_engine):
+    prefill = make_engine("fake", "GET", hold=30.0)
+    first = prefill.hold("k", "req-1", [1, 2], prompt_digest=DIGEST)
+    second = prefill.hold("k", "req-2", [3, 4], prompt_digest=DIGEST)
+    assert wait_done(first, timeout=1.0).ok is False and "replaced" in first.reason
+    assert not second.done.is_set()
+    assert {x.request_id for x in prefill.take_finished_sends()} == {"req-1"}
+    assert prefill.totals()["failed_sends"] == 1
+
+
+# --- the offer / channel-break race ---------------------------------------------
+
+
+def test_an_offer_racing_a_channel_break_never_strands_its_slot(make_engine, monkeypatch):
+    """The channel breaks while the offer's room is being taken: the slot must
+    be failed or never made, and its bytes returned (was RECEIVING forever)."""
+    decode = make_engine("fake", "PUT_ASYNC")
+    stranger = Stranger(decode.addr)
+    real_allocate = decode.engine._allocate
+
+    def allocate_while_breaking(nbytes):
+        room = real_allocate(nbytes)
+        [inbound] = decode.engine._inbound.values()
+        inbound._break("broken during the offer")
+        return room
+
+    try:
+        joined_hello(stranger, decode)
+        wait_for(lambda: decode.engine._inbound["c0ffee"].channel is not None, "channel up")
+        monkeypatch.setattr(decode.engine, "_allocate", allocate_while_breaking)
+        reply = stranger.ask(Offer(req_no=2, channel_id="c0ffee", key="k", xfer_id=0,
+                                   num_blocks=2, prompt_digest=DIGEST))  # fmt: skip
+    finally:
+        stranger.close()
+    assert reply.status == Status.REJECTED and reply.reason == "unknown_channel"
+    with decode.engine._lock:
+        assert not [s for s in decode.engine._slots.values() if s.state is SlotState.RECEIVING]
+    assert decode.occupancy() == (0, 0)

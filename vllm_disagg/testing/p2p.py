@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 from vllm_disagg.testing import openai_client
-from vllm_disagg.testing.server import VllmServer, get_free_port, test_router_token
+from vllm_disagg.testing.server import VllmServer, fleet_router_token, get_free_port
 from vllm_disagg.wire.grants import GRANT_KEY, make_grant
 from vllm_disagg.wire.peers import make_kv_transfer_params, make_request_id
 
@@ -70,7 +70,7 @@ def peer_naming(
     else:
         request_id = make_request_id(prefill_addr, decode_addr, key)
     if grant:
-        params[GRANT_KEY] = make_grant(test_router_token(), prefill_addr, decode_addr, key)
+        params[GRANT_KEY] = make_grant(fleet_router_token(), prefill_addr, decode_addr, key)
     return {"X-Request-Id": request_id}, ({"kv_transfer_params": params} if params else {})
 
 

@@ -51,7 +51,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from vllm_disagg import envs
 from vllm_disagg.distributed.kv_transfer import register_connectors
-from vllm_disagg.testing.server import test_router_token
+from vllm_disagg.testing.server import fleet_router_token
 from vllm_disagg.wire.grants import GRANT_KEY, make_grant
 from vllm_disagg.wire.peers import PeerInfoError, parse_peer_info
 
@@ -163,7 +163,7 @@ def _with_grant(request_id: str, params: dict | None) -> dict | None:
         return params
     if peer is None or (params is not None and GRANT_KEY in params):
         return params
-    grant = make_grant(test_router_token(), peer.prefill_addr, peer.decode_addr, peer.key)
+    grant = make_grant(fleet_router_token(), peer.prefill_addr, peer.decode_addr, peer.key)
     return {**(params or {}), GRANT_KEY: grant}
 
 
@@ -226,7 +226,7 @@ class SchedulerHarness:
         self.block_size = self.vllm_config.cache_config.block_size
         # The connector reads the fleet's router token from the environment
         # when it is built: the test fleet's, unless the test set one.
-        with _env_default(envs.VLLM_DISAGG_ROUTER_TOKEN, test_router_token().decode()):
+        with _env_default(envs.VLLM_DISAGG_ROUTER_TOKEN, fleet_router_token().decode()):
             self.scheduler = make_scheduler(self.vllm_config, num_blocks)
         init_none_hash(sha256)
         self._block_hasher = get_request_block_hasher(self.block_size, sha256)

@@ -74,7 +74,7 @@ def vllm_executable() -> str:
 TEST_ROUTER_TOKEN = "vllm-disagg-test-fleet-token"
 
 
-def test_router_token() -> bytes:
+def fleet_router_token() -> bytes:
     """The token test servers and routers get (see :func:`cpu_test_env`)."""
     return envs.router_token() or TEST_ROUTER_TOKEN.encode()
 

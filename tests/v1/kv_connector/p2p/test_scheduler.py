@@ -33,7 +33,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import prompt_digest
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.testing.scheduler import SchedulerHarness, tokens, write_model_config
-from vllm_disagg.testing.server import test_router_token
+from vllm_disagg.testing.server import fleet_router_token
 from vllm_disagg.wire.grants import GRANT_KEY, make_grant
 
 BLOCK = 16
@@ -713,7 +713,7 @@ def test_a_grant_is_bound_to_its_peers_and_key(harness, monkeypatch):
     """A grant the router made for one request cannot name another decode."""
     h = harness("kv_producer")
     refused = count_refusals(h, monkeypatch)
-    good = make_grant(test_router_token(), OWN, DECODE, "k1")
+    good = make_grant(fleet_router_token(), OWN, DECODE, "k1")
     rid = wrapped_id(OWN, ANOTHER, "k1")
     h.add(h.request(rid, tokens(BLOCK, seed=42), max_tokens=1, grant=False,
                     kv_transfer_params={GRANT_KEY: good}))  # fmt: skip

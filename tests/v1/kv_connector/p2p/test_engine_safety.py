@@ -269,5 +269,22 @@ def test_an_offer_racing_a_channel_break_never_strands_its_slot(make_engine, mon
         stranger.close()
     assert reply.status == Status.REJECTED and reply.reason == "unknown_channel"
     with decode.engine._lock:
-        assert not [s for s in decode.engine._slots.values() if s.state is SlotState.RECEIVING]
+        assert decode.engine._recv.state("k") is None  # never filed
     assert decode.occupancy() == (0, 0)
+
+
+def test_a_pulled_send_that_fails_before_its_offer_fails_the_load_now(make_engine):
+    """GET: the prefill's send to the decode fails (here its Hello is refused
+    for a layout mismatch) after the Get was accepted. The decode asks again
+    while no offer comes and is told "gone": it recomputes now, not at its
+    kv_load_timeout_s (30 s here)."""
+    prefill = make_engine("fake", "GET", seed=1)
+    decode = make_engine("fake", "GET", seed=2, layers=2)
+    xfer = prefill.hold("k", "req-k", [1, 2], prompt_digest=DIGEST)
+    start = time.monotonic()
+    decode.expect("k", 0, deadline(30.0), get_from=prefill.addr, prompt_digest=DIGEST)
+    assert not wait_done(xfer).ok
+    slot = wait_slot(decode, "k", timeout=3 * engine_mod.GET_CONFIRM_INTERVAL_S + 5)
+    assert slot.state is SlotState.FAILED and Status.GONE in slot.reason
+    assert time.monotonic() - start < 10.0
+    decode.release(slot)

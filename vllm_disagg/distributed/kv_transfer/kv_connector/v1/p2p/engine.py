@@ -61,6 +61,12 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Reply,
     Status,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.recv_state import (
+    Event,
+    RecvState,
+    RecvTable,
+    Timeouts,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import P2pStatsRecorder
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import (
     PoolAllocation,
@@ -84,10 +90,11 @@ IDLE_CHECK_INTERVAL_S = 1.0
 PEER_IDLE_S = 60.0
 # Inbound channels (one receive thread each) at most; Hellos beyond are refused.
 MAX_INBOUND_CHANNELS = 256
-# A Get unanswered this long is sent again on a fresh socket: seen on loaded
-# 2-core machines, a first Get on a new connection was not delivered until
-# its socket was closed. Get is idempotent (the offer follows at most once).
-GET_RESEND_AFTER_S = 1.0
+# After prefill accepted a Get, decode asks again this often while no offer
+# has come: prefill answers "ok" while its send is under way and "gone" once
+# it ended (sent or failed), so a send that failed before its offer reached
+# decode fails the load now, not at kv_load_timeout_s.
+GET_CONFIRM_INTERVAL_S = 1.0
 # How long a GET answered "released" is remembered, so a late Get gets "gone".
 TOMBSTONE_TTL_S = 300.0
 LOG_INTERVAL_S = 10.0
@@ -201,8 +208,6 @@ class RecvSlot:
     created: float = field(default_factory=time.monotonic)
     state: SlotState = SlotState.RECEIVING
     reason: str = ""
-    # The worker gave up on it while it was receiving: free it when the receive ends.
-    abandoned: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -215,16 +220,6 @@ class RecvSlot:
     def layer(self, i: int) -> torch.Tensor:
         n = self.blocks_held * self.page_bytes
         return self.tensor[i * n : (i + 1) * n]
-
-
-@dataclass
-class _Expectation:
-    """Decode knows the request: how many leading blocks it holds already."""
-
-    skip_blocks: int
-    deadline: float
-    prompt_digest: bytes
-    abandoned: bool = False
 
 
 class _InboundChannel:
@@ -387,29 +382,20 @@ class _Peer:
             self._sock.close(linger=0)
             self._sock = None
 
-    def request(
-        self, make_msg: Callable[[int], proto._Msg], deadline: float,
-        resend_after_s: float | None = None,
-    ) -> Reply:
-        """Send a control message and wait for its Reply until ``deadline``;
-        with ``resend_after_s`` (idempotent messages only) resend it on a
-        fresh socket whenever that long passes without a reply."""
+    def request(self, make_msg: Callable[[int], proto._Msg], deadline: float) -> Reply:
+        """Send a control message and wait for its Reply until ``deadline``."""
         req_no = next(self._req_no)
         sock = self._socket()
-        sock.send_multipart(proto.seal(self.engine.secret, make_msg(req_no)))
-        resend_at = time.monotonic() + resend_after_s if resend_after_s else None
+        msg = make_msg(req_no)
+        sock.send_multipart(proto.seal(self.engine.secret, msg))
+        sent_at = time.monotonic()
         while True:
             now = time.monotonic()
             left_ms = int((deadline - now) * 1000)
             if left_ms <= 0 or self.engine.stopped.is_set():
                 self._reset_socket()
-                raise TransportError(f"no reply from {self.addr} in time")
-            if resend_at is not None and now >= resend_at:
-                self._reset_socket()
-                req_no = next(self._req_no)
-                sock = self._socket()
-                sock.send_multipart(proto.seal(self.engine.secret, make_msg(req_no)))
-                resend_at = now + resend_after_s
+                raise TransportError(f"no reply to {type(msg).__name__} from {self.addr} "
+                                     f"in {now - sent_at:.1f} s")  # fmt: skip
             if not sock.poll(min(left_ms, 100)):
                 continue
             frames = sock.recv_multipart()
@@ -466,14 +452,16 @@ class _Peer:
                 lambda n: Get(req_no=n, sender_addr=engine.addr, key=job.key,
                               skip_blocks=job.skip_blocks),
                 job.deadline,
-                resend_after_s=GET_RESEND_AFTER_S,
             )
         except TransportError as e:
             job.on_failure(str(e))
             return
         logger.debug("P2P %s: Get of %s answered %s", engine.addr, job.key, reply.status)
         if reply.status == Status.OK:
-            return  # the offer follows on our listener
+            # The offer follows on our listener; ask again if it has not
+            # come by then (the answer says whether the send still runs).
+            self._later_push(time.monotonic() + GET_CONFIRM_INTERVAL_S, job)
+            return
         if reply.status != Status.NOT_READY:
             job.on_failure(f"prefill {self.addr} answered {reply.status} {reply.reason}")
             return
@@ -481,7 +469,11 @@ class _Peer:
         if retry_at > job.deadline:
             job.on_failure(f"prefill {self.addr} did not have the KV ready in time")
             return
-        heapq.heappush(self._later, (retry_at, next(self._later_no), job))
+        self._later_push(retry_at, job)
+
+    def _later_push(self, when: float, job: _GetJob) -> None:
+        if when < job.deadline:
+            heapq.heappush(self._later, (when, next(self._later_no), job))
 
     def _ensure_channel(self, deadline: float) -> None:
         if self.channel is not None:
@@ -589,10 +581,13 @@ class P2pEngine:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._inbound: dict[str, _InboundChannel] = {}
-        self._slots: dict[str, RecvSlot] = {}
-        self._expected: dict[str, _Expectation] = {}
+        # Receive side: one explicit state per key (recv_state.py).
+        self._recv = RecvTable(Timeouts(hold_s=hold_timeout_s, closed_s=TOMBSTONE_TTL_S))
         self._holds: dict[str, SendTransfer] = {}  # GET: KV kept for a pull
-        self._tombstones: dict[str, float] = {}
+        self._pulled: dict[str, SendTransfer] = {}  # GET: pulled, being sent
+        # GET, send side: keys released (sent, failed, expired) -> when; a
+        # later Get for one is answered "gone".
+        self._released: dict[str, float] = {}
         self._finished_sends: list[SendTransfer] = []
         self._buffer_used = 0
         self._pool: TensorMemoryPool | None = None
@@ -672,10 +667,11 @@ class P2pEngine:
         With ``get_from`` (GET mode) the prefill worker at that address is asked
         to offer the KV now."""
         with self._lock:
-            self._expected[key] = _Expectation(
-                skip_blocks=skip_blocks, deadline=deadline, prompt_digest=prompt_digest
-            )
-        if get_from is not None:
+            entry = self._recv.apply(key, Event.EXPECT, time.monotonic(), deadline=deadline)
+            entry.skip_blocks, entry.prompt_digest = skip_blocks, prompt_digest
+            entry.load_deadline = deadline
+            ask = get_from is not None and entry.state is RecvState.EXPECTED
+        if ask:
             self._submit(get_from, _GetJob(
                 key=key, skip_blocks=skip_blocks, deadline=deadline,
                 on_failure=lambda reason: self._fail_expected(key, reason),
@@ -684,11 +680,11 @@ class P2pEngine:
     def poll(self, key: str) -> RecvSlot | None:
         """The slot of ``key`` once it is complete or failed (then owned by the caller)."""
         with self._lock:
-            slot = self._slots.get(key)
-            if slot is None or slot.state is SlotState.RECEIVING:
+            entry = self._recv.get(key)
+            if entry is None or entry.state is not RecvState.READY:
                 return None
-            del self._slots[key]
-            self._expected.pop(key, None)
+            self._recv.apply(key, Event.TAKEN, time.monotonic())
+            slot, entry.slot = entry.slot, None
             return slot
 
     def copy_into_cache(self, slot: RecvSlot, block_ids: list[int], first_block: int) -> None:
@@ -713,18 +709,15 @@ class P2pEngine:
             done.synchronize()
 
     def abandon(self, key: str) -> None:
-        """The worker stops waiting for ``key``; its room is freed now or when the receive ends."""
+        """The worker stops waiting for ``key``; its room is freed now, or when
+        a receive in progress ends; a later offer is refused."""
         with self._lock:
-            exp = self._expected.pop(key, None)
-            slot = self._slots.get(key)
-            if slot is not None and slot.state is SlotState.RECEIVING:
-                slot.abandoned = True
-                return
-            if slot is not None:
-                del self._slots[key]
-            elif exp is not None:
-                # An offer that arrives later is refused.
-                self._tombstones[key] = time.monotonic()
+            entry = self._recv.get(key)
+            before = entry.state if entry is not None else None
+            entry = self._recv.apply(key, Event.ABANDON, time.monotonic())
+            slot = None
+            if before is RecvState.READY:
+                slot, entry.slot = entry.slot, None
         if slot is not None:
             self.release(slot)
 
@@ -791,6 +784,10 @@ class P2pEngine:
 
     def _finish_send(self, xfer: SendTransfer, *, ok: bool, reason: str = "") -> None:
         xfer.ok, xfer.reason = ok, reason
+        with self._lock:
+            if self._pulled.get(xfer.key) is xfer:
+                del self._pulled[xfer.key]
+                self._released[xfer.key] = time.monotonic()
         if not ok:
             self.stats.record_failed_send()
             logger.warning("P2P send of %s to %s failed: %s", xfer.key, xfer.peer, reason)
@@ -799,38 +796,45 @@ class P2pEngine:
         xfer.done.set()
 
     def _still_expected(self, key: str) -> bool:
+        """Decode still waits for an offer of ``key`` (GET: keep asking)."""
         with self._lock:
-            return key in self._expected and key not in self._slots
+            return self._recv.state(key) is RecvState.EXPECTED
 
     def _fail_expected(self, key: str, reason: str) -> None:
-        with self._lock:
-            if key in self._expected:
-                self._leave_failed_slot_locked(key, reason)
+        self._fail_key(key, reason, only_expected=True)
 
-    def _fail_key(self, key: str, reason: str) -> None:
-        """Leave a failed slot for ``key``: the worker's poll() gets the reason
-        (at once, or when decode expects the key; swept if it never does)."""
+    def _fail_key(self, key: str, reason: str, *, only_expected: bool = False) -> None:
+        """No KV will come for ``key`` (no room, another prompt's, the GET
+        failed): the worker's poll() gets the reason at once, or as soon as
+        decode expects the key; swept if it never does."""
         with self._lock:
-            self._leave_failed_slot_locked(key, reason)
-
-    def _leave_failed_slot_locked(self, key: str, reason: str) -> None:
-        if key not in self._slots:
-            self._slots[key] = RecvSlot(
+            state = self._recv.state(key)
+            if state not in (None, RecvState.EXPECTED) or (only_expected and state is None):
+                return
+            entry = self._recv.apply(key, Event.FAILED, time.monotonic())
+            entry.reason = reason
+            entry.slot = RecvSlot(
                 key=key, num_blocks=0, skip_blocks=0, page_bytes=0, num_layers=0,
                 tensor=torch.empty(0, dtype=torch.uint8), pool_alloc=None,
                 deadline=0.0, state=SlotState.FAILED, reason=reason,
             )
 
     def _finish_slot(self, slot: RecvSlot, *, ok: bool, reason: str = "") -> None:
+        """The receive of ``slot`` ended (its thread, or its channel's drain)."""
         with self._lock:
             slot.state = SlotState.COMPLETE if ok else SlotState.FAILED
             slot.reason = reason
-            abandoned = slot.abandoned
-            if abandoned:
-                self._slots.pop(slot.key, None)
+            entry = self._recv.get(slot.key)
+            free = entry is None or entry.slot is not slot
+            if not free:
+                before = entry.state
+                self._recv.apply(slot.key, Event.RECEIVED if ok else Event.FAILED,
+                                 time.monotonic())  # fmt: skip
+                if before is RecvState.ABANDONING:
+                    entry.slot, free = None, True
         if not ok:
             logger.warning("P2P receive of %s failed: %s", slot.key, reason)
-        if abandoned:
+        if free:
             self.release(slot)
 
     def _recv_layer(self, channel: Channel, slot: RecvSlot, layer: int) -> None:
@@ -874,6 +878,7 @@ class P2pEngine:
                 if len(frames) < 2:
                     continue
                 route, body = frames[0], frames[1:]
+                msg = None
                 try:
                     msg = proto.open_frame(self.secret, body)
                     reply = self._handle(msg)
@@ -945,9 +950,11 @@ class P2pEngine:
     def _on_offer(self, msg: Offer) -> Reply:
         with self._lock:
             inbound = self._inbound.get(msg.channel_id)
-            exp = self._expected.get(msg.key)
-            duplicate = msg.key in self._slots
-            gave_up = msg.key in self._tombstones
+            entry = self._recv.get(msg.key)
+            state = entry.state if entry is not None else None
+            exp = entry if entry is not None and entry.expected else None
+            duplicate = state in (RecvState.RECEIVING, RecvState.ABANDONING, RecvState.READY)
+            gave_up = state is RecvState.CLOSED
         if inbound is None or inbound.broken:
             return self._refuse(msg.req_no, "unknown_channel", f"offer on unknown channel {msg.channel_id!r}")
         if msg.num_blocks > self.layout.num_blocks:
@@ -955,7 +962,7 @@ class P2pEngine:
                                 f"offer of {msg.num_blocks} blocks, the KV cache has {self.layout.num_blocks}")
         if duplicate:
             return self._refuse(msg.req_no, "duplicate", f"second offer for {msg.key}")
-        if gave_up or (exp is not None and exp.abandoned):
+        if gave_up:
             return Reply(req_no=msg.req_no, status=Status.NOT_WANTED)
         if exp is not None and msg.prompt_digest != exp.prompt_digest:
             # KV of another prompt under this key: never filed, the load fails now.
@@ -964,7 +971,7 @@ class P2pEngine:
             return self._refuse(msg.req_no, "digest", f"offer of {msg.key}: prompt digest "
                                 "differs from the request's")
         skip = min(exp.skip_blocks, msg.num_blocks - 1) if exp is not None else 0
-        deadline = exp.deadline if exp is not None else time.monotonic() + self.hold_timeout_s
+        deadline = exp.load_deadline if exp is not None else time.monotonic() + self.hold_timeout_s
         nbytes = self.layout.num_layers * (msg.num_blocks - skip) * self.layout.page_bytes
         room = self._allocate(nbytes)
         if room is None:
@@ -984,14 +991,14 @@ class P2pEngine:
             prompt_digest=msg.prompt_digest,
         )
         with self._lock:
-            # The worker may have given up on the key while the room was taken
-            # (abandon() then saw neither the slot nor its room as a slot), or
-            # the channel may have broken: its drain runs under this lock too,
-            # so a slot queued here is either received or failed, never stuck.
-            gave_up = msg.key in self._tombstones
+            # The worker may have given up on the key while the room was taken,
+            # or the channel may have broken: its drain runs under this lock
+            # too, so a slot queued here is either received or failed, never stuck.
+            gave_up = not self._recv.allows(msg.key, Event.OFFER)
             broken = inbound.broken
             if not gave_up and not broken:
-                self._slots[msg.key] = slot
+                entry = self._recv.apply(msg.key, Event.OFFER, time.monotonic(), deadline=deadline)
+                entry.slot = slot
                 inbound.queue.put(slot)
         if gave_up or broken:
             self.release(slot)
@@ -1004,9 +1011,14 @@ class P2pEngine:
     def _on_get(self, msg: Get) -> Reply:
         with self._lock:
             xfer = self._holds.pop(msg.key, None)
-            released = msg.key in self._tombstones
+            if xfer is not None:
+                self._pulled[msg.key] = xfer
+            sending = xfer is None and msg.key in self._pulled
+            released = msg.key in self._released
         logger.debug("P2P %s: Get of %s from %s: %s", self.addr, msg.key, msg.sender_addr,
                      "held" if xfer else "released" if released else "not held yet")
+        if sending:  # decode asks again while its offer is on the way
+            return Reply(req_no=msg.req_no, status=Status.OK)
         if xfer is None:
             return Reply(req_no=msg.req_no, status=Status.GONE if released else Status.NOT_READY)
         xfer.peer = msg.sender_addr
@@ -1014,24 +1026,27 @@ class P2pEngine:
         return Reply(req_no=msg.req_no, status=Status.OK)
 
     def _sweep(self, now: float) -> None:
-        """Expire holds nobody pulled, orphan slots and old tombstones."""
-        expired_holds, orphans = [], []
+        """Expire holds nobody pulled, receive-side keys past their deadline
+        (unclaimed slots freed), and old released keys."""
+        expired_holds = []
         with self._lock:
             for key, xfer in list(self._holds.items()):
                 if now > xfer.deadline:
                     del self._holds[key]
-                    self._tombstones[key] = now
+                    self._released[key] = now
                     expired_holds.append(xfer)
-            for key, slot in list(self._slots.items()):
-                if slot.state is not SlotState.RECEIVING and key not in self._expected \
-                        and now > slot.created + self.hold_timeout_s:
-                    del self._slots[key]
-                    orphans.append(slot)
-            for key, t in list(self._tombstones.items()):
+            expired = self._recv.expire(now)
+            orphans = []
+            for entry in expired:
+                if entry.slot is not None:
+                    orphans.append((entry.expected, entry.slot))
+                    entry.slot = None
+            for key, t in list(self._released.items()):
                 if now - t > TOMBSTONE_TTL_S:
-                    del self._tombstones[key]
+                    del self._released[key]
         for xfer in expired_holds:
             self._finish_send(xfer, ok=False, reason="no peer pulled it before kv_hold_timeout_s")
-        for slot in orphans:
-            logger.warning("P2P: freeing KV of %s that no request claimed", slot.key)
+        for expected, slot in orphans:
+            if not expected:
+                logger.warning("P2P: freeing KV of %s that no request claimed", slot.key)
             self.release(slot)

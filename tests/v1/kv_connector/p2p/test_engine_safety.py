@@ -288,3 +288,32 @@ def test_a_pulled_send_that_fails_before_its_offer_fails_the_load_now(make_engin
     assert slot.state is SlotState.FAILED and Status.GONE in slot.reason
     assert time.monotonic() - start < 10.0
     decode.release(slot)
+
+
+def test_a_silent_peer_costs_one_bounded_wait_and_stalls_no_other_peer(make_engine, monkeypatch):
+    """A decode that died (its port open, nobody answering) held every send to
+    it for kv_hold_timeout_s; sends to a live decode must not wait for it."""
+    monkeypatch.setattr(engine_mod, "CONTROL_REPLY_TIMEOUT_S", 0.5)
+    prefill = make_engine("fake", "PUT_ASYNC", hold=30.0, seed=1)
+    live = make_engine("fake", "PUT_ASYNC", seed=2)
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)  # accepts connections, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        start = time.monotonic()
+        first = prefill.start_send("d1", "r1", f"127.0.0.1:{port}", [1], all_saved=True,
+                                   prompt_digest=DIGEST)  # fmt: skip
+        good = send(prefill, live, "ok", [1, 2], mode="PUT")
+        receive(live, "ok", [30, 31], 0)
+        assert wait_done(good).ok and time.monotonic() - start < 3.0
+        assert not wait_done(first).ok and "no reply to Hello" in first.reason
+        assert time.monotonic() - start < 5.0  # not kv_hold_timeout_s (30 s)
+        # Within PEER_RETRY_AFTER_S the next send to it fails at once.
+        again = prefill.start_send("d2", "r2", f"127.0.0.1:{port}", [1], all_saved=True,
+                                   prompt_digest=DIGEST)  # fmt: skip
+        t = time.monotonic()
+        assert not wait_done(again).ok and "unanswered" in again.reason
+        assert time.monotonic() - t < 1.0
+    finally:
+        silent.close(linger=0)
+        ctx.term()

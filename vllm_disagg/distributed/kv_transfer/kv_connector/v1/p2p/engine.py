@@ -95,6 +95,13 @@ MAX_INBOUND_CHANNELS = 256
 # it ended (sent or failed), so a send that failed before its offer reached
 # decode fails the load now, not at kv_load_timeout_s.
 GET_CONFIRM_INTERVAL_S = 1.0
+# A live peer answers a control message in milliseconds (0.72 s was the worst
+# seen on a loaded 2-core machine); waiting the whole kv_hold_timeout_s for a
+# dead one held every transfer queued behind it.
+CONTROL_REPLY_TIMEOUT_S = 10.0
+# After a peer left a control message unanswered, transfers to it fail at
+# once for this long instead of each waiting CONTROL_REPLY_TIMEOUT_S again.
+PEER_RETRY_AFTER_S = 5.0
 # How long a GET answered "released" is remembered, so a late Get gets "gone".
 TOMBSTONE_TTL_S = 300.0
 LOG_INTERVAL_S = 10.0
@@ -360,6 +367,7 @@ class _Peer:
         self._later: list[tuple[float, int, _GetJob]] = []
         self._later_no = itertools.count()
         self.retired = False
+        self.silent_until = 0.0  # the peer left a request unanswered: fail fast until then
         self.thread = threading.Thread(target=self._run, name=f"p2p-peer-{addr}", daemon=True)
         self.thread.start()
 
@@ -383,7 +391,10 @@ class _Peer:
             self._sock = None
 
     def request(self, make_msg: Callable[[int], proto._Msg], deadline: float) -> Reply:
-        """Send a control message and wait for its Reply until ``deadline``."""
+        """Send a control message and wait for its Reply until ``deadline``, at
+        most CONTROL_REPLY_TIMEOUT_S; a peer that does not answer is not asked
+        again for PEER_RETRY_AFTER_S."""
+        deadline = min(deadline, time.monotonic() + CONTROL_REPLY_TIMEOUT_S)
         req_no = next(self._req_no)
         sock = self._socket()
         msg = make_msg(req_no)
@@ -394,6 +405,7 @@ class _Peer:
             left_ms = int((deadline - now) * 1000)
             if left_ms <= 0 or self.engine.stopped.is_set():
                 self._reset_socket()
+                self.silent_until = now + PEER_RETRY_AFTER_S
                 raise TransportError(f"no reply to {type(msg).__name__} from {self.addr} "
                                      f"in {now - sent_at:.1f} s")  # fmt: skip
             if not sock.poll(min(left_ms, 100)):
@@ -436,6 +448,15 @@ class _Peer:
             self.channel.close()
 
     def _do(self, job: SendTransfer | _GetJob) -> None:
+        left = self.silent_until - time.monotonic()
+        if left > 0:
+            reason = (f"peer {self.addr} left a request unanswered; not asked again "
+                      f"for {left:.1f} s")  # fmt: skip
+            if isinstance(job, _GetJob):
+                job.on_failure(reason)
+            else:
+                self.engine._finish_send(job, ok=False, reason=reason)
+            return
         if isinstance(job, _GetJob):
             self._get(job)
         else:

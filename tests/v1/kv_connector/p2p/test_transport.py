@@ -28,6 +28,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     MAX_SETUP_BYTES,
+    Endpoint,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import FakeTransport
 
@@ -246,6 +247,22 @@ def test_initiator_refuses_malformed_reply(name):
     _, finish = transport.initiate()
     deadline = _in(2)
     _raises_by(lambda: finish(b"\xc1garbage", deadline), deadline)
+
+
+def test_a_data_endpoint_on_another_host_than_the_peer_is_refused():
+    """tcp: the initiator connects where the acceptor's reply says; gloo: the
+    acceptor connects where the setup says. Either must be the control peer's
+    own host, or a peer could point this side at a third machine."""
+    elsewhere = Endpoint("127.0.0.2", 9).encode()
+    _, finish = create_transport("tcp", CPU, HOST).initiate(peer_host=HOST)
+    with pytest.raises(TransportError, match="another host"):
+        finish(elsewhere, _in(2))
+    with pytest.raises(TransportError, match="another host"):
+        create_transport("gloo", CPU, HOST).accept(elsewhere, peer_host=HOST)
+    # The same host in another spelling is the same host.
+    with pytest.raises(TransportError, match="another host"):
+        create_transport("gloo", CPU, "::1").accept(Endpoint("::2", 9).encode(), peer_host="::1")
+    create_transport("gloo", CPU, "::1").accept(Endpoint("0:0::1", 9).encode(), peer_host="[::1]")
 
 
 @pytest.mark.parametrize("name", CPU_TRANSPORTS)

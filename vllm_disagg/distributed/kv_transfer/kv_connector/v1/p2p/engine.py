@@ -52,7 +52,7 @@ import torch
 import zmq
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
-from vllm_disagg.wire.peers import format_addr
+from vllm_disagg.wire.peers import PeerInfoError, format_addr, split_addr
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Get,
     Hello,
@@ -500,7 +500,7 @@ class _Peer:
         if self.channel is not None:
             return
         engine = self.engine
-        setup, finish = engine.transport.initiate()
+        setup, finish = engine.transport.initiate(peer_host=split_addr(self.addr)[0])
         channel_id = secrets.token_hex(8)
         reply = self.request(
             lambda n: Hello(
@@ -956,12 +956,14 @@ class P2pEngine:
             if not stale and len(self._inbound) >= MAX_INBOUND_CHANNELS:
                 return self._refuse(msg.req_no, "busy",
                                     f"{MAX_INBOUND_CHANNELS} inbound channels already open")
+        try:
+            reply_setup, finish = self.transport.accept(
+                msg.setup, peer_host=split_addr(msg.sender_addr, "sender_addr")[0]
+            )
+        except (TransportError, PeerInfoError) as e:
+            return self._refuse(msg.req_no, "malformed", f"bad channel set-up: {e}")
         for old in stale:
             old._break("the sender opened a new channel")
-        try:
-            reply_setup, finish = self.transport.accept(msg.setup)
-        except TransportError as e:
-            return self._refuse(msg.req_no, "malformed", f"bad channel set-up: {e}")
         inbound = _InboundChannel(self, msg.channel_id, msg.sender_addr, finish,
                                   time.monotonic() + self.hold_timeout_s)
         with self._lock:

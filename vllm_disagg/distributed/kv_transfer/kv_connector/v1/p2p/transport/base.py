@@ -97,15 +97,19 @@ class Transport(abc.ABC):
         self.bind_host = bind_host
 
     @abc.abstractmethod
-    def initiate(self) -> tuple[bytes, InitiateFinish]:
-        """Start a channel as the initiator: (setup bytes for the peer, finish)."""
+    def initiate(self, peer_host: str | None = None) -> tuple[bytes, InitiateFinish]:
+        """Start a channel as the initiator: (setup bytes for the peer, finish).
+
+        ``peer_host``: the host of the control peer; a transport that
+        connects to an address the peer's reply names connects only there."""
 
     @abc.abstractmethod
-    def accept(self, setup: bytes) -> tuple[bytes, AcceptFinish]:
+    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
         """Accept a channel from ``setup``: (reply bytes for the peer, finish).
 
         Raises TransportError when ``setup`` is malformed (it came off the
-        network: bound and check every field)."""
+        network: bound and check every field), or names an address on
+        another host than ``peer_host`` where it makes this side connect."""
 
     def close(self) -> None:
         """Release listening resources; channels already made stay usable."""
@@ -141,6 +145,25 @@ def byte_views(tensors: Sequence[torch.Tensor], device: torch.device) -> list[to
         if t.numel():
             views.append(t.detach().reshape(-1).view(torch.uint8))
     return views
+
+
+def check_peer_endpoint(endpoint: Endpoint, peer_host: str | None) -> None:
+    """A data endpoint a peer names must be on that peer's own host: nobody
+    points this side's connections at a third machine."""
+    if peer_host is None:
+        return
+    if _canonical_host(endpoint.host) != _canonical_host(peer_host):
+        raise TransportError(
+            f"the peer on {peer_host} named a data endpoint on another host ({endpoint.host})"
+        )
+
+
+def _canonical_host(host: str) -> str:
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).compressed
+    except ValueError:
+        return host.lower().rstrip(".")
 
 
 def check_host(bind_host: str) -> str:

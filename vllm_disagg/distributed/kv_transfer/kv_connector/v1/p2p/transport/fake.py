@@ -124,7 +124,7 @@ class FakeTransport(Transport):
 
     name = "fake"
 
-    def initiate(self) -> tuple[bytes, InitiateFinish]:
+    def initiate(self, peer_host: str | None = None) -> tuple[bytes, InitiateFinish]:
         token = secrets.token_bytes(TOKEN_BYTES)
         link = _Link()
         with _registry_lock:
@@ -142,7 +142,7 @@ class FakeTransport(Transport):
 
         return token, finish
 
-    def accept(self, setup: bytes) -> tuple[bytes, AcceptFinish]:
+    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
         if len(setup) != TOKEN_BYTES:
             raise TransportError(f"fake setup must be {TOKEN_BYTES} bytes, got {len(setup)}")
         with _registry_lock:

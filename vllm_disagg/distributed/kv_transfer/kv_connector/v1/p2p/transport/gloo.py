@@ -42,6 +42,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
     byte_views,
     call_before,
     check_host,
+    check_peer_endpoint,
     remaining,
 )
 
@@ -164,7 +165,7 @@ class GlooTransport(Transport):
     def __init__(self, device: torch.device, bind_host: str):
         super().__init__(device, check_host(bind_host))
 
-    def initiate(self) -> tuple[bytes, InitiateFinish]:
+    def initiate(self, peer_host: str | None = None) -> tuple[bytes, InitiateFinish]:
         family, _, _, _, addr = socket.getaddrinfo(self.bind_host, 0, type=socket.SOCK_STREAM)[0]
         listen = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -184,6 +185,7 @@ class GlooTransport(Transport):
 
         return endpoint.encode(), finish
 
-    def accept(self, setup: bytes) -> tuple[bytes, AcceptFinish]:
+    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
         endpoint = Endpoint.decode(setup)
+        check_peer_endpoint(endpoint, peer_host)
         return b"", lambda deadline: GlooChannel(_init_group(endpoint, 1, deadline, None), peer=0)

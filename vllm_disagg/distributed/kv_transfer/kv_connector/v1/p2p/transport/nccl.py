@@ -184,7 +184,7 @@ class NcclTransport(Transport):
         except Exception as e:
             raise TransportError(f"cannot load the NCCL library: {e}") from e
 
-    def initiate(self) -> tuple[bytes, InitiateFinish]:
+    def initiate(self, peer_host: str | None = None) -> tuple[bytes, InitiateFinish]:
         setup = b"".join(bytes(self._nccl.ncclGetUniqueId().internal) for _ in range(2))
 
         def finish(reply: bytes, deadline: float) -> Channel:
@@ -194,7 +194,7 @@ class NcclTransport(Transport):
 
         return setup, finish
 
-    def accept(self, setup: bytes) -> tuple[bytes, AcceptFinish]:
+    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
         if len(setup) != _SETUP_BYTES:
             raise TransportError(f"nccl setup must be {_SETUP_BYTES} bytes, got {len(setup)}")
         setup = bytes(setup)

@@ -36,6 +36,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
     Transport,
     TransportError,
     check_host,
+    check_peer_endpoint,
     remaining,
 )
 
@@ -344,11 +345,11 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._closed = False
 
-    def initiate(self) -> tuple[bytes, InitiateFinish]:
+    def initiate(self, peer_host: str | None = None) -> tuple[bytes, InitiateFinish]:
         token = secrets.token_bytes(TOKEN_BYTES)
-        return token, lambda reply, deadline: self._connect(token, reply, deadline)
+        return token, lambda reply, deadline: self._connect(token, reply, deadline, peer_host)
 
-    def accept(self, setup: bytes) -> tuple[bytes, AcceptFinish]:
+    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
         if len(setup) != TOKEN_BYTES:
             raise TransportError(f"tcp setup must be {TOKEN_BYTES} bytes, got {len(setup)}")
         listener = self._get_listener()
@@ -386,8 +387,9 @@ class TcpTransport(Transport):
             return self._listener
 
     @staticmethod
-    def _connect(token: bytes, reply: bytes, deadline: float) -> Channel:
+    def _connect(token: bytes, reply: bytes, deadline: float, peer_host: str | None) -> Channel:
         endpoint = Endpoint.decode(reply)
+        check_peer_endpoint(endpoint, peer_host)
         try:
             # AI_NUMERICHOST: the acceptor advertises the address it bound,
             # so no name lookup (which has no timeout) happens here.

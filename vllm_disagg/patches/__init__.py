@@ -127,6 +127,34 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream's CpuPlatform sets a Ray device key (and the Ray DP path runs on CPU).",
     ),
     Patch(
+        name="cpu-seeded-requests",
+        module="vllm_disagg.patches.v1.worker.cpu_model_runner",
+        upstream=(
+            "vllm.v1.worker.cpu_model_runner.CPUModelRunner._sample / "
+            "_bookkeeping_sync (GPUModelRunner's)"
+        ),
+        kind="enabler",
+        why=(
+            "A request with a per-request seed has its own torch.Generator; "
+            "for each request whose sampled token is discarded (a partial "
+            "prefill chunk, discard_request_mask) _bookkeeping_sync rewinds "
+            "it with gen.set_offset(gen.get_offset() - 4), which a CPU "
+            "generator refuses (\"CPU Generator does not use offset\"): the "
+            "first seeded request longer than one chunk kills the engine "
+            "(EngineDeadError)."
+        ),
+        how=(
+            "Wraps _sample to snapshot get_state() of the CPU generators of "
+            "discarded requests before upstream samples, and _bookkeeping_sync "
+            "to set_state() them back and run upstream with "
+            "input_batch.generators lacking those generators (the dict is put "
+            "back in a finally), so a discarded sample consumes none of the "
+            "request's random stream, as upstream's rewind intends; other "
+            "devices' generators are left to upstream."
+        ),
+        drop_when="Upstream rewinds (or does not advance) CPU generators of discarded samples.",
+    ),
+    Patch(
         name="dp-ipv6-master-port",
         module="vllm_disagg.patches.config.parallel",
         apply_fn="apply_ipv6_dp_port",

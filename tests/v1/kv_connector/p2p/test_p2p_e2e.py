@@ -22,6 +22,7 @@ GET and PUT have their own module (test_p2p_get_put_e2e.py).
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from vllm_disagg.testing import openai_client
-from vllm_disagg.testing.p2p import P2pInstance, disaggregated_completion
+from vllm_disagg.testing.p2p import P2pInstance, disaggregated_completion, peer_naming
 
 from .e2e_common import (
     LENGTH_PROMPTS,
@@ -293,3 +294,64 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
     assert all(sent <= removed_at for sent, _, _, _ in failed), failed
     assert len(failed) <= 1, failed
     assert sum(ok for _, _, ok, _ in results) >= 5
+
+
+# --- what a client can do on its own (issue 17) ----------------------------------
+
+
+def test_kv_of_one_prompt_is_never_filed_under_another(put_async_set, reference):
+    """HTTP-only poisoning: prompt A to the prefill, prompt B of the same
+    length to the decode, under one key. Even with a valid grant (a proxy
+    bug, a stolen token) the decode refuses A's KV for B by its digest and
+    recomputes; B's output, and every later user of B's prefix, stay right."""
+    p, d = put_async_set["p1"], put_async_set["d1"]
+    victim = LENGTH_PROMPTS[2]
+    poison = [t + 1 for t in victim]  # same length and blocks, other tokens
+    mismatches = metric(d, "vllm:p2p_digest_mismatches")
+    headers, params = peer_naming(p.kv_addr, d.kv_addr)
+    openai_client.complete(p, poison, headers=headers, max_tokens=1, temperature=0.0, **params)
+    out = openai_client.complete(d, victim, headers=headers, max_tokens=MAX_TOKENS,
+                                 temperature=0.0, return_token_ids=True, **params)  # fmt: skip
+    assert ids(out) == reference[key(victim)]
+    assert wait_metric(d, "vllm:p2p_digest_mismatches", mismatches + 1) == mismatches + 1
+    # Later users of the same prompt, through the normal flow and straight to D.
+    again = disaggregated_completion(p, d, victim, max_tokens=MAX_TOKENS, return_token_ids=True)
+    assert ids(again) == reference[key(victim)]
+    plain = openai_client.complete(d, victim, max_tokens=MAX_TOKENS, temperature=0.0,
+                                   return_token_ids=True)  # fmt: skip
+    assert ids(plain) == reference[key(victim)]
+
+
+def test_a_request_naming_peers_without_a_grant_connects_nowhere(put_async_set, reference):
+    """A client of the prefill names an "internal service" as its decode: the
+    prefill computes the request as an ordinary one and opens no connection."""
+    p = put_async_set["p1"]
+    service = socket.socket()
+    service.bind(("127.0.0.1", 0))
+    service.listen(4)
+    service.settimeout(0.2)
+    target = f"127.0.0.1:{service.getsockname()[1]}"
+    refused = metric(p, "vllm:p2p_refused_peers")
+    prompt = LENGTH_PROMPTS[2]
+    try:
+        for via_params in (False, True):
+            headers, params = peer_naming(p.kv_addr, target, via_params=via_params, grant=False)
+            out = openai_client.complete(p, prompt, headers=headers, max_tokens=MAX_TOKENS,
+                                         temperature=0.0, return_token_ids=True, **params)  # fmt: skip
+            assert ids(out) == reference[key(prompt)]
+        # A grant for one decode does not vouch for another.
+        headers, params = peer_naming(p.kv_addr, put_async_set["d1"].kv_addr)
+        params["kv_transfer_params"]["p2p_decode_addr"] = target
+        headers = {"X-Request-Id": "forged-" + headers["X-Request-Id"][-32:]}
+        openai_client.complete(p, prompt, headers=headers, max_tokens=1, **params)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = service.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            pytest.fail("the prefill connected to the address a client named")
+    finally:
+        service.close()
+    assert wait_metric(p, "vllm:p2p_refused_peers", refused + 3) == refused + 3

@@ -269,6 +269,7 @@ class SchedulerHarness:
         prompt_embeds: torch.Tensor | None = None,
         grant: bool = True,
         n: int = 1,
+        **sampling: Any,
     ) -> Request:
         """A generation request; ``prompt_token_ids=None`` with
         ``prompt_embeds`` (``[num_tokens, hidden]``) for a prompt-embeds one.
@@ -278,7 +279,7 @@ class SchedulerHarness:
         ``grant=False``."""
         if grant:
             kv_transfer_params = _with_grant(request_id, kv_transfer_params)
-        sampling_params = SamplingParams(max_tokens=max_tokens, n=n)
+        sampling_params = SamplingParams(max_tokens=max_tokens, n=n, **sampling)
         if kv_transfer_params is not None:
             sampling_params.extra_args = {"kv_transfer_params": kv_transfer_params}
         return Request(

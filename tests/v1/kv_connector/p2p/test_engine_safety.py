@@ -317,3 +317,23 @@ def test_a_silent_peer_costs_one_bounded_wait_and_stalls_no_other_peer(make_engi
     finally:
         silent.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.parametrize("arrived_first", [False, True], ids=["refused", "freed"])
+def test_an_unwanted_key_is_refused_or_freed_at_once(make_engine, arrived_first):
+    """prompt_logprobs on the decode: its worker abandons the key; an offer
+    that comes later is answered not_wanted (the prefill frees its blocks),
+    KV that came first is freed now, not kv_hold_timeout_s later."""
+    prefill = make_engine("fake", "PUT", seed=1)
+    decode = make_engine("fake", "PUT", seed=2, hold=60.0)
+    if arrived_first:
+        assert wait_done(send(prefill, decode, "k", [1, 2], mode="PUT", expect=False)).ok
+        wait_for(lambda: decode.engine._recv.state("k") is not None
+                 and decode.engine._recv.state("k").value == "ready", "the unexpected slot")
+        decode.abandon("k")
+        assert decode.occupancy() == (0, 0)
+    else:
+        decode.abandon("k")
+        xfer = send(prefill, decode, "k", [1, 2], mode="PUT", expect=False)
+        assert not wait_done(xfer).ok and "not_wanted" in xfer.reason
+        assert decode.occupancy() == (0, 0)

@@ -801,3 +801,16 @@ def test_load_and_save_carry_the_prompt_digest(harness):
     (save,) = metas(p.step()).saves
     assert save.prompt_digest == prompt_digest(prompt)
     assert prompt_digest(prompt) != prompt_digest(prompt[:-1] + [prompt[-1] + 1])
+
+
+def test_decode_with_prompt_logprobs_does_not_wait_and_refuses_the_kv(harness):
+    """vLLM computes a prompt_logprobs request's whole prompt itself; the
+    decode must not wait for KV, and tells its workers to refuse the offer
+    (the prefill then frees its blocks at once instead of holding them)."""
+    h = harness("kv_consumer")
+    rid = wrapped_id(PREFILL, OWN, "plp")
+    h.add(h.request(rid, tokens(2 * BLOCK, seed=47), max_tokens=2, prompt_logprobs=1))
+    step = h.step()
+    assert step.scheduled == {rid: 2 * BLOCK}
+    assert metas(step).loads == [] and metas(step).unwanted == ["plp"]
+    assert metas(h.step()).unwanted == []

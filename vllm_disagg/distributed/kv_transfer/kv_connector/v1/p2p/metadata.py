@@ -35,3 +35,6 @@ class SaveSpec:
 class P2pConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Decode: keys of requests that will not load (prompt_logprobs): the
+    # workers refuse their offers, so the prefill frees its blocks at once.
+    unwanted: list[str] = field(default_factory=list)

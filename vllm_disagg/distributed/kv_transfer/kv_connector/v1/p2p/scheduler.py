@@ -164,6 +164,7 @@ class P2pSchedulerConnector:
         # request id -> peers, for every live request that has them
         self._peers: dict[str, _Peers] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
+        self._unwanted: list[str] = []
         self._loaded: set[str] = set()  # requests that asked for remote KV once
         self._prefills: dict[str, _Prefill] = {}
         self._sending: set[str] = set()  # prefills handed to the workers: delay their free
@@ -240,6 +241,12 @@ class P2pSchedulerConnector:
         if not self._is_decode(peers.info) or peers.info.key in self._used_keys:
             # Another request (n > 1 sibling, beam step, retry) took this key.
             return 0, False
+        if request.skip_reading_prefix_cache:
+            # prompt_logprobs: vLLM computes the whole prompt here whatever
+            # we say; tell the workers, so the prefill's offer is refused.
+            self._used_keys.add(peers.info.key)
+            self._unwanted.append(peers.info.key)
+            return 0, False
         remote = request.num_prompt_tokens - num_computed_tokens
         if remote <= 0:
             return 0, False
@@ -273,8 +280,10 @@ class P2pSchedulerConnector:
     # --- every step ---
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
-        meta = P2pConnectorMetadata(loads=list(self._pending_loads.values()))
+        meta = P2pConnectorMetadata(loads=list(self._pending_loads.values()),
+                                    unwanted=self._unwanted)  # fmt: skip
         self._pending_loads.clear()
+        self._unwanted = []
         scheduled = scheduler_output.num_scheduled_tokens
 
         for new in scheduler_output.scheduled_new_reqs:

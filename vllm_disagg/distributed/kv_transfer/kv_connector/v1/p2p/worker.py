@@ -143,6 +143,8 @@ class P2pWorkerConnector:
             return
         now = time.monotonic()
         get_mode = self.config.send_type is SendType.GET
+        for key in meta.unwanted:
+            engine.abandon(key)  # an offer is refused (not_wanted); one received is freed
         for load in meta.loads:
             deadline = now + self.config.kv_load_timeout_s
             self._loads[load.request_id] = (load, deadline)

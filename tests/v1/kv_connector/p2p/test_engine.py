@@ -482,7 +482,8 @@ def test_get_for_a_key_never_held_fails_at_the_deadline(make_engine):
         assert decode.poll("k") is None  # NOT_READY: the GET is retried until the deadline
     slot = wait_slot(decode, "k", timeout=5.0)
     assert slot.state is SlotState.FAILED
-    assert "no reply" in slot.reason and prefill.addr in slot.reason
+    # Asked until the deadline: the last Get's reply or the last retry ends it.
+    assert ("no reply" in slot.reason or "in time" in slot.reason) and prefill.addr in slot.reason
     assert time.monotonic() >= exp_deadline - engine_mod.GET_RETRY_INTERVAL_S - 0.01
     decode.release(slot)
     assert_nothing_held(decode)

@@ -343,6 +343,21 @@ class SendTransfer:
                 time.sleep(0.0002)
 
 
+class HoldState(enum.Enum):
+    """GET, prefill side: where the KV kept for one key is."""
+
+    HELD = "held"  # kept until a Get pulls it or kv_hold_timeout_s passes
+    SENDING = "sending"  # pulled: its send runs (a repeated Get is answered ok)
+    RELEASED = "released"  # sent, failed or expired: a Get is answered gone
+
+
+@dataclass(eq=False)
+class _Hold:
+    state: HoldState
+    xfer: SendTransfer
+    until: float  # HELD: expiry; SENDING: the send's deadline; RELEASED: forgotten then
+
+
 @dataclass
 class _GetJob:
     key: str
@@ -604,11 +619,8 @@ class P2pEngine:
         self._inbound: dict[str, _InboundChannel] = {}
         # Receive side: one explicit state per key (recv_state.py).
         self._recv = RecvTable(Timeouts(hold_s=hold_timeout_s, closed_s=TOMBSTONE_TTL_S))
-        self._holds: dict[str, SendTransfer] = {}  # GET: KV kept for a pull
-        self._pulled: dict[str, SendTransfer] = {}  # GET: pulled, being sent
-        # GET, send side: keys released (sent, failed, expired) -> when; a
-        # later Get for one is answered "gone".
-        self._released: dict[str, float] = {}
+        # GET, send side: one HoldState per key (HELD -> SENDING -> RELEASED).
+        self._holds: dict[str, _Hold] = {}
         self._finished_sends: list[SendTransfer] = []
         self._buffer_used = 0
         self._pool: TensorMemoryPool | None = None
@@ -664,10 +676,11 @@ class P2pEngine:
         )
         xfer.all_saved()
         with self._lock:
-            replaced = self._holds.get(key)
-            self._holds[key] = xfer
-        if replaced is not None:
-            self._finish_send(replaced, ok=False, reason="replaced by a second hold of its key")
+            old = self._holds.get(key)
+            self._holds[key] = _Hold(HoldState.HELD, xfer, xfer.deadline)
+        # A transfer already being sent ends on its own; a held one never would.
+        if old is not None and old.state is HoldState.HELD:
+            self._finish_send(old.xfer, ok=False, reason="replaced by a second hold of its key")
         logger.debug("P2P %s: holding %d blocks of %s for a Get", self.addr, len(block_ids), key)
         return xfer
 
@@ -806,9 +819,10 @@ class P2pEngine:
     def _finish_send(self, xfer: SendTransfer, *, ok: bool, reason: str = "") -> None:
         xfer.ok, xfer.reason = ok, reason
         with self._lock:
-            if self._pulled.get(xfer.key) is xfer:
-                del self._pulled[xfer.key]
-                self._released[xfer.key] = time.monotonic()
+            hold = self._holds.get(xfer.key)
+            if hold is not None and hold.xfer is xfer and hold.state is HoldState.SENDING:
+                hold.state = HoldState.RELEASED
+                hold.until = time.monotonic() + TOMBSTONE_TTL_S
         if not ok:
             self.stats.record_failed_send()
             logger.warning("P2P send of %s to %s failed: %s", xfer.key, xfer.peer, reason)
@@ -1033,11 +1047,14 @@ class P2pEngine:
 
     def _on_get(self, msg: Get) -> Reply:
         with self._lock:
-            xfer = self._holds.pop(msg.key, None)
+            hold = self._holds.get(msg.key)
+            state = hold.state if hold is not None else None
+            xfer = hold.xfer if state is HoldState.HELD else None
             if xfer is not None:
-                self._pulled[msg.key] = xfer
-            sending = xfer is None and msg.key in self._pulled
-            released = msg.key in self._released
+                hold.state = HoldState.SENDING  # until _finish_send releases it
+                hold.until = xfer.deadline
+            sending = state is HoldState.SENDING
+            released = state is HoldState.RELEASED
         logger.debug("P2P %s: Get of %s from %s: %s", self.addr, msg.key, msg.sender_addr,
                      "held" if xfer else "released" if released else "not held yet")
         if sending:  # decode asks again while its offer is on the way
@@ -1053,20 +1070,22 @@ class P2pEngine:
         (unclaimed slots freed), and old released keys."""
         expired_holds = []
         with self._lock:
-            for key, xfer in list(self._holds.items()):
-                if now > xfer.deadline:
+            for key, hold in list(self._holds.items()):
+                if now <= hold.until:
+                    continue
+                if hold.state is HoldState.HELD:  # nobody pulled it
+                    hold.state, hold.until = HoldState.RELEASED, now + TOMBSTONE_TTL_S
+                    expired_holds.append(hold.xfer)
+                elif hold.state is HoldState.RELEASED:
                     del self._holds[key]
-                    self._released[key] = now
-                    expired_holds.append(xfer)
+                else:  # SENDING past its send's deadline: the send has ended or will fail
+                    hold.state, hold.until = HoldState.RELEASED, now + TOMBSTONE_TTL_S
             expired = self._recv.expire(now)
             orphans = []
             for entry in expired:
                 if entry.slot is not None:
                     orphans.append((entry.expected, entry.slot))
                     entry.slot = None
-            for key, t in list(self._released.items()):
-                if now - t > TOMBSTONE_TTL_S:
-                    del self._released[key]
         for xfer in expired_holds:
             self._finish_send(xfer, ok=False, reason="no peer pulled it before kv_hold_timeout_s")
         for expected, slot in orphans:

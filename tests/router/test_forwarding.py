@@ -165,3 +165,22 @@ async def test_model_filter_and_unknown_model(fakes, start_router):
     status, body, _ = await router.post("/v1/completions", {**COMPLETION, "model": "zzz"})
     assert status == 404
     assert json.loads(body)["error"]["message"] == "The model `zzz` does not exist."
+
+
+async def test_a_request_without_model_in_a_fleet_of_two_models_is_a_400(start_router, fakes):
+    """Before: a request without `model` went to any decode and any prefill,
+    and a prefill of the other model computed its KV (a wrong answer, 200)."""
+    router = await start_router()
+    pa, pb, da = await fakes("pa"), await fakes("pb"), await fakes("da")
+    router.add(pa, Role.PREFILL, model="a")
+    router.add(pb, Role.PREFILL, model="b")
+    router.add(da, Role.DECODE, model="a")
+    body = {k: v for k, v in COMPLETION.items() if k != "model"}
+    status, data, _ = await router.post("/v1/completions", body)
+    assert status == 400 and b"`model` is required" in data
+    assert not pa.requests and not pb.requests and not da.requests
+    # With the model named, only that model's prefill is ever used.
+    for _ in range(4):
+        status, _, _ = await router.post("/v1/completions", {**body, "model": "a"})
+        assert status == 200
+    assert len(pa.requests) == 4 and not pb.requests

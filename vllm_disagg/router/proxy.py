@@ -240,9 +240,14 @@ class RequestProxy:
         self.count(ex, outcome)
         return error_reply(status, message, kind)
 
-    def _pick(self, side: Role, ex: _Exchange, exclude: set[str] = frozenset()) -> Instance | None:
+    def _pick(
+        self, side: Role, ex: _Exchange, exclude: set[str] = frozenset(),
+        model: str | None = None,
+    ) -> Instance | None:
+        """An instance of ``side`` serving ``model`` (default: the request's)."""
+        model = ex.model if model is None else model
         candidates = [
-            i for i in self.registry.healthy(side, ex.model) if i.instance_id not in exclude
+            i for i in self.registry.healthy(side, model) if i.instance_id not in exclude
         ]
         if not candidates:
             return None
@@ -254,6 +259,12 @@ class RequestProxy:
         if model is not None and len(self.registry) and not self.registry.serves_model(model):
             return self._error(ex, outcomes.NO_INSTANCE, 404,
                                f"The model `{model}` does not exist.", "NotFoundError")  # fmt: skip
+        if model is None and len(self.registry.models()) > 1:
+            # vllm serve takes a request without `model` for its one model;
+            # with several, any choice could answer with the wrong one.
+            return self._error(ex, outcomes.BAD_REQUEST, 400,
+                               "`model` is required: this router serves "
+                               f"{', '.join(self.registry.models())}", "BadRequestError")  # fmt: skip
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
             return self._error(ex, outcomes.NO_INSTANCE, 503,
@@ -276,7 +287,8 @@ class RequestProxy:
         tried = {decode.instance_id}
         failures: list[str] = []
         for attempt in range(self.config.max_retries + 1):
-            prefill = self._pick(Role.PREFILL, ex, tried)
+            # The prefill computes the decode's model's KV, never another's.
+            prefill = self._pick(Role.PREFILL, ex, tried, model=decode.model)
             if prefill is None:
                 break
             tried.add(prefill.instance_id)
@@ -293,7 +305,7 @@ class RequestProxy:
         return await self._without_prefill(ex, decode, failures)
 
     async def _concurrent(self, ex: _Exchange, decode: Instance) -> Reply:
-        prefill = self._pick(Role.PREFILL, ex, {decode.instance_id})
+        prefill = self._pick(Role.PREFILL, ex, {decode.instance_id}, model=decode.model)
         if prefill is None:
             return await self._without_prefill(ex, decode, [])
         task = asyncio.create_task(self._concurrent_prefill(ex, prefill, decode))

@@ -172,6 +172,22 @@ def test_hello_flood_is_capped(make_engine, monkeypatch):
     assert threading.active_count() <= threads + 8
 
 
+def test_replacing_channels_cannot_pile_up_threads(make_engine, monkeypatch):
+    """One sender address, many Hellos that never join: each replaces the last,
+    but the replaced ones' threads still wait for their set-up; the cap counts
+    threads, so a flood under one address is bounded too."""
+    monkeypatch.setattr(engine_mod, "MAX_INBOUND_CHANNELS", 8)
+    decode = make_engine("fake", "PUT_ASYNC")
+    threads = threading.active_count()
+    stranger = Stranger(decode.addr)
+    try:
+        replies = [stranger.ask(hello(decode, channel_id=f"c{i}")) for i in range(40)]
+    finally:
+        stranger.close()
+    assert [r.status for r in replies].count(Status.OK) == 8
+    assert threading.active_count() <= threads + 8
+
+
 def test_a_new_hello_from_a_sender_replaces_its_old_channel(make_engine):
     decode = make_engine("fake", "PUT_ASYNC")
     stranger = Stranger(decode.addr)

@@ -247,11 +247,23 @@ class _InboundChannel:
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self._receive()
+        finally:
+            with self.engine._lock:
+                self.engine._recv_threads -= 1
+
+    def _receive(self) -> None:
         engine = self.engine
         try:
-            self.channel = self._finish(self._setup_deadline)
+            channel = self._finish(self._setup_deadline)
         except TransportError as e:
             self._break(f"channel set-up failed: {e}")
+            return
+        with engine._lock:
+            broken, self.channel = self.broken, channel
+        if broken:  # replaced or closed while it was being set up
+            channel.close()
             return
         next_check = time.monotonic() + IDLE_CHECK_INTERVAL_S
         while not engine.stopped.is_set() and not self.broken:
@@ -617,6 +629,7 @@ class P2pEngine:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._inbound: dict[str, _InboundChannel] = {}
+        self._recv_threads = 0  # receive threads alive (at most MAX_INBOUND_CHANNELS)
         # Receive side: one explicit state per key (recv_state.py).
         self._recv = RecvTable(Timeouts(hold_s=hold_timeout_s, closed_s=TOMBSTONE_TTL_S))
         # GET, send side: one HoldState per key (HELD -> SENDING -> RELEASED).
@@ -967,9 +980,11 @@ class P2pEngine:
             # A sender uses only its newest channel to us: an older one from
             # the same address belongs to a sender that restarted or gave up on it.
             stale = [c for c in self._inbound.values() if c.peer == msg.sender_addr]
-            if not stale and len(self._inbound) >= MAX_INBOUND_CHANNELS:
+            # Threads, not channels: a replaced channel's thread may still be
+            # waiting for its set-up to time out.
+            if self._recv_threads >= MAX_INBOUND_CHANNELS:
                 return self._refuse(msg.req_no, "busy",
-                                    f"{MAX_INBOUND_CHANNELS} inbound channels already open")
+                                    f"{MAX_INBOUND_CHANNELS} receive threads already running")
         try:
             reply_setup, finish = self.transport.accept(
                 msg.setup, peer_host=split_addr(msg.sender_addr, "sender_addr")[0]
@@ -978,6 +993,8 @@ class P2pEngine:
             return self._refuse(msg.req_no, "malformed", f"bad channel set-up: {e}")
         for old in stale:
             old._break("the sender opened a new channel")
+        with self._lock:
+            self._recv_threads += 1
         inbound = _InboundChannel(self, msg.channel_id, msg.sender_addr, finish,
                                   time.monotonic() + self.hold_timeout_s)
         with self._lock:

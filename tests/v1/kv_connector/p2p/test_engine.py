@@ -633,7 +633,7 @@ def _flood_frames(n: int, secret: bytes | None) -> list[list[bytes]]:
         lambda i: proto.seal(None, Reply(req_no=i, status=Status.OK)),
         lambda i: proto.seal(foreign, Hello(
             version=-1, req_no=i, sender_addr="127.0.0.1:1", channel_id=f"c{i}",
-            transport="fake", setup=b"", layout=layout, send_type="PUT_ASYNC")),
+            transport="fake", setup=b"", layout=layout, send_type="PUT_ASYNC", sent_at=time.time())),
     ]
     if secret is not None:
         # out-of-bounds and garbage content with a valid MAC: "malformed"

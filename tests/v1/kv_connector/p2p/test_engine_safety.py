@@ -74,6 +74,7 @@ def hello(decode, *, channel_id: str = "c0ffee", sender: str = "127.0.0.1:1", **
     fields = dict(
         version=proto.PROTOCOL_VERSION, req_no=1, sender_addr=sender, channel_id=channel_id,
         transport="fake", setup=setup, layout=decode.engine.layout.spec, send_type="PUT_ASYNC",
+        sent_at=time.time(),
     )
     fields.update(kw)
     return Hello(**fields)
@@ -85,7 +86,7 @@ def joined_hello(stranger: Stranger, decode, channel_id: str = "c0ffee"):
     msg = Hello(
         version=proto.PROTOCOL_VERSION, req_no=1, sender_addr="127.0.0.1:1",
         channel_id=channel_id, transport="fake", setup=setup,
-        layout=decode.engine.layout.spec, send_type="PUT_ASYNC",
+        layout=decode.engine.layout.spec, send_type="PUT_ASYNC", sent_at=time.time(),
     )
     reply = stranger.ask(msg)
     assert reply.status == Status.OK
@@ -101,7 +102,8 @@ def test_offer_of_another_prompt_is_refused_and_the_load_fails_at_once(make_engi
     prefill = make_engine(transport, "PUT", seed=1)
     decode = make_engine(transport, "PUT", seed=2)
     before = [t.clone() for t in decode.layers]
-    decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST)
+    decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST,
+                  prefill_addr=prefill.addr)  # the named prefill itself sends it
     xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True,
                               prompt_digest=OTHER_DIGEST)  # fmt: skip
     assert not wait_done(xfer).ok
@@ -111,6 +113,23 @@ def test_offer_of_another_prompt_is_refused_and_the_load_fails_at_once(make_engi
     assert decode.totals()["digest_mismatches"] == 1
     assert all((a == b).all() for a, b in zip(before, decode.layers))
     assert_nothing_allocated(decode)
+
+
+def test_a_wrong_digest_from_another_host_does_not_kill_the_load(make_engine):
+    """Only refused: the prefill the request named (on another host here) may
+    still send the right KV, which then lands."""
+    intruder = make_engine("fake", "PUT", seed=1)
+    prefill = make_engine("fake", "PUT", seed=3)
+    decode = make_engine("fake", "PUT", seed=2)
+    decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST,
+                  prefill_addr="127.0.0.9:21001")  # fmt: skip
+    bad = intruder.start_send("k", "r", decode.addr, [1, 2], all_saved=True,
+                              prompt_digest=OTHER_DIGEST)  # fmt: skip
+    assert not wait_done(bad).ok and "digest" in bad.reason
+    assert decode.poll("k") is None  # still waiting
+    good = prefill.start_send("k", "r", decode.addr, [1, 2], all_saved=True, prompt_digest=DIGEST)
+    assert wait_done(good).ok
+    receive(decode, "k", [40, 41], 0)
 
 
 def test_kv_received_before_the_request_keeps_the_senders_digest(make_engine):
@@ -188,16 +207,49 @@ def test_replacing_channels_cannot_pile_up_threads(make_engine, monkeypatch):
     assert threading.active_count() <= threads + 8
 
 
-def test_a_new_hello_from_a_sender_replaces_its_old_channel(make_engine):
+def test_a_new_channel_from_a_sender_replaces_its_old_one_once_set_up(make_engine):
     decode = make_engine("fake", "PUT_ASYNC")
     stranger = Stranger(decode.addr)
     try:
         for i in range(5):  # a prefill that restarted five times
-            assert stranger.ask(hello(decode, channel_id=f"c{i}")).status == Status.OK
-        wait_for(lambda: len(decode.engine._inbound) == 1, "one channel per sender")
-        assert list(decode.engine._inbound) == ["c4"]
+            joined_hello(stranger, decode, channel_id=f"c{i}")
+            wait_for(lambda: list(decode.engine._inbound) == [f"c{i}"], "one channel per sender")
+        # A Hello that never completes its set-up (a replay) replaces nothing.
+        assert stranger.ask(hello(decode, channel_id="never")).status == Status.OK
+        time.sleep(0.3)
+        assert "c4" in decode.engine._inbound and not decode.engine._inbound["c4"].broken
     finally:
         stranger.close()
+
+
+def test_a_replayed_or_stale_hello_is_refused(make_engine):
+    decode = make_engine("fake", "PUT_ASYNC")
+    stranger = Stranger(decode.addr)
+    try:
+        first = hello(decode, channel_id="once")
+        assert stranger.ask(first).status == Status.OK
+        assert stranger.ask(first).reason == "duplicate"
+        old = hello(decode, channel_id="old", sent_at=time.time() - 2 * engine_mod.MAX_HELLO_AGE_S)
+        assert stranger.ask(old).reason == "stale"
+    finally:
+        stranger.close()
+
+
+def test_an_offer_must_come_on_its_channels_own_connection(make_engine):
+    """Channel ids travel in clear: an offer naming someone else's channel from
+    another control connection would steal that sender's next transfer."""
+    decode = make_engine("fake", "PUT_ASYNC")
+    owner, thief = Stranger(decode.addr), Stranger(decode.addr)
+    try:
+        joined_hello(owner, decode, channel_id="theirs")
+        wait_for(lambda: decode.engine._inbound["theirs"].channel is not None, "channel up")
+        reply = thief.ask(Offer(req_no=2, channel_id="theirs", key="stolen", xfer_id=0,
+                                num_blocks=1, prompt_digest=DIGEST))  # fmt: skip
+        assert reply.status == Status.REJECTED and reply.reason == "unknown_channel"
+        assert decode.engine._recv.state("stolen") is None
+    finally:
+        owner.close()
+        thief.close()
 
 
 def test_a_channel_whose_sender_died_is_reclaimed(make_engine):

@@ -45,7 +45,7 @@ def _hello(**kw) -> Hello:
     fields = dict(
         version=PROTOCOL_VERSION, req_no=1, sender_addr="127.0.0.1:5000",
         channel_id="0123456789abcdef", transport="tcp", setup=b"\x00" * 16,
-        layout=LAYOUT, send_type="PUT_ASYNC",
+        layout=LAYOUT, send_type="PUT_ASYNC", sent_at=1.8e9,
     )
     fields.update(kw)
     return Hello(**fields)

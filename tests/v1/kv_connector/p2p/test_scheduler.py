@@ -814,3 +814,13 @@ def test_decode_with_prompt_logprobs_does_not_wait_and_refuses_the_kv(harness):
     assert step.scheduled == {rid: 2 * BLOCK}
     assert metas(step).loads == [] and metas(step).unwanted == ["plp"]
     assert metas(h.step()).unwanted == []
+
+
+def test_a_request_naming_this_instance_twice_is_computed_locally(harness):
+    """It would wait for KV from itself, pinning its blocks (with
+    allowed_peers, nothing else would have refused it)."""
+    h = harness("kv_consumer")
+    rid = wrapped_id(OWN, OWN, "self")
+    h.add(h.request(rid, tokens(BLOCK, seed=48), max_tokens=1))
+    step = h.step()
+    assert step.scheduled == {rid: BLOCK} and not metas(step).loads

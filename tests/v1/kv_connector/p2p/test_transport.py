@@ -581,3 +581,14 @@ def test_nccl_two_gpus_exchange():
         if process.is_alive():
             process.kill()
             process.join(timeout=5)
+
+
+def test_a_host_name_peer_matches_the_address_its_listener_advertises():
+    """kv_ip given as a name: the listener advertises the address it bound."""
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
+        check_peer_endpoint,
+    )
+
+    check_peer_endpoint(Endpoint("127.0.0.1", 9), "localhost")
+    with pytest.raises(TransportError, match="another host"):
+        check_peer_endpoint(Endpoint("127.0.0.2", 9), "localhost")

@@ -52,7 +52,7 @@ import torch
 import zmq
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
-from vllm_disagg.wire.peers import PeerInfoError, format_addr, split_addr
+from vllm_disagg.wire.peers import PeerInfoError, canonical_addr, format_addr, split_addr
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Get,
     Hello,
@@ -102,6 +102,14 @@ CONTROL_REPLY_TIMEOUT_S = 10.0
 # After a peer left a control message unanswered, transfers to it fail at
 # once for this long instead of each waiting CONTROL_REPLY_TIMEOUT_S again.
 PEER_RETRY_AFTER_S = 5.0
+# A Hello is accepted only this close to its sender's clock (replays of a
+# captured one are refused: its channel id is remembered twice as long).
+MAX_HELLO_AGE_S = 300.0
+# An accepted Hello's data connection must be made this soon (the sender
+# connects right after the reply); until then its thread counts as busy.
+CHANNEL_SETUP_TIMEOUT_S = 15.0
+# Receive-side keys tracked at most (expected, receiving, ready, closed).
+MAX_RECV_KEYS = 65536
 # How long a GET answered "released" is remembered, so a late Get gets "gone".
 TOMBSTONE_TTL_S = 300.0
 LOG_INTERVAL_S = 10.0
@@ -179,6 +187,10 @@ class KVLayout:
         return crossing and t.device.type == "cuda"
 
 
+def _canonical_host(host: str) -> str:
+    return canonical_addr(format_addr(host, 1))[0]
+
+
 def check_compatible(local: LayoutSpec, remote: LayoutSpec) -> str | None:
     """Why KV from ``remote`` cannot be copied into ``local`` blocks, or None."""
     for name in ("num_layers", "page_bytes", "block_size", "dtype"):
@@ -232,10 +244,12 @@ class RecvSlot:
 class _InboundChannel:
     """A channel a peer created to send to us, with its receive thread."""
 
-    def __init__(self, engine: P2pEngine, channel_id: str, peer: str, finish, deadline: float):
+    def __init__(self, engine: P2pEngine, channel_id: str, peer: str, finish, deadline: float,
+                 route: bytes = b""):
         self.engine = engine
         self.channel_id = channel_id
         self.peer = peer
+        self.route = route  # the control connection its Hello came on: offers must too
         self.queue: queue.Queue[RecvSlot] = queue.Queue()
         self.channel: Channel | None = None
         self.broken = False
@@ -262,9 +276,16 @@ class _InboundChannel:
             return
         with engine._lock:
             broken, self.channel = self.broken, channel
+            # A sender uses only its newest channel to us: an older one from
+            # the same address belongs to a sender that restarted or gave up
+            # on it. Replaced only now that this one is set up, so a replayed
+            # Hello that cannot complete breaks nothing.
+            stale = [c for c in engine._inbound.values() if c.peer == self.peer and c is not self]
         if broken:  # replaced or closed while it was being set up
             channel.close()
             return
+        for old in stale:
+            old._break("the sender opened a new channel")
         next_check = time.monotonic() + IDLE_CHECK_INTERVAL_S
         while not engine.stopped.is_set() and not self.broken:
             try:
@@ -323,6 +344,8 @@ class SendTransfer:
     num_layers: int
     deadline: float
     prompt_digest: bytes = b""
+    decode_host: str = ""  # GET: only a Get from this host may pull it (canonical)
+    finished: bool = False  # _finish_send ran
     layers_ready: int = 0
     events: dict[int, torch.cuda.Event] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
@@ -484,10 +507,17 @@ class _Peer:
             else:
                 self.engine._finish_send(job, ok=False, reason=reason)
             return
-        if isinstance(job, _GetJob):
-            self._get(job)
-        else:
-            self._send(job)
+        try:
+            if isinstance(job, _GetJob):
+                self._get(job)
+            else:
+                self._send(job)
+        except Exception as e:  # noqa: BLE001 - a job's bug must not kill the peer's thread
+            logger.exception("P2P peer thread %s: a job failed", self.addr)
+            if isinstance(job, _GetJob):
+                job.on_failure(f"internal error: {e}")
+            elif not job.done.is_set():
+                self.engine._finish_send(job, ok=False, reason=f"internal error: {e}")
 
     def _get(self, job: _GetJob) -> None:
         """Ask once; a "not ready" answer puts the job back with a retry time,
@@ -533,7 +563,7 @@ class _Peer:
             lambda n: Hello(
                 version=proto.PROTOCOL_VERSION, req_no=n, sender_addr=engine.addr,
                 channel_id=channel_id, transport=engine.transport.name, setup=setup,
-                layout=engine.layout.spec, send_type=engine.send_type,
+                layout=engine.layout.spec, send_type=engine.send_type, sent_at=time.time(),
             ),
             deadline,
         )
@@ -630,6 +660,7 @@ class P2pEngine:
         self._peers: dict[str, _Peer] = {}
         self._inbound: dict[str, _InboundChannel] = {}
         self._recv_threads = 0  # receive threads alive (at most MAX_INBOUND_CHANNELS)
+        self._seen_channels: dict[str, float] = {}  # channel id -> forget after (replays)
         # Receive side: one explicit state per key (recv_state.py).
         self._recv = RecvTable(Timeouts(hold_s=hold_timeout_s, closed_s=TOMBSTONE_TTL_S))
         # GET, send side: one HoldState per key (HELD -> SENDING -> RELEASED).
@@ -676,7 +707,8 @@ class P2pEngine:
         return xfer
 
     def hold(
-        self, key: str, request_id: str, block_ids: list[int], *, prompt_digest: bytes
+        self, key: str, request_id: str, block_ids: list[int], *, prompt_digest: bytes,
+        decode_addr: str | None = None,
     ) -> SendTransfer:
         """GET mode: keep the KV of ``block_ids`` until a peer pulls it or the hold expires.
 
@@ -686,6 +718,7 @@ class P2pEngine:
             key=key, request_id=request_id, peer="", block_ids=list(block_ids),
             num_layers=self.layout.num_layers,
             deadline=time.monotonic() + self.hold_timeout_s, prompt_digest=prompt_digest,
+            decode_host=_canonical_host(split_addr(decode_addr)[0]) if decode_addr else "",
         )
         xfer.all_saved()
         with self._lock:
@@ -706,7 +739,7 @@ class P2pEngine:
 
     def expect(
         self, key: str, skip_blocks: int, deadline: float, get_from: str | None,
-        prompt_digest: bytes,
+        prompt_digest: bytes, prefill_addr: str | None = None,
     ) -> None:
         """Decode knows request ``key``: it holds ``skip_blocks`` leading blocks itself,
         and accepts KV only for the prompt whose digest is ``prompt_digest``.
@@ -717,6 +750,8 @@ class P2pEngine:
             entry = self._recv.apply(key, Event.EXPECT, time.monotonic(), deadline=deadline)
             entry.skip_blocks, entry.prompt_digest = skip_blocks, prompt_digest
             entry.load_deadline = deadline
+            if prefill_addr:
+                entry.prefill_host = _canonical_host(split_addr(prefill_addr)[0])
             ask = get_from is not None and entry.state is RecvState.EXPECTED
         if ask:
             self._submit(get_from, _GetJob(
@@ -761,6 +796,9 @@ class P2pEngine:
         with self._lock:
             entry = self._recv.get(key)
             before = entry.state if entry is not None else None
+            if not self._recv.allows(key, Event.ABANDON):  # every state allows it
+                logger.error("P2P: abandon of %s in state %s", key, before)
+                return
             entry = self._recv.apply(key, Event.ABANDON, time.monotonic())
             slot = None
             if before is RecvState.READY:
@@ -799,7 +837,9 @@ class P2pEngine:
 
     def _submit(self, addr: str, job: SendTransfer | _GetJob) -> None:
         """Queue ``job`` on the thread of peer ``addr`` (started if there is none).
-        Under the lock, so a peer thread retiring at this moment cannot drop it."""
+        Under the lock, so a peer thread retiring at this moment cannot drop it.
+        One thread (and channel) per peer whatever the spelling of its address."""
+        addr = format_addr(*canonical_addr(addr))
         with self._lock:
             peer = self._peers.get(addr)
             if peer is None:
@@ -830,6 +870,10 @@ class P2pEngine:
             logger.warning("%s", line)
 
     def _finish_send(self, xfer: SendTransfer, *, ok: bool, reason: str = "") -> None:
+        with self._lock:
+            if xfer.finished:  # once: the sweep's backstop may race the send itself
+                return
+            xfer.finished = True
         xfer.ok, xfer.reason = ok, reason
         with self._lock:
             hold = self._holds.get(xfer.key)
@@ -929,7 +973,7 @@ class P2pEngine:
                 msg = None
                 try:
                     msg = proto.open_frame(self.secret, body)
-                    reply = self._handle(msg)
+                    reply = self._handle(msg, bytes(route))
                 except proto.FrameError as e:
                     self._reject(e.kind, str(e))
                     continue
@@ -945,11 +989,11 @@ class P2pEngine:
                 self._sweep(now)
         router.close(linger=0)
 
-    def _handle(self, msg) -> Reply | None:
+    def _handle(self, msg, route: bytes = b"") -> Reply | None:
         if isinstance(msg, Hello):
-            return self._on_hello(msg)
+            return self._on_hello(msg, route)
         if isinstance(msg, Offer):
-            return self._on_offer(msg)
+            return self._on_offer(msg, route)
         if isinstance(msg, Get):
             return self._on_get(msg)
         self._reject("unexpected", f"{type(msg).__name__} on the listener")
@@ -961,7 +1005,7 @@ class P2pEngine:
         self._reject(kind, reason)
         return Reply(req_no=req_no, status=Status.REJECTED, reason=kind)
 
-    def _on_hello(self, msg: Hello) -> Reply:
+    def _on_hello(self, msg: Hello, route: bytes = b"") -> Reply:
         if msg.version != proto.PROTOCOL_VERSION:
             return self._refuse(msg.req_no, "version",
                                 f"protocol version {msg.version}, expected {proto.PROTOCOL_VERSION}")
@@ -974,9 +1018,13 @@ class P2pEngine:
         if msg.send_type != self.send_type:
             return self._refuse(msg.req_no, "send_type",
                                 f"peer uses send_type {msg.send_type}, this worker {self.send_type}")
+        skew = time.time() - msg.sent_at
+        if abs(skew) > MAX_HELLO_AGE_S:
+            return self._refuse(msg.req_no, "stale", f"Hello sent {skew:.0f} s ago (clock skew "
+                                f"or a replay; at most {MAX_HELLO_AGE_S:.0f} s)")
         with self._lock:
-            if msg.channel_id in self._inbound:
-                return self._refuse(msg.req_no, "duplicate", "channel id in use")
+            if msg.channel_id in self._inbound or msg.channel_id in self._seen_channels:
+                return self._refuse(msg.req_no, "duplicate", "channel id in use or replayed")
             # A sender uses only its newest channel to us: an older one from
             # the same address belongs to a sender that restarted or gave up on it.
             stale = [c for c in self._inbound.values() if c.peer == msg.sender_addr]
@@ -991,19 +1039,25 @@ class P2pEngine:
             )
         except (TransportError, PeerInfoError) as e:
             return self._refuse(msg.req_no, "malformed", f"bad channel set-up: {e}")
-        for old in stale:
-            old._break("the sender opened a new channel")
+        now = time.monotonic()
         with self._lock:
             self._recv_threads += 1
+            self._seen_channels[msg.channel_id] = now + 2 * MAX_HELLO_AGE_S
         inbound = _InboundChannel(self, msg.channel_id, msg.sender_addr, finish,
-                                  time.monotonic() + self.hold_timeout_s)
+                                  now + min(self.hold_timeout_s, CHANNEL_SETUP_TIMEOUT_S),
+                                  route=route)  # fmt: skip
         with self._lock:
             self._inbound[msg.channel_id] = inbound
         return Reply(req_no=msg.req_no, status=Status.OK, setup=reply_setup)
 
-    def _on_offer(self, msg: Offer) -> Reply:
+    def _on_offer(self, msg: Offer, route: bytes = b"") -> Reply:
         with self._lock:
             inbound = self._inbound.get(msg.channel_id)
+            if inbound is not None and inbound.route != route:
+                inbound = None  # another connection's channel: not this sender's to use
+            # Keys nobody asked for are remembered (a refusal, a slot) only up
+            # to a bound: a flood of offers must not grow the table.
+            busy = msg.key not in self._recv.keys and len(self._recv.keys) >= MAX_RECV_KEYS
             entry = self._recv.get(msg.key)
             state = entry.state if entry is not None else None
             exp = entry if entry is not None and entry.expected else None
@@ -1016,12 +1070,17 @@ class P2pEngine:
                                 f"offer of {msg.num_blocks} blocks, the KV cache has {self.layout.num_blocks}")
         if duplicate:
             return self._refuse(msg.req_no, "duplicate", f"second offer for {msg.key}")
+        if busy:
+            return self._refuse(msg.req_no, "busy", f"{MAX_RECV_KEYS} keys already tracked")
         if gave_up:
             return Reply(req_no=msg.req_no, status=Status.NOT_WANTED)
         if exp is not None and msg.prompt_digest != exp.prompt_digest:
-            # KV of another prompt under this key: never filed, the load fails now.
+            # KV of another prompt under this key: never filed. From the host
+            # of the prefill the request named, no other KV will come: fail
+            # the load now; from anyone else, only refuse (the real one may).
             self.stats.record_digest_mismatch()
-            self._fail_key(msg.key, "offered KV belongs to another prompt (digest mismatch)")
+            if exp.prefill_host and _canonical_host(split_addr(inbound.peer)[0]) == exp.prefill_host:
+                self._fail_key(msg.key, "offered KV belongs to another prompt (digest mismatch)")
             return self._refuse(msg.req_no, "digest", f"offer of {msg.key}: prompt digest "
                                 "differs from the request's")
         skip = min(exp.skip_blocks, msg.num_blocks - 1) if exp is not None else 0
@@ -1063,6 +1122,22 @@ class P2pEngine:
         return Reply(req_no=msg.req_no, status=Status.OK, skip_blocks=skip)
 
     def _on_get(self, msg: Get) -> Reply:
+        try:
+            sender_host = _canonical_host(split_addr(msg.sender_addr, "sender_addr")[0])
+        except PeerInfoError as e:
+            return self._refuse(msg.req_no, "malformed", f"Get: {e}")
+        with self._lock:
+            hold = self._holds.get(msg.key)
+            if (hold is not None and hold.xfer.decode_host
+                    and hold.xfer.decode_host != sender_host):  # fmt: skip
+                wrong = hold.xfer.decode_host
+            else:
+                wrong = None
+        if wrong is not None:
+            # KV goes only to the decode host the request named (any DP rank
+            # there: the rank that runs the request pulls with its own address).
+            return self._refuse(msg.req_no, "not_yours",
+                                f"Get of {msg.key} from {msg.sender_addr}: held for {wrong}")
         with self._lock:
             hold = self._holds.get(msg.key)
             state = hold.state if hold is not None else None
@@ -1087,6 +1162,9 @@ class P2pEngine:
         (unclaimed slots freed), and old released keys."""
         expired_holds = []
         with self._lock:
+            for cid, until in list(self._seen_channels.items()):
+                if now > until:
+                    del self._seen_channels[cid]
             for key, hold in list(self._holds.items()):
                 if now <= hold.until:
                     continue
@@ -1095,8 +1173,9 @@ class P2pEngine:
                     expired_holds.append(hold.xfer)
                 elif hold.state is HoldState.RELEASED:
                     del self._holds[key]
-                else:  # SENDING past its send's deadline: the send has ended or will fail
+                else:  # SENDING past its send's deadline: end it if its send did not
                     hold.state, hold.until = HoldState.RELEASED, now + TOMBSTONE_TTL_S
+                    expired_holds.append(hold.xfer)
             expired = self._recv.expire(now)
             orphans = []
             for entry in expired:
@@ -1104,7 +1183,7 @@ class P2pEngine:
                     orphans.append((entry.expected, entry.slot))
                     entry.slot = None
         for xfer in expired_holds:
-            self._finish_send(xfer, ok=False, reason="no peer pulled it before kv_hold_timeout_s")
+            self._finish_send(xfer, ok=False, reason="not pulled and sent before kv_hold_timeout_s")
         for expected, slot in orphans:
             if not expected:
                 logger.warning("P2P: freeing KV of %s that no request claimed", slot.key)

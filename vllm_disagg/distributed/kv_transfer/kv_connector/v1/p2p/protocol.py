@@ -83,6 +83,7 @@ class Hello(_Msg, tag="hello"):
     setup: bytes
     layout: LayoutSpec
     send_type: str
+    sent_at: float  # the sender's wall clock: old Hellos (replays) are refused
 
 
 class Offer(_Msg, tag="offer"):

@@ -65,6 +65,7 @@ TRANSITIONS: dict[tuple[RecvState | None, Event], RecvState] = {
     (S.RECEIVING, E.ABANDON): S.ABANDONING,
     (S.RECEIVING, E.EXPIRE): S.ABANDONING,  # backstop: the transport's deadline ends it
     (S.ABANDONING, E.EXPECT): S.ABANDONING,
+    (S.ABANDONING, E.ABANDON): S.ABANDONING,
     (S.ABANDONING, E.RECEIVED): S.CLOSED,
     (S.ABANDONING, E.FAILED): S.CLOSED,
     (S.READY, E.EXPECT): S.READY,
@@ -93,6 +94,7 @@ class RecvKey:
     skip_blocks: int = 0  # blocks the decode holds itself
     prompt_digest: bytes = b""  # what the decode's request says the KV must be of
     load_deadline: float = 0.0  # the decode's own deadline for the load
+    prefill_host: str = ""  # the host of the prefill the request named (canonical)
     slot: object | None = None  # the RecvSlot, from OFFER (or FAILED) until freed or taken
     reason: str = ""  # why it failed
     history: list[RecvState] = field(default_factory=list)  # for logs and tests

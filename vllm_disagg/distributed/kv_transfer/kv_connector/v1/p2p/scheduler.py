@@ -80,6 +80,13 @@ class PeerVouching:
 
     def refusal(self, peer: PeerInfo, kv_transfer_params: dict | None) -> str | None:
         """None when vouched for, else why not (for a rate-limited log line)."""
+        others = [
+            a for a in (canonical_addr(peer.prefill_addr), canonical_addr(peer.decode_addr))
+            if a != self._own
+        ]
+        if not others:
+            # Both sides this instance: it would wait for KV from itself.
+            return "the request names this instance as both prefill and decode"
         grant = kv_transfer_params.get(GRANT_KEY) if isinstance(kv_transfer_params, dict) else None
         problem = "no router token to check a grant with"
         if self._token is not None and grant is not None:
@@ -91,10 +98,6 @@ class PeerVouching:
         elif self._token is not None:
             problem = "no grant"
         if self._allowed is not None:
-            others = [
-                a for a in (canonical_addr(peer.prefill_addr), canonical_addr(peer.decode_addr))
-                if a != self._own
-            ]
             if all(self._allowed.allows(a) for a in others):
                 return None
             problem += "; a named peer is not on allowed_peers"

@@ -153,7 +153,7 @@ class P2pWorkerConnector:
             engine.expect(
                 load.key, skip, deadline,
                 get_from=shift_port(load.prefill_addr, self.rank_offset) if get_mode else None,
-                prompt_digest=load.prompt_digest,
+                prompt_digest=load.prompt_digest, prefill_addr=load.prefill_addr,
             )
 
     def save_kv_layer(self, layer_name: str) -> None:
@@ -191,7 +191,8 @@ class P2pWorkerConnector:
         elif send_type is SendType.GET:
             for s in meta.saves:
                 self._sends[s.request_id] = engine.hold(
-                    s.key, s.request_id, s.block_ids, prompt_digest=s.prompt_digest
+                    s.key, s.request_id, s.block_ids, prompt_digest=s.prompt_digest,
+                    decode_addr=s.decode_addr,
                 )
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

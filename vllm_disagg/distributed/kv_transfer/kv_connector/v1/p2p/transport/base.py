@@ -45,6 +45,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import ipaddress
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -152,10 +153,26 @@ def check_peer_endpoint(endpoint: Endpoint, peer_host: str | None) -> None:
     points this side's connections at a third machine."""
     if peer_host is None:
         return
-    if _canonical_host(endpoint.host) != _canonical_host(peer_host):
+    if _canonical_host(endpoint.host) not in _addresses_of(peer_host):
         raise TransportError(
             f"the peer on {peer_host} named a data endpoint on another host ({endpoint.host})"
         )
+
+
+def _addresses_of(host: str) -> set[str]:
+    """The canonical addresses a host stands for: itself when it is an IP,
+    else what it resolves to (a listener advertises the address it bound)."""
+    canonical = _canonical_host(host)
+    try:
+        ipaddress.ip_address(canonical)
+        return {canonical}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(canonical, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise TransportError(f"cannot resolve the peer's host {host!r}: {e}") from None
+    return {canonical} | {_canonical_host(info[4][0]) for info in infos}
 
 
 def _canonical_host(host: str) -> str:

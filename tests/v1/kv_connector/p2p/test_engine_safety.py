@@ -148,6 +148,23 @@ def test_kv_received_before_the_request_keeps_the_senders_digest(make_engine):
 # --- what a stranger learns and costs -------------------------------------------
 
 
+def test_a_hello_or_get_naming_another_machine_is_refused(make_engine):
+    """The address a message names for replies, data and pulled KV must be the
+    machine it came from (gloo and nccl acceptors connect to it; a Get's KV
+    is sent to it)."""
+    decode = make_engine("fake", "PUT_ASYNC")
+    stranger = Stranger(decode.addr)
+    try:
+        reply = stranger.ask(hello(decode, sender="10.9.9.9:21001"))
+        assert reply.status == Status.REJECTED and reply.reason == "address"
+        reply = stranger.ask(proto.Get(req_no=5, sender_addr="10.9.9.9:22001", key="k",
+                                       skip_blocks=0))  # fmt: skip
+        assert reply.status == Status.REJECTED and reply.reason == "address"
+    finally:
+        stranger.close()
+    assert not decode.engine._inbound
+
+
 def test_a_refused_hello_names_the_kind_only(make_engine):
     decode = make_engine("fake", "PUT_ASYNC")
     stranger = Stranger(decode.addr)
@@ -181,7 +198,7 @@ def test_hello_flood_is_capped(make_engine, monkeypatch):
     threads = threading.active_count()
     stranger = Stranger(decode.addr)
     try:
-        replies = [stranger.ask(hello(decode, channel_id=f"c{i}", sender=f"10.0.0.{i}:1"))
+        replies = [stranger.ask(hello(decode, channel_id=f"c{i}", sender=f"127.0.0.1:{i + 1}"))
                    for i in range(40)]  # fmt: skip
     finally:
         stranger.close()

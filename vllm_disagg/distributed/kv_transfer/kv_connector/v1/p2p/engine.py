@@ -39,6 +39,7 @@ thread copies the buffer into the KV cache (:meth:`P2pEngine.take_received`).
 from __future__ import annotations
 
 import enum
+import ipaddress
 import heapq
 import itertools
 import queue
@@ -76,6 +77,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
     Channel,
     Transport,
     TransportError,
+    addresses_of,
 )
 from vllm_disagg.logger import init_logger
 
@@ -189,6 +191,23 @@ class KVLayout:
 
 def _canonical_host(host: str) -> str:
     return canonical_addr(format_addr(host, 1))[0]
+
+
+def _source_ip(frame: zmq.Frame) -> str | None:
+    """The IP address a message came from (libzmq's Peer-Address), canonical."""
+    try:
+        address = frame.get("Peer-Address")
+    except (zmq.ZMQError, KeyError, AttributeError):
+        return None
+    if not address:
+        return None
+    try:  # a dual-stack socket reports IPv4 peers as ::ffff:a.b.c.d
+        mapped = ipaddress.IPv6Address(address).ipv4_mapped
+        if mapped is not None:
+            address = str(mapped)
+    except ValueError:
+        pass
+    return _canonical_host(address)
 
 
 def check_compatible(local: LayoutSpec, remote: LayoutSpec) -> str | None:
@@ -964,16 +983,17 @@ class P2pEngine:
         while not self.stopped.is_set():
             if router.poll(int(POLL_INTERVAL_S * 1000)):
                 try:
-                    frames = router.recv_multipart(zmq.NOBLOCK)
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     continue
                 if len(frames) < 2:
                     continue
-                route, body = frames[0], frames[1:]
+                source = _source_ip(frames[1])
+                route, body = frames[0].bytes, [f.bytes for f in frames[1:]]
                 msg = None
                 try:
                     msg = proto.open_frame(self.secret, body)
-                    reply = self._handle(msg, bytes(route))
+                    reply = self._handle(msg, route, source)
                 except proto.FrameError as e:
                     self._reject(e.kind, str(e))
                     continue
@@ -989,7 +1009,19 @@ class P2pEngine:
                 self._sweep(now)
         router.close(linger=0)
 
-    def _handle(self, msg, route: bytes = b"") -> Reply | None:
+    def _handle(self, msg, route: bytes = b"", source: str | None = None) -> Reply | None:
+        if isinstance(msg, (Hello, Get)) and source is not None:
+            # The address a Hello or Get names for replies and data must be
+            # the machine it came from: a peer cannot send this side's data
+            # connections or pulled KV to a third one.
+            try:
+                named = _canonical_host(split_addr(msg.sender_addr, "sender_addr")[0])
+                foreign = source not in addresses_of(named)
+            except (PeerInfoError, TransportError) as e:
+                return self._refuse(msg.req_no, "malformed", f"{type(msg).__name__}: {e}")
+            if foreign:
+                return self._refuse(msg.req_no, "address",
+                                    f"{type(msg).__name__} from {source} names {msg.sender_addr}")
         if isinstance(msg, Hello):
             return self._on_hello(msg, route)
         if isinstance(msg, Offer):

@@ -153,13 +153,13 @@ def check_peer_endpoint(endpoint: Endpoint, peer_host: str | None) -> None:
     points this side's connections at a third machine."""
     if peer_host is None:
         return
-    if _canonical_host(endpoint.host) not in _addresses_of(peer_host):
+    if _canonical_host(endpoint.host) not in addresses_of(peer_host):
         raise TransportError(
             f"the peer on {peer_host} named a data endpoint on another host ({endpoint.host})"
         )
 
 
-def _addresses_of(host: str) -> set[str]:
+def addresses_of(host: str) -> set[str]:
     """The canonical addresses a host stands for: itself when it is an IP,
     else what it resolves to (a listener advertises the address it bound)."""
     canonical = _canonical_host(host)

@@ -27,11 +27,14 @@ async def test_no_instances_at_all_is_a_503_json_error(start_router):
 
 async def test_malformed_bodies_are_400_json(pd):
     router, p, d = await pd()
-    for raw in (b"{not json", b"[1, 2]", b"", "\"text\"".encode()):
+    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # was a 500 and a traceback
+    for raw in (b"{not json", b"[1, 2]", b"", "\"text\"".encode(), deep):
         status, body, _ = await router.post("/v1/completions", raw)
         assert status == 400, raw
         assert json.loads(body)["error"]["type"] == "invalid_request_error"
     assert not p.requests and not d.requests
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
+                         outcome="bad_request") == 5  # fmt: skip
 
 
 async def test_oversized_bodies_are_413_json(pd):

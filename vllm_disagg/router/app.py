@@ -142,6 +142,8 @@ def create_app(
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as e:
             body, problem = None, f"request body is not JSON: {e}"
+        except RecursionError:  # msgspec's own depth limit, not a router bug
+            body, problem = None, "request body is nested too deeply"
         else:
             problem = "request body must be a JSON object"
         if not isinstance(body, dict):

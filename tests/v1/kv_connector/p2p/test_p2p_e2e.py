@@ -355,3 +355,24 @@ def test_a_request_naming_peers_without_a_grant_connects_nowhere(put_async_set, 
     finally:
         service.close()
     assert wait_metric(p, "vllm:p2p_refused_peers", refused + 3) == refused + 3
+
+
+def test_router_lists_of_prompts_and_n_above_1_are_right_and_never_wait(put_async_set, routers,
+                                                                        reference):  # fmt: skip
+    """A list of prompts (one engine request per prompt, one transfer key) got
+    another prompt's KV, and n > 1 waited kv_load_timeout_s per extra child."""
+    router = routers["1p1d"]
+    _wait_registered(router, 2)
+    prompts = [LENGTH_PROMPTS[3], LENGTH_PROMPTS[2]]
+    start = time.monotonic()
+    body = openai_client.complete(router, prompts, max_tokens=MAX_TOKENS, temperature=0.0,
+                                  return_token_ids=True)  # fmt: skip
+    elapsed = time.monotonic() - start
+    by_index = {c["index"]: list(c["token_ids"]) for c in body["choices"]}
+    assert [by_index[i] for i in range(len(prompts))] == [reference[key(p)] for p in prompts]
+    assert elapsed < LOAD_TIMEOUT_S, elapsed  # nothing waited for a transfer that never came
+    start = time.monotonic()
+    body = openai_client.complete(router, LENGTH_PROMPTS[2], max_tokens=4, temperature=0.8,
+                                  n=3, seed=11)  # fmt: skip
+    assert len(body["choices"]) == 3
+    assert time.monotonic() - start < LOAD_TIMEOUT_S

@@ -138,3 +138,24 @@ def test_every_policy_only_picks_candidates(n):
                    PrefixAwarePolicy(100, 16, 4)):  # fmt: skip
         for k in range(10):
             assert policy.select(fleet, {"prompt": "x" * (k * 10)}) in fleet
+
+
+def test_prefix_hashing_cost_is_bounded_per_request():
+    """A 3M-token-id prompt froze the event loop for 5-16 s (a json.dumps per
+    token); only the first MAX_PREFIX_CHUNKS chunks are rendered and hashed."""
+    import time as _time
+
+    from vllm_disagg.router.policy import MAX_PREFIX_CHUNKS, PrefixAwarePolicy
+
+    policy = PrefixAwarePolicy(max_entries=1 << 20, chunk_chars=16, balance_threshold=4)
+    huge = {"prompt": list(range(3_000_000))}
+    start = _time.monotonic()
+    text = render_prompt(huge, policy.max_chars)
+    assert len(text) <= policy.max_chars
+    assert len(policy.chunk_hashes(text)) <= MAX_PREFIX_CHUNKS
+    assert _time.monotonic() - start < 1.0
+    # The bound keeps prefixes comparable: equal starts render equal.
+    other = {"prompt": list(range(3_000_000))[:-1] + [7]}
+    assert render_prompt(other, policy.max_chars) == text
+    assert render_prompt({"messages": [{"role": "user", "content": "x" * 10**7}]},
+                         policy.max_chars).startswith("user\x1fxxx")  # fmt: skip

@@ -36,7 +36,7 @@ from vllm_disagg.wire.discovery import (
     seal,
 )
 from vllm_disagg.router.logs import LogLimiter
-from vllm_disagg.router.registry import InstanceRegistry
+from vllm_disagg.router.registry import InstanceRegistry, RegistryFull
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,12 @@ class DiscoveryServer:
             reason = str(e)[:MAX_REASON_CHARS]
             return seal(self._token, Ack(DISCOVERY_VERSION, UNKNOWN_SENDER, False, reason))
         if isinstance(msg, Register):
-            self.registry.register(msg)
+            try:
+                self.registry.register(msg)
+            except RegistryFull as e:
+                self.rejected["full"] += 1
+                self._log.warning("full", "discovery: refused %s: %s", msg.instance_id, e)
+                return seal(self._token, Ack(DISCOVERY_VERSION, msg.instance_id, False, str(e)))
             self.accepted["register"] += 1
         else:
             self.registry.deregister(msg.instance_id)

@@ -53,35 +53,48 @@ class LeastOutstandingPolicy(Policy):
         return min(rotated, key=lambda i: i.outstanding)
 
 
-def render_prompt(body: Mapping[str, Any]) -> str:
+def render_prompt(body: Mapping[str, Any], limit: int | None = None) -> str:
     """The part of a request that decides its KV: every chat message (role,
     content and the rest, tools first as templates put them) or the
     completion prompt. Not the model's template, but the same prefix gives
-    the same text."""
+    the same text. With ``limit``, the first ``limit`` characters, rendered
+    without touching the rest (a 3M-token prompt froze the event loop)."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts = [_canonical(body["tools"])] if body.get("tools") else []
+        parts = [_canonical(body["tools"])[:limit]] if body.get("tools") else []
+        size = sum(len(p) for p in parts)
         for message in messages:
+            if limit is not None and size >= limit:
+                break
             if not isinstance(message, Mapping):
                 parts.append(_canonical(message))
                 continue
             content = message.get("content")
+            if isinstance(content, str):
+                content = content[:limit]
+            else:
+                content = _canonical(content)[:limit]
             rest = {k: v for k, v in message.items() if k not in ("role", "content")}
-            parts.append(f"{message.get('role')}\x1f"
-                         f"{content if isinstance(content, str) else _canonical(content)}"
-                         f"{_canonical(rest) if rest else ''}")  # fmt: skip
-        return "\x1e".join(parts)
+            parts.append(f"{message.get('role')}\x1f{content}"
+                         f"{_canonical(rest)[:limit] if rest else ''}")  # fmt: skip
+            size += len(parts[-1])
+        return "\x1e".join(parts)[:limit]
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return prompt
+        return prompt[:limit]
     if isinstance(prompt, list):
         # Token ids, or a batch of prompts: the first one leads the text.
-        return "\x1e".join(p if isinstance(p, str) else _canonical(p) for p in prompt)
+        # Every item renders to at least one character: ``limit`` items suffice.
+        items = prompt if limit is None else prompt[:limit]
+        return "\x1e".join(p if isinstance(p, str) else _canonical(p) for p in items)[:limit]
     return ""
 
 
 def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+MAX_PREFIX_CHUNKS = 512  # per prompt: bounds the hashing a request costs
 
 
 class PrefixAwarePolicy(Policy):
@@ -107,6 +120,8 @@ class PrefixAwarePolicy(Policy):
         self.balance_threshold = balance_threshold
         self._index: OrderedDict[int, str] = OrderedDict()
         self._fallback = LeastOutstandingPolicy()
+        # Prefixes longer than this many chunks route like their first part.
+        self.max_chars = chunk_chars * MAX_PREFIX_CHUNKS
 
     def __len__(self) -> int:
         return len(self._index)
@@ -121,7 +136,7 @@ class PrefixAwarePolicy(Policy):
         return hashes
 
     def select(self, candidates: Sequence[Instance], body: Mapping[str, Any]) -> Instance:
-        hashes = self.chunk_hashes(render_prompt(body))
+        hashes = self.chunk_hashes(render_prompt(body, self.max_chars))
         by_id = {c.instance_id: c for c in candidates}
         holder = None
         for chunk_hash in hashes:

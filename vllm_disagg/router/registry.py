@@ -72,13 +72,20 @@ class Instance:
         return self.role in _SERVES[side]
 
 
+class RegistryFull(RuntimeError):
+    """A registration beyond ``max_instances``: refused (the Ack says why)."""
+
+
 @dataclass
 class InstanceRegistry:
     heartbeat_timeout_s: float = 10.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 10.0
     clock: Callable[[], float] = time.monotonic
+    max_instances: int = 4096
     _instances: dict[str, Instance] = field(default_factory=dict, init=False)
+    # http_addr -> instance ids there (normally one): registration without a scan
+    _by_http: dict[str, set[str]] = field(default_factory=dict, init=False)
     # What happened to instances, for /metrics: removals by reason, breaker opens.
     removals: Counter[str] = field(default_factory=Counter, init=False)
     breaker_opens: int = field(default=0, init=False)
@@ -93,11 +100,17 @@ class InstanceRegistry:
         """
         now = self.clock()
         known = self._instances.get(msg.instance_id)
-        for other in [i for i in self._instances.values() if i.http_addr == msg.http_addr]:
+        for other_id in list(self._by_http.get(msg.http_addr, ())):
+            other = self._instances[other_id]
             if other is not known:
                 self._remove(other, "replaced")
+        if known is None and len(self._instances) >= self.max_instances:
+            raise RegistryFull(f"the registry holds {self.max_instances} instances already")
         expires_after_s = max(self.heartbeat_timeout_s, 3 * msg.interval_s)
         if known is not None:
+            if known.http_addr != msg.http_addr:
+                self._unindex(known)
+                self._by_http.setdefault(msg.http_addr, set()).add(known.instance_id)
             known.role, known.http_addr, known.kv_addr = msg.role, msg.http_addr, msg.kv_addr
             known.model, known.dp_rank, known.dp_size = msg.model, msg.dp_rank, msg.dp_size
             known.last_seen, known.expires_after_s = now, expires_after_s
@@ -106,6 +119,7 @@ class InstanceRegistry:
             msg.instance_id, msg.role, msg.http_addr, msg.kv_addr, msg.model,
             msg.dp_rank, msg.dp_size, now, now, expires_after_s,
         )  # fmt: skip
+        self._by_http.setdefault(msg.http_addr, set()).add(msg.instance_id)
         logger.info(
             "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d", msg.instance_id,
             msg.role.value, msg.http_addr, msg.kv_addr, msg.model, msg.dp_rank, msg.dp_size,
@@ -118,6 +132,7 @@ class InstanceRegistry:
         instance_id = f"static-{role.value}-{http_addr}"
         instance = Instance(instance_id, role, http_addr, kv_addr, model, 0, 1, now, now, None)
         self._instances[instance_id] = instance
+        self._by_http.setdefault(http_addr, set()).add(instance_id)
         return instance
 
     def deregister(self, instance_id: str) -> bool:
@@ -140,14 +155,23 @@ class InstanceRegistry:
 
     def mark_unreachable(self, http_addr: str) -> None:
         """Its connection was refused: stop sending there now."""
-        for instance in [i for i in self._instances.values() if i.http_addr == http_addr]:
+        for instance_id in list(self._by_http.get(http_addr, ())):
+            instance = self._instances[instance_id]
             if instance.static:
                 self._open(instance, self.clock())
             else:
                 self._remove(instance, "unreachable")
 
+    def _unindex(self, instance: Instance) -> None:
+        ids = self._by_http.get(instance.http_addr)
+        if ids is not None:
+            ids.discard(instance.instance_id)
+            if not ids:
+                del self._by_http[instance.http_addr]
+
     def _remove(self, instance: Instance, reason: str) -> None:
         del self._instances[instance.instance_id]
+        self._unindex(instance)
         self.removals[reason] += 1
         logger.info("instance %s (%s %s) removed: %s", instance.instance_id,
                     instance.role.value, instance.http_addr, reason)  # fmt: skip

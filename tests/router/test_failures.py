@@ -72,11 +72,30 @@ async def test_refused_connection_drops_the_instance_at_once(pd, fakes):
     assert router.metric("vllm_disagg_router_instance_removals_total", reason="unreachable") == 1
 
 
+async def test_a_refused_decode_is_retried_on_another_before_the_first_byte(pd, fakes):
+    """A decode whose HTTP refuses while its heartbeat lives cost one 502 per
+    heartbeat although another decode was healthy."""
+    router, p, d = await pd()
+    d2 = await fakes("d2")
+    router.add(d2, Role.DECODE)
+    await d.stop()
+    for _ in range(4):
+        status, body, _ = await router.post("/v1/completions", BODY)
+        assert status == 200, body
+    assert router.registry.get("d-id") is None
+    assert router.metric("vllm_disagg_router_decode_retries_total") <= 1
+    # The retried request was prefilled by its new decode itself (no peers):
+    # the KV had gone to the decode that refused.
+    assert any("kv_transfer_params" not in r.body for r in d2.requests)
+    assert b"127.0.0.1" not in body
+
+
 async def test_refused_decode_is_a_502_and_drops_it(pd):
     router, p, d = await pd()
     await d.stop()
     status, body, _ = await router.post("/v1/completions", BODY)
     assert status == 502 and "refused" in error_of(body)["message"]
+    assert d.http_addr.encode() not in body  # internal addresses stay in the router's log
     status, body, _ = await router.post("/v1/completions", BODY)
     assert status == 503 and error_of(body)["type"] == "service_unavailable"
 
@@ -142,6 +161,8 @@ async def test_chunk_timeout_ends_the_stream_with_an_error_event(pd):
     first, error_event = body.split(b"\n\n", 1)
     assert first == b"data: 1"
     assert error_event.startswith(b"data: ") and b"sent nothing for 0.3s" in error_event
+    # Ended as vLLM ends a failed stream: [DONE] after the error event.
+    assert error_event.endswith(b"\n\ndata: [DONE]\n\n")
     async with asyncio.timeout(WAIT_S):
         await d.disconnected.wait()
     assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
@@ -163,7 +184,8 @@ async def test_request_deadline_bounds_everything(pd):
     started = loop.time()
     status, body, _ = await router.post("/v1/completions", STREAM)
     assert status == 200 and loop.time() - started < 10.0
-    assert b"deadline" in body.rsplit(b"\n\n", 2)[-2]
+    *_, error_event, done, rest = body.split(b"\n\n")
+    assert b"deadline" in error_event and done == b"data: [DONE]" and rest == b""
 
 
 async def test_connect_timeout(pd):

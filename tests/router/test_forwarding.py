@@ -184,3 +184,14 @@ async def test_a_request_without_model_in_a_fleet_of_two_models_is_a_400(start_r
         status, _, _ = await router.post("/v1/completions", {**body, "model": "a"})
         assert status == 200
     assert len(pa.requests) == 4 and not pb.requests
+
+
+async def test_stream_given_as_a_truthy_string_streams_like_vllm(pd):
+    """vLLM takes "stream": "true" (or 1) as true; the router buffered the
+    whole answer, with no chunk timeout."""
+    router, p, d = await pd()
+    for value in ("true", 1, "True"):
+        status, body, resp = await router.post("/v1/completions", {**COMPLETION, "stream": value})
+        assert status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+    # The prefill leg never streams, whatever the spelling.
+    assert all(r.body["stream"] is False for r in p.requests)

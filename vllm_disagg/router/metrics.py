@@ -47,6 +47,11 @@ class RouterMetrics:
             f"{PREFIX}_prefill_retries", "Prefill attempts repeated on another instance.",
             registry=self.registry,
         )  # fmt: skip
+        self.decode_retries = Counter(
+            f"{PREFIX}_decode_retries",
+            "Requests sent to another decode instance after one refused the connection.",
+            registry=self.registry,
+        )  # fmt: skip
         self.prefill_failures = Counter(
             f"{PREFIX}_prefill_failures",
             "Failed prefill attempts by reason (refused, connect_timeout, timeout, connection, "

@@ -161,7 +161,11 @@ class _Exchange:
 
     @property
     def stream(self) -> bool:
-        return self.body.get("stream") is True
+        # vLLM's pydantic model takes "true", 1, ... as true: stream those too.
+        value = self.body.get("stream")
+        if isinstance(value, str):
+            return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
+        return bool(value) if isinstance(value, (bool, int)) else False
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -277,9 +281,30 @@ class RequestProxy:
             if self.config.handoff == "concurrent":
                 return await self._concurrent(ex, decode)
             return await self._sequential(ex, decode)
+        except _DecodeRefused as refused:
+            return await self._decode_elsewhere(ex, decode, refused)
         finally:
             if not ex.decode_sent:
                 self.registry.finish(decode, None)
+
+    async def _decode_elsewhere(self, ex: _Exchange, refused_by: Instance,
+                                refused: _DecodeRefused) -> Reply:  # fmt: skip
+        """D refused the connection before a byte reached the client: try
+        other decodes of its model. They prefill themselves (the KV went to
+        the one that refused), so the answer costs a recompute, not a 502."""
+        tried = {refused_by.instance_id}
+        for _ in range(self.config.max_retries):
+            other = self._pick(Role.DECODE, ex, tried, model=refused_by.model)
+            if other is None:
+                break
+            tried.add(other.instance_id)
+            self.metrics.decode_retries.inc()
+            self.registry.begin(other)
+            try:
+                return await self._decode(ex, other, None)
+            except _DecodeRefused as again:
+                refused = again
+        return self._error(ex, outcomes.UPSTREAM_ERROR, 502, refused.message, "bad_gateway")
 
     # --- hand-off styles -------------------------------------------------
 
@@ -301,7 +326,9 @@ class RequestProxy:
             if result.reply is not None:
                 self.count(ex, result.outcome)
                 return result.reply
-            failures.append(f"{prefill.http_addr}: {result.reason}")
+            failures.append(result.reason)
+            self.limited_log.warning("prefill-failed", "prefill on %s failed: %s",
+                                     prefill.http_addr, result.reason)  # fmt: skip
         return await self._without_prefill(ex, decode, failures)
 
     async def _concurrent(self, ex: _Exchange, decode: Instance) -> Reply:
@@ -438,15 +465,18 @@ class RequestProxy:
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             ok = False
             reason = self._failed(decode, e)
+            self.limited_log.warning("decode-" + reason, "decode instance %s: %s: %s",
+                                     decode.http_addr, reason, e)  # fmt: skip
+            if reason == "refused":  # nothing was sent: another decode may take it
+                raise _DecodeRefused("the decode instance refused the connection") from None
             if reason != "timeout":
                 return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
-                                   f"decode instance {decode.http_addr}: {reason}: {e}",
-                                   "bad_gateway")  # fmt: skip
+                                   f"the decode instance failed ({reason})", "bad_gateway")
             if ex.remaining() <= 0:
                 self.count(ex, outcomes.TIMEOUT)
                 return self._deadline_reply()
             return self._error(ex, outcomes.TIMEOUT, 504,
-                               f"decode instance {decode.http_addr} sent nothing within "
+                               "the decode instance sent nothing within "
                                f"{self.config.first_token_timeout_s:g}s", "timeout")  # fmt: skip
         finally:
             if not handed_to_stream:  # else it owns D's response and the prefill task
@@ -502,11 +532,12 @@ class _RelayStream:
                 return self._end(outcomes.TIMEOUT, None, 504,
                                  f"request deadline ({config.request_timeout_s:g}s) exceeded")
             return self._end(outcomes.TIMEOUT, False, 504,
-                             f"decode instance {self._decode.http_addr} sent nothing for "
-                             f"{config.chunk_timeout_s:g}s")  # fmt: skip
+                             f"the decode instance sent nothing for {config.chunk_timeout_s:g}s")
         except (aiohttp.ClientError, OSError) as e:
+            self._proxy.limited_log.warning("stream-broken", "decode instance %s broke the "
+                                            "stream: %s", self._decode.http_addr, e)  # fmt: skip
             return self._end(outcomes.UPSTREAM_ERROR, False, 502,
-                             f"decode instance {self._decode.http_addr} broke the stream: {e}")
+                             "the decode instance broke the stream")
         if not chunk:
             self._close(outcomes.OK, True)
             raise StopAsyncIteration
@@ -524,7 +555,8 @@ class _RelayStream:
         self._close(outcome, instance_ok)
         if not at_boundary:
             raise StopAsyncIteration
-        return b"data: " + error_json(status, message, outcome) + b"\n\n"
+        # As vLLM ends a stream that failed: the error event, then [DONE].
+        return b"data: " + error_json(status, message, outcome) + b"\n\ndata: [DONE]\n\n"
 
     async def aclose(self) -> None:
         self._close(outcomes.CANCELLED, None)
@@ -542,6 +574,14 @@ class _RelayStream:
         self._proxy.count(self._ex, outcome)
         if self._prefill_task is not None:
             self._prefill_task.cancel()
+
+
+class _DecodeRefused(Exception):
+    """A decode instance refused the connection: nothing reached the client."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 def _content_type(resp: aiohttp.ClientResponse) -> str:

@@ -175,3 +175,44 @@ async def test_flood_of_garbage_is_survived(discovery):
     assert elapsed < 15.0
     assert (await instance.message(register())).accepted
     assert router.registry.get("i-1") is not None
+
+
+def test_replays_and_stale_incarnations_are_refused_even_with_a_token():
+    """A captured Register replayed within the clock-skew window rolled a
+    live instance back, and an old incarnation's frame evicted its successor."""
+    from vllm_disagg.router.discovery import DiscoveryServer
+    from vllm_disagg.router.registry import InstanceRegistry
+
+    registry = InstanceRegistry()
+    server = DiscoveryServer(registry, host="127.0.0.1", port=0, token=TOKEN)
+    now = time.time()
+    old = register("old", seq=7, sent_at=now - 60)
+    new = register("new", seq=0, sent_at=now - 5)
+
+    def ack(msg, source="127.0.0.1"):
+        return open_frame(TOKEN, server.handle(seal(TOKEN, msg), source))
+
+    assert ack(old).accepted and ack(new).accepted  # a restart: the new one takes over
+    assert registry.get("old") is None
+    assert not ack(old).accepted  # the old incarnation's frame, replayed
+    assert registry.get("new") is not None
+    assert ack(register("new", seq=3, sent_at=now)).accepted
+    refused = ack(register("new", seq=2, sent_at=now))  # an earlier heartbeat, replayed
+    assert not refused.accepted and refused.reason.startswith("replayed")
+    # Another instance may not take the kv_addr with an older registration.
+    thief = register("thief", http_addr="127.0.0.1:29999", sent_at=now - 30)
+    assert not ack(thief).accepted and registry.get("new").kv_addr == "127.0.0.1:22001"
+    assert server.rejected["replayed"] == 1 and server.rejected["stale"] == 2
+
+
+def test_unsigned_registrations_only_from_loopback_unless_told_otherwise():
+    from vllm_disagg.router.discovery import DiscoveryServer
+    from vllm_disagg.router.registry import InstanceRegistry
+
+    registry = InstanceRegistry()
+    server = DiscoveryServer(registry, host="127.0.0.1", port=0, token=None)
+    remote = open_frame(None, server.handle(seal(None, register()), "10.1.2.3"))
+    assert not remote.accepted and "loopback" in remote.reason and len(registry) == 0
+    assert open_frame(None, server.handle(seal(None, register()), "::1")).accepted
+    server.allow_remote_unsigned = True
+    assert open_frame(None, server.handle(seal(None, register("i-2", seq=1)), "10.1.2.3")).accepted

@@ -93,7 +93,8 @@ def create_app(
     registry = build_registry(config) if registry is None else registry
     policies = Policies.from_config(config) if policies is None else policies
     discovery = DiscoveryServer(
-        registry, host=config.discovery_host, port=config.discovery_port, token=config.token
+        registry, host=config.discovery_host, port=config.discovery_port, token=config.token,
+        allow_remote_unsigned=config.insecure_discovery,
     )
     metrics = RouterMetrics(registry, discovery)
     proxy = RequestProxy(config, registry, policies, metrics)

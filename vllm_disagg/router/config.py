@@ -87,6 +87,8 @@ class RouterConfig:
     prefix_balance_threshold: int = 16
     # Kept out of repr: a token must not end up in a log line.
     registration_token: str | None = field(default=None, repr=False)
+    # Without a token, accept registrations from other machines too.
+    insecure_discovery: bool = False
     static_prefill: tuple[StaticInstance, ...] = ()
     static_decode: tuple[StaticInstance, ...] = ()
     log_level: str = "info"
@@ -202,6 +204,9 @@ class RouterConfig:
                          help="shared token instances sign registrations with; prefer the "
                               f"{envs.VLLM_DISAGG_ROUTER_TOKEN} environment variable "
                               "(a flag shows in `ps`)")
+        sec.add_argument("--insecure-discovery", action="store_true",
+                         help="without a registration token, accept registrations from "
+                              "other machines too (default: loopback only)")
         sec.add_argument("--static-prefill", nargs="+", default=[], metavar="HTTP,KV[,MODEL]",
                          help="prefill instances that do not register themselves")
         sec.add_argument("--static-decode", nargs="+", default=[], metavar="HTTP,KV[,MODEL]",

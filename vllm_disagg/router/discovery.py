@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 from collections import Counter
@@ -36,15 +37,31 @@ from vllm_disagg.wire.discovery import (
     seal,
 )
 from vllm_disagg.router.logs import LogLimiter
-from vllm_disagg.router.registry import InstanceRegistry, RegistryFull
+from vllm_disagg.router.registry import InstanceRegistry, RegistryRefused
 
 logger = logging.getLogger(__name__)
 
-REJECTION_KINDS = ("malformed", "oversized", "unauthenticated", "stale", "version")
+REJECTION_KINDS = ("malformed", "oversized", "unauthenticated", "stale", "version", "replayed", "full")
 # A peer sending a larger frame is disconnected by ZMQ before it is buffered;
 # up to this size a frame reaches open_frame and is counted as "oversized".
 MAX_ZMQ_FRAME_BYTES = 2 * MAX_FRAME_BYTES + MAC_BYTES
 UNKNOWN_SENDER = "unknown"
+
+
+def _source_ip(frame) -> str | None:
+    try:
+        return frame.get("Peer-Address") or None
+    except (zmq.ZMQError, KeyError, AttributeError):
+        return None
+
+
+def _is_loopback(ip: str) -> bool:
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
 
 
 class DiscoveryServer:
@@ -56,8 +73,10 @@ class DiscoveryServer:
         port: int,
         token: bytes | None,
         wall_clock: Callable[[], float] = time.time,
+        allow_remote_unsigned: bool = False,
     ) -> None:
         self.registry = registry
+        self.allow_remote_unsigned = allow_remote_unsigned
         self.host = host
         self.port = port  # the bound port once started (port 0: a free one)
         self._token = token
@@ -107,18 +126,24 @@ class DiscoveryServer:
     async def _serve(self) -> None:
         assert self._socket is not None
         while True:
-            frames = await self._socket.recv_multipart()
+            raw = await self._socket.recv_multipart(copy=False)
+            frames = [f.bytes for f in raw]
             try:
-                reply = self.handle(frames[1:])
+                reply = self.handle(frames[1:], _source_ip(raw[1]) if len(raw) > 1 else None)
             except Exception:  # a bug here must not end discovery for the fleet
                 logger.exception("discovery: failed to handle a message")
                 continue
             with contextlib.suppress(zmq.Again):  # the sender stopped reading: drop
                 await self._socket.send_multipart([frames[0], *reply], flags=zmq.NOBLOCK)
 
-    def handle(self, frames: list[bytes]) -> list[bytes]:
-        """One message (the frames after the sender's identity) -> the Ack frames."""
+    def handle(self, frames: list[bytes], source: str | None = None) -> list[bytes]:
+        """One message (the frames after the sender's identity) -> the Ack
+        frames; ``source``: the IP it came from, when known."""
         try:
+            if (self._token is None and not self.allow_remote_unsigned
+                    and source is not None and not _is_loopback(source)):  # fmt: skip
+                raise DiscoveryError("unauthenticated", "unsigned registrations are accepted "
+                                     "from loopback only (set a registration token)")
             msg = open_frame(self._token, frames, now=self._wall_clock())
             if not isinstance(msg, Register | Deregister):
                 raise DiscoveryError("malformed", f"unexpected {type(msg).__name__}")
@@ -130,10 +155,11 @@ class DiscoveryServer:
         if isinstance(msg, Register):
             try:
                 self.registry.register(msg)
-            except RegistryFull as e:
-                self.rejected["full"] += 1
-                self._log.warning("full", "discovery: refused %s: %s", msg.instance_id, e)
-                return seal(self._token, Ack(DISCOVERY_VERSION, msg.instance_id, False, str(e)))
+            except RegistryRefused as e:
+                self.rejected[e.kind] += 1
+                self._log.warning(e.kind, "discovery: refused %s: %s", msg.instance_id, e)
+                return seal(self._token, Ack(DISCOVERY_VERSION, msg.instance_id, False,
+                                             f"{e.kind}: {e}"[:MAX_REASON_CHARS]))  # fmt: skip
             self.accepted["register"] += 1
         else:
             self.registry.deregister(msg.instance_id)

@@ -63,6 +63,8 @@ class Instance:
     consecutive_failures: int = 0
     opened_at: float | None = None  # breaker opened at (clock time); None: closed
     trial_in_flight: bool = False
+    seq: int = 0  # the last accepted heartbeat's counter (replays are older)
+    sent_at: float = 0.0  # the last accepted heartbeat's sender clock
 
     @property
     def static(self) -> bool:
@@ -72,8 +74,25 @@ class Instance:
         return self.role in _SERVES[side]
 
 
-class RegistryFull(RuntimeError):
+class RegistryRefused(RuntimeError):
+    """A registration the registry will not take; ``kind`` is the counter label."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(detail)
+        self.kind = kind
+
+
+class RegistryFull(RegistryRefused):
     """A registration beyond ``max_instances``: refused (the Ack says why)."""
+
+    def __init__(self, detail: str):
+        super().__init__("full", detail)
+
+
+# An incarnation replaced by a newer one at its address is refused this long
+# (a captured frame of it replayed must not evict its successor).
+RETIRED_TTL_S = 600.0
+MAX_RETIRED = 4096
 
 
 @dataclass
@@ -86,6 +105,9 @@ class InstanceRegistry:
     _instances: dict[str, Instance] = field(default_factory=dict, init=False)
     # http_addr -> instance ids there (normally one): registration without a scan
     _by_http: dict[str, set[str]] = field(default_factory=dict, init=False)
+    _by_kv: dict[str, set[str]] = field(default_factory=dict, init=False)
+    # instance id -> until: incarnations a newer one replaced
+    _retired: dict[str, float] = field(default_factory=dict, init=False)
     # What happened to instances, for /metrics: removals by reason, breaker opens.
     removals: Counter[str] = field(default_factory=Counter, init=False)
     breaker_opens: int = field(default=0, init=False)
@@ -100,26 +122,48 @@ class InstanceRegistry:
         """
         now = self.clock()
         known = self._instances.get(msg.instance_id)
-        for other_id in list(self._by_http.get(msg.http_addr, ())):
-            other = self._instances[other_id]
-            if other is not known:
-                self._remove(other, "replaced")
+        if known is not None and msg.seq < known.seq:
+            raise RegistryRefused("replayed", f"{msg.instance_id}: heartbeat {msg.seq} after "
+                                  f"{known.seq}")  # fmt: skip
+        until = self._retired.get(msg.instance_id)
+        if known is None and until is not None and now < until:
+            raise RegistryRefused("stale", f"{msg.instance_id} was replaced by a newer "
+                                  "incarnation at its address")  # fmt: skip
+        # An address belongs to one instance: a newer incarnation (a later
+        # sender clock) takes it over; an older one (a replayed frame) may not.
+        others = [
+            self._instances[i]
+            for i in sorted({
+                i for index, addr in ((self._by_http, msg.http_addr), (self._by_kv, msg.kv_addr))
+                for i in index.get(addr, ())
+            } - {msg.instance_id})
+        ]  # fmt: skip
+        for other in others:
+            if msg.sent_at < other.sent_at:
+                raise RegistryRefused("stale", f"{msg.instance_id}: {other.instance_id} holds "
+                                      "its address with a newer registration")  # fmt: skip
+        for other in others:
+            self._remove(other, "replaced")
+            self._retired[other.instance_id] = now + RETIRED_TTL_S
+            while len(self._retired) > MAX_RETIRED:
+                del self._retired[next(iter(self._retired))]
         if known is None and len(self._instances) >= self.max_instances:
             raise RegistryFull(f"the registry holds {self.max_instances} instances already")
         expires_after_s = max(self.heartbeat_timeout_s, 3 * msg.interval_s)
         if known is not None:
-            if known.http_addr != msg.http_addr:
-                self._unindex(known)
-                self._by_http.setdefault(msg.http_addr, set()).add(known.instance_id)
+            self._unindex(known)
             known.role, known.http_addr, known.kv_addr = msg.role, msg.http_addr, msg.kv_addr
+            self._index(known)
+            known.seq, known.sent_at = msg.seq, msg.sent_at
             known.model, known.dp_rank, known.dp_size = msg.model, msg.dp_rank, msg.dp_size
             known.last_seen, known.expires_after_s = now, expires_after_s
             return False
-        self._instances[msg.instance_id] = Instance(
+        instance = self._instances[msg.instance_id] = Instance(
             msg.instance_id, msg.role, msg.http_addr, msg.kv_addr, msg.model,
             msg.dp_rank, msg.dp_size, now, now, expires_after_s,
+            seq=msg.seq, sent_at=msg.sent_at,
         )  # fmt: skip
-        self._by_http.setdefault(msg.http_addr, set()).add(msg.instance_id)
+        self._index(instance)
         logger.info(
             "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d", msg.instance_id,
             msg.role.value, msg.http_addr, msg.kv_addr, msg.model, msg.dp_rank, msg.dp_size,
@@ -132,7 +176,7 @@ class InstanceRegistry:
         instance_id = f"static-{role.value}-{http_addr}"
         instance = Instance(instance_id, role, http_addr, kv_addr, model, 0, 1, now, now, None)
         self._instances[instance_id] = instance
-        self._by_http.setdefault(http_addr, set()).add(instance_id)
+        self._index(instance)
         return instance
 
     def deregister(self, instance_id: str) -> bool:
@@ -162,12 +206,17 @@ class InstanceRegistry:
             else:
                 self._remove(instance, "unreachable")
 
+    def _index(self, instance: Instance) -> None:
+        self._by_http.setdefault(instance.http_addr, set()).add(instance.instance_id)
+        self._by_kv.setdefault(instance.kv_addr, set()).add(instance.instance_id)
+
     def _unindex(self, instance: Instance) -> None:
-        ids = self._by_http.get(instance.http_addr)
-        if ids is not None:
-            ids.discard(instance.instance_id)
-            if not ids:
-                del self._by_http[instance.http_addr]
+        for index, addr in ((self._by_http, instance.http_addr), (self._by_kv, instance.kv_addr)):
+            ids = index.get(addr)
+            if ids is not None:
+                ids.discard(instance.instance_id)
+                if not ids:
+                    del index[addr]
 
     def _remove(self, instance: Instance, reason: str) -> None:
         del self._instances[instance.instance_id]

@@ -533,3 +533,13 @@ def test_secret_file(monkeypatch, tmp_path):
     assert _error(_config).startswith(f"{envs.VLLM_DISAGG_P2P_SECRET_FILE}: ")
     monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET_FILE, str(tmp_path / "missing"))
     assert "cannot read" in _error(_config)
+
+
+def test_registering_beyond_loopback_needs_the_router_token(monkeypatch):
+    monkeypatch.delenv(envs.VLLM_DISAGG_ROUTER_TOKEN, raising=False)
+    config = P2pConfig(role="kv_producer", base_port=21001, host="10.1.2.3", secret=b"s",
+                       allowed_peers="10.0.0.0/8", proxy_ip="10.0.0.1", proxy_port=30001,
+                       http_port=20001)  # fmt: skip
+    message = _error(config.check_security)
+    assert message.startswith("kv_connector_extra_config.proxy_ip: registrations")
+    assert envs.VLLM_DISAGG_ROUTER_TOKEN in message

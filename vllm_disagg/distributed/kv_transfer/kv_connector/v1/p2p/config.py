@@ -541,6 +541,12 @@ class P2pConfig:
                     "control messages from anyone who can reach them (no %s)",
                     CONNECTOR_NAME, self.host, envs.VLLM_DISAGG_P2P_SECRET,
                 )
+        if self.routers and self.grant_token is None and self.binds_beyond_loopback \
+                and not self.allow_unauthenticated:
+            raise ConfigError(
+                f"{_EXTRA}.proxy_ip: registrations with the router from {self.host} would be "
+                f"unsigned: set {envs.VLLM_DISAGG_ROUTER_TOKEN} to the router's token"
+            )
         if self.grant_token is None and self.allowed_peers is None:
             raise ConfigError(
                 f"{CONNECTOR_NAME}: nothing vouches for the peers a request names: set "

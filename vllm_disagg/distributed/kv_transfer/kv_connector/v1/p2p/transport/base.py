@@ -159,20 +159,35 @@ def check_peer_endpoint(endpoint: Endpoint, peer_host: str | None) -> None:
         )
 
 
-def addresses_of(host: str) -> set[str]:
+# Host name -> (resolved until, addresses): the listener checks every Hello
+# and Get against it, and must not wait on the resolver each time.
+_RESOLVED: dict[str, tuple[float, frozenset[str]]] = {}
+RESOLVE_TTL_S = 60.0
+
+
+def addresses_of(host: str) -> frozenset[str]:
     """The canonical addresses a host stands for: itself when it is an IP,
-    else what it resolves to (a listener advertises the address it bound)."""
+    else what it resolves to (a listener advertises the address it bound),
+    cached for RESOLVE_TTL_S."""
     canonical = _canonical_host(host)
     try:
         ipaddress.ip_address(canonical)
-        return {canonical}
+        return frozenset((canonical,))
     except ValueError:
         pass
+    now = time.monotonic()
+    cached = _RESOLVED.get(canonical)
+    if cached is not None and now < cached[0]:
+        return cached[1]
     try:
         infos = socket.getaddrinfo(canonical, None, type=socket.SOCK_STREAM)
     except OSError as e:
         raise TransportError(f"cannot resolve the peer's host {host!r}: {e}") from None
-    return {canonical} | {_canonical_host(info[4][0]) for info in infos}
+    found = frozenset({canonical} | {_canonical_host(info[4][0]) for info in infos})
+    if len(_RESOLVED) > 1024:
+        _RESOLVED.clear()
+    _RESOLVED[canonical] = (now + RESOLVE_TTL_S, found)
+    return found
 
 
 def _canonical_host(host: str) -> str:

@@ -27,6 +27,7 @@ VLLM_DISAGG_TARGET = "VLLM_DISAGG_TARGET"
 VLLM_DISAGG_P2P_SECRET = "VLLM_DISAGG_P2P_SECRET"
 VLLM_DISAGG_P2P_SECRET_FILE = "VLLM_DISAGG_P2P_SECRET_FILE"
 VLLM_DISAGG_ROUTER_TOKEN = "VLLM_DISAGG_ROUTER_TOKEN"
+VLLM_DISAGG_SERVE_HOST = "VLLM_DISAGG_SERVE_HOST"
 
 VARIABLES: dict[str, EnvVar] = {
     var.name: var
@@ -81,6 +82,13 @@ VARIABLES: dict[str, EnvVar] = {
             "variable so the token never shows in `ps`.",
         ),
         EnvVar(
+            VLLM_DISAGG_SERVE_HOST,
+            "set by the `vllm` command from `vllm serve --host` (not a wildcard)",
+            "The address the API server listens on, inherited by the engine cores: the "
+            "P2pNcclConnector's default kv_ip (and so http_ip), so an instance bound to "
+            "one address advertises that address, not the host's default route.",
+        ),
+        EnvVar(
             VLLM_DISAGG_VENV,
             ".venv in the repository",
             "Where scripts/bootstrap.sh, demo.sh and test.sh keep the virtual environment.",
@@ -130,6 +138,11 @@ def p2p_secret() -> bytes | None:
     if not secret:
         raise ConfigError(f"{VLLM_DISAGG_P2P_SECRET_FILE}: {path!r} is empty")
     return secret
+
+
+def serve_host() -> str | None:
+    """``vllm serve --host`` when the ``vllm`` command saw one (not a wildcard)."""
+    return os.environ.get(VLLM_DISAGG_SERVE_HOST) or None
 
 
 def router_token() -> bytes | None:

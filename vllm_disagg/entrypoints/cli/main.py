@@ -8,15 +8,20 @@ It wraps upstream's ``vllm.entrypoints.cli.main:main`` and adds two things:
   API servers (see :mod:`vllm_disagg.v1.metrics.step_sync`), created before
   any of them starts;
 * configuration errors raised by this package (:class:`VllmDisaggError`)
-  end the command with a one-line message and exit status 2, not a traceback.
+  end the command with a one-line message and exit status 2, not a traceback;
+* ``vllm serve --host ADDR`` (not a wildcard) is passed to the engine cores
+  as ``VLLM_DISAGG_SERVE_HOST``: the P2P connector advertises the address the
+  server listens on, not the host's default route.
 
 Everything else, every sub-command and flag, is upstream's.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
+from vllm_disagg import envs
 from vllm_disagg.errors import VllmDisaggError
 
 EXIT_CONFIG_ERROR = 2
@@ -33,6 +38,28 @@ def find_disagg_error(exc: BaseException | None) -> VllmDisaggError | None:
     return None
 
 
+def serve_host(argv: list[str]) -> str | None:
+    """The ``--host`` of ``vllm serve ...`` when it names one address."""
+    if not argv or argv[0] != "serve":
+        return None
+    host = None
+    for i, arg in enumerate(argv):
+        if arg == "--host" and i + 1 < len(argv):
+            host = argv[i + 1]
+        elif arg.startswith("--host="):
+            host = arg.split("=", 1)[1]
+    if not host or host.strip("[]") in ("0.0.0.0", "::", ""):
+        return None
+    return host.strip("[]")
+
+
+def export_serve_host(argv: list[str]) -> None:
+    """Children (API servers, engine cores) inherit it; an explicit one wins."""
+    host = serve_host(argv)
+    if host is not None:
+        os.environ.setdefault(envs.VLLM_DISAGG_SERVE_HOST, host)
+
+
 def main() -> int | None:
     from vllm_disagg.patches.entrypoints.cli import main as dist_alias
 
@@ -42,6 +69,7 @@ def main() -> int | None:
     # Before any API server or engine core starts: they all inherit it, and
     # no other server shares it.
     new_metrics_dir()
+    export_serve_host(sys.argv[1:])
     from vllm.entrypoints.cli.main import main as upstream_main
 
     try:

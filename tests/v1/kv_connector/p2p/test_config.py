@@ -153,9 +153,32 @@ def test_defaults(monkeypatch):
 
 
 def test_default_host_is_vllms_ip(monkeypatch):
+    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_HOST, raising=False)
     monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
     obj = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both"}
     assert P2pConfig.from_kv_transfer_config(KVTransferConfig(**obj)).host == "10.1.2.3"
+
+
+def test_default_host_is_the_address_vllm_serve_listens_on(monkeypatch):
+    """`vllm serve --host 127.0.0.1` and the seed's JSON (no kv_ip): instances
+    advertised the host's other address, then registered where nothing
+    listened (every request 503); now they also would need a secret."""
+    from vllm_disagg.entrypoints.cli.main import export_serve_host, serve_host
+
+    assert serve_host(["serve", "m", "--host", "127.0.0.1"]) == "127.0.0.1"
+    assert serve_host(["serve", "m", "--host=[::1]", "--port", "1"]) == "::1"
+    assert serve_host(["serve", "m", "--host", "0.0.0.0"]) is None
+    assert serve_host(["bench", "serve", "--host", "127.0.0.1"]) is None
+    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_HOST, raising=False)
+    monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
+    export_serve_host(["serve", "m", "--host", "127.0.0.1"])
+    obj = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both", "kv_port": 21001,
+           "kv_connector_extra_config": {"proxy_ip": "127.0.0.1", "proxy_port": 30001,
+                                         "http_port": 20001}}  # fmt: skip
+    config = P2pConfig.from_kv_transfer_config(KVTransferConfig(**obj))
+    assert config.host == "127.0.0.1" and config.http_addr == "127.0.0.1:20001"
+    assert not config.binds_beyond_loopback
+    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_HOST)
 
 
 @pytest.mark.parametrize(

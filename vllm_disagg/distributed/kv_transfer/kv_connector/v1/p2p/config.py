@@ -21,10 +21,12 @@ Decisions:
   accepted at the top level, dropped, and warned about once, so old launch
   recipes still start.
 * ``kv_ip`` (top level or extra config) is the host this instance's workers
-  listen on and advertise to peers. Unset, it is vLLM's
-  ``vllm.utils.network_utils.get_ip()`` (``VLLM_HOST_IP``, else the address
-  of the default route), what a multi-host deployment needs and what the old
-  connector used; 127.0.0.1 when the machine has no route.
+  listen on and advertise to peers. Unset, it is the address of
+  ``vllm serve --host`` when that names one (``VLLM_DISAGG_SERVE_HOST``, set
+  by the ``vllm`` command), else vLLM's ``vllm.utils.network_utils.get_ip()``
+  (``VLLM_HOST_IP``, else the address of the default route), what a
+  multi-host deployment needs and what the old connector used; 127.0.0.1
+  when the machine has no route.
 * The shared secret of the control plane is never read from the JSON (command
   lines are visible in ``ps``) but from ``VLLM_DISAGG_P2P_SECRET`` (or the
   file ``VLLM_DISAGG_P2P_SECRET_FILE`` names). Safe by default
@@ -305,6 +307,14 @@ def parse_routers(
 
 
 def _default_host() -> str:
+    """kv_ip when the JSON has none: the address ``vllm serve --host`` listens
+    on, else vLLM's ``get_ip()``."""
+    served = envs.serve_host()
+    if served is not None:
+        try:
+            return parse_advertised_host("kv_ip (from vllm serve --host)", served)
+        except ConfigError:
+            pass
     from vllm.utils.network_utils import get_ip
 
     host = get_ip()

@@ -21,7 +21,6 @@ from .conftest import WAIT_S
 COMPLETION = {
     "model": "m", "prompt": "San Francisco is a", "max_tokens": 10, "temperature": 0,
     "stop": ["\n"], "stop_token_ids": [7], "min_tokens": 3, "n": 2, "logprobs": 2,
-    "prompt_logprobs": 1,
 }  # fmt: skip
 
 
@@ -44,10 +43,11 @@ async def test_completion_names_both_peers_and_relays_decode_bytes(pd):
     assert prefill.body["kv_transfer_params"] == params
     assert decode.body == {**COMPLETION, "kv_transfer_params": params}
     # The prefill-only pass: one token, whole answer, none of the client's
-    # stop conditions, fan-out or logprobs; the prompt untouched.
+    # stop conditions; n and logprobs stay, so P refuses what D would refuse
+    # (one transfer per key: n's siblings send nothing); the prompt untouched.
     assert prefill.body == {
         "model": "m", "prompt": "San Francisco is a", "max_tokens": 1, "temperature": 0,
-        "n": 1, "stream": False, "kv_transfer_params": params,
+        "n": 2, "logprobs": 2, "stream": False, "kv_transfer_params": params,
     }  # fmt: skip
     assert router.metric("vllm_disagg_router_requests_total",
                          endpoint="completions", outcome="ok") == 1  # fmt: skip
@@ -68,7 +68,8 @@ async def test_chat_prefill_caps_max_completion_tokens_and_drops_stream_options(
     assert prefill.path == decode.path == "/v1/chat/completions"
     assert prefill.body["max_completion_tokens"] == prefill.body["max_tokens"] == 1
     assert prefill.body["stream"] is False
-    assert not {"stream_options", "logprobs", "top_logprobs"} & prefill.body.keys()
+    assert "stream_options" not in prefill.body
+    assert prefill.body["logprobs"] is True and prefill.body["top_logprobs"] == 2
     assert prefill.body["messages"] == chat["messages"] and prefill.body["tools"] == chat["tools"]
     assert {k: v for k, v in decode.body.items() if k != "kv_transfer_params"} == chat
 
@@ -195,3 +196,35 @@ async def test_stream_given_as_a_truthy_string_streams_like_vllm(pd):
         assert status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
     # The prefill leg never streams, whatever the spelling.
     assert all(r.body["stream"] is False for r in p.requests)
+
+
+async def test_requests_vllm_would_refuse_are_refused_before_any_prefill(pd):
+    """P used to prefill them (and push their KV into D's buffer) and only D
+    refused them: what the one-token prefill leg cannot show is checked by
+    the router with vLLM's own messages; the rest (logprobs, n with greedy
+    sampling) P refuses itself, as D would."""
+    router, p, d = await pd()
+    cases = [
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"max_tokens": 3, "min_tokens": 5}, "min_tokens must be less than or equal"),
+        ({"stream_options": {"include_usage": True}}, "Stream options can only be defined"),
+    ]
+    for fields, message in cases:
+        status, body, _ = await router.post("/v1/completions", {**COMPLETION, **fields})
+        assert status == 400 and message in json.loads(body)["error"]["message"], body
+    assert not p.requests and not d.requests
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
+                         outcome="bad_request") == 3  # fmt: skip
+
+
+async def test_prompt_logprobs_go_to_the_decode_alone(pd):
+    """vLLM computes a prompt_logprobs request's whole prompt where it answers:
+    a prefill elsewhere would be work and decode buffer for nothing."""
+    router, p, d = await pd()
+    for fields in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):
+        status, _, _ = await router.post("/v1/completions", {**COMPLETION, **fields})
+        assert status == 200
+    assert not p.requests and len(d.requests) == 2
+    assert all("kv_transfer_params" not in r.body for r in d.requests)
+    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total",
+                         reason="prompt_logprobs") == 2  # fmt: skip

@@ -61,7 +61,8 @@ class RouterMetrics:
         self.decode_prefill_fallbacks = Counter(
             f"{PREFIX}_decode_prefill_fallbacks",
             "Requests the decode instance prefilled itself (--fallback-to-decode-prefill), "
-            "by reason (no_prefill, prefill_failed).",
+            "by reason (no_prefill, prefill_failed, prompt_logprobs: vLLM computes such a "
+            "prompt where it answers).",
             ["reason"], registry=self.registry,
         )  # fmt: skip
         self.concurrent_prefill_failures = Counter(

@@ -53,12 +53,48 @@ _NOT_FORWARDED = frozenset({
 })  # fmt: skip
 # Body fields a prefill-only pass must not see: it is not streamed, produces
 # exactly one token, and must neither stop nor fail on the client's
-# generation options; fan-out and logprobs would be work for nothing.
+# generation options. What stays is validated by P exactly as D would
+# validate it (logprobs, n: cheap for one token), so a request D would refuse
+# is refused before anything is prefilled; what max_tokens=1 would make
+# invalid (min_tokens) is checked by the router itself (check_for_prefill).
 _PREFILL_DROPPED = (
     "stream_options", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
-    "best_of", "use_beam_search", "logprobs", "top_logprobs", "prompt_logprobs",
-    "logprob_token_ids",
+    "best_of", "use_beam_search", "prompt_logprobs",
 )  # fmt: skip
+
+
+def check_for_prefill(body: Mapping[str, Any]) -> str | None:
+    """What vLLM would refuse in ``body`` that the prefill leg cannot show
+    (its max_tokens is 1 and it never streams): vLLM's own message, or None."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if _is_int(limit) and limit < 1:
+        return f"max_tokens must be at least 1, got {limit}."
+    low = body.get("min_tokens")
+    if _is_int(low) and _is_int(limit) and low > limit:
+        return f"min_tokens must be less than or equal to max_tokens={limit}, got {low}."
+    if body.get("stream_options") is not None and not _truthy(body.get("stream")):
+        return "Stream options can only be defined when `stream=True`."
+    return None
+
+
+def computes_prompt_locally(body: Mapping[str, Any]) -> bool:
+    """vLLM computes the whole prompt on the instance that answers when it
+    must return prompt logprobs (it reads no cached or transferred KV):
+    prefilling elsewhere first would be work and buffer space for nothing."""
+    return body.get("prompt_logprobs") is not None or (
+        body.get("echo") is True and body.get("logprobs") is not None
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _truthy(value: Any) -> bool:
+    """vLLM's reading of a boolean field (pydantic: "true", 1, ...)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
+    return bool(value) if isinstance(value, (bool, int)) else False
 
 
 @dataclass
@@ -103,7 +139,7 @@ def prefill_body(body: Mapping[str, Any], peers: dict[str, str]) -> dict[str, An
     """The body P gets: the prompt exactly as the client sent it, one token,
     no streaming."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
-    out.update(max_tokens=1, stream=False, n=1)
+    out.update(max_tokens=1, stream=False)
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     return _set_params(out, _with_peers(body.get("kv_transfer_params"), peers))
@@ -162,10 +198,7 @@ class _Exchange:
     @property
     def stream(self) -> bool:
         # vLLM's pydantic model takes "true", 1, ... as true: stream those too.
-        value = self.body.get("stream")
-        if isinstance(value, str):
-            return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
-        return bool(value) if isinstance(value, (bool, int)) else False
+        return _truthy(self.body.get("stream"))
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -269,11 +302,21 @@ class RequestProxy:
             return self._error(ex, outcomes.BAD_REQUEST, 400,
                                "`model` is required: this router serves "
                                f"{', '.join(self.registry.models())}", "BadRequestError")  # fmt: skip
+        problem = check_for_prefill(ex.body)
+        if problem is not None:
+            return self._error(ex, outcomes.BAD_REQUEST, 400, problem, "BadRequestError")
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
             return self._error(ex, outcomes.NO_INSTANCE, 503,
                                "no healthy decode instance is registered",
                                "service_unavailable")  # fmt: skip
+        if computes_prompt_locally(ex.body):
+            self.registry.begin(decode)
+            self.metrics.decode_prefill_fallbacks.labels("prompt_logprobs").inc()
+            try:
+                return await self._decode(ex, decode, None)
+            except _DecodeRefused as refused:
+                return await self._decode_elsewhere(ex, decode, refused)
         # D counts as loaded from now on, prefill included: requests arriving
         # meanwhile see it, and a half-open D gets no second trial.
         self.registry.begin(decode)

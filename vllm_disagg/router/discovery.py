@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import time
 from collections import Counter
@@ -23,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from vllm_disagg import envs
-from vllm_disagg.wire.peers import format_addr
+from vllm_disagg.wire.peers import format_addr, is_loopback, source_host
 from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
     MAC_BYTES,
@@ -49,19 +48,11 @@ UNKNOWN_SENDER = "unknown"
 
 
 def _source_ip(frame) -> str | None:
+    """The IP address a message came from (libzmq's Peer-Address), canonical."""
     try:
-        return frame.get("Peer-Address") or None
+        return source_host(frame.get("Peer-Address"))
     except (zmq.ZMQError, KeyError, AttributeError):
         return None
-
-
-def _is_loopback(ip: str) -> bool:
-    try:
-        address = ipaddress.ip_address(ip)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
 
 
 class DiscoveryServer:
@@ -141,7 +132,7 @@ class DiscoveryServer:
         frames; ``source``: the IP it came from, when known."""
         try:
             if (self._token is None and not self.allow_remote_unsigned
-                    and source is not None and not _is_loopback(source)):  # fmt: skip
+                    and source is not None and not is_loopback(source)):  # fmt: skip
                 raise DiscoveryError("unauthenticated", "unsigned registrations are accepted "
                                      "from loopback only (set a registration token)")
             msg = open_frame(self._token, frames, now=self._wall_clock())

@@ -155,10 +155,40 @@ def canonical_addr(addr: str) -> tuple[str, int]:
     IPs compressed (``[0:0:0:0:0:0:0:1]`` -> ``::1``), names case-folded
     without a trailing dot. Two spellings of one address compare equal."""
     host, port = split_addr(addr)
+    return canonical_host(host), port
+
+
+def canonical_host(host: str) -> str:
+    """A host (IPv6 brackets optional) in the spelling of :func:`canonical_addr`."""
+    host = host.strip("[]")
     try:
-        return ipaddress.ip_address(host).compressed, port
+        return ipaddress.ip_address(host).compressed
     except ValueError:
-        return host.lower().rstrip("."), port
+        return host.lower().rstrip(".")
+
+
+def source_host(address: str | None) -> str | None:
+    """The canonical host of the IP a connection came from, as a socket
+    reports it (a dual-stack socket shows IPv4 peers as ``::ffff:a.b.c.d``)."""
+    if not address:
+        return None
+    try:
+        mapped = ipaddress.IPv6Address(address).ipv4_mapped
+    except ValueError:
+        mapped = None
+    return canonical_host(str(mapped) if mapped is not None else address)
+
+
+def is_loopback(host: str) -> bool:
+    """True for loopback addresses and ``localhost``; a host name is not
+    resolved (it may name any machine)."""
+    host = canonical_host(host)
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_key(key: Any, label: str = "key") -> str:

@@ -83,12 +83,7 @@ def hello(decode, *, channel_id: str = "c0ffee", sender: str = "127.0.0.1:1", **
 def joined_hello(stranger: Stranger, decode, channel_id: str = "c0ffee"):
     """Open a channel as a stranger would, joining its data side."""
     setup, finish = _fake.initiate()
-    msg = Hello(
-        version=proto.PROTOCOL_VERSION, req_no=1, sender_addr="127.0.0.1:1",
-        channel_id=channel_id, transport="fake", setup=setup,
-        layout=decode.engine.layout.spec, send_type="PUT_ASYNC", sent_at=time.time(),
-    )
-    reply = stranger.ask(msg)
+    reply = stranger.ask(hello(decode, channel_id=channel_id, setup=setup))
     assert reply.status == Status.OK
     return finish(reply.setup, deadline(5.0))
 

@@ -22,13 +22,12 @@ T = Timeouts(hold_s=60.0, grace_s=5.0, closed_s=300.0)
 def test_the_happy_paths():
     table = RecvTable(T)
     # decode first (PUT after the request, GET)
-    table.apply("a", Event.EXPECT, 0.0, deadline=30.0)
-    table.apply("a", Event.OFFER, 1.0, deadline=30.0)
-    table.apply("a", Event.RECEIVED, 2.0)
-    table.apply("a", Event.TAKEN, 2.1)
-    assert table.state("a") is RecvState.CLOSED
-    assert table.get("a").history == [RecvState.EXPECTED, RecvState.RECEIVING,
-                                      RecvState.READY, RecvState.CLOSED]  # fmt: skip
+    steps = [(Event.EXPECT, RecvState.EXPECTED), (Event.OFFER, RecvState.RECEIVING),
+             (Event.RECEIVED, RecvState.READY), (Event.TAKEN, RecvState.CLOSED)]  # fmt: skip
+    for t, (event, state) in enumerate(steps):
+        given = 30.0 if event in (Event.EXPECT, Event.OFFER) else None
+        table.apply("a", event, float(t), deadline=given)
+        assert table.state("a") is state
     # KV first (PUT_ASYNC before decode knows the request)
     table.apply("b", Event.OFFER, 0.0, deadline=60.0)
     table.apply("b", Event.RECEIVED, 1.0)

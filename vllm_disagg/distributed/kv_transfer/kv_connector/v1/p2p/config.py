@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_disagg import envs
-from vllm_disagg.wire.peers import canonical_addr, format_addr
+from vllm_disagg.wire.peers import canonical_host, format_addr, is_loopback
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 
@@ -324,17 +324,6 @@ def _default_host() -> str:
     return host
 
 
-def is_loopback_host(host: str) -> bool:
-    """True for loopback addresses and ``localhost``; a host name is not
-    resolved (it may name any machine)."""
-    if host.lower().rstrip(".") == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 _ALLOWED_WHAT = (
     "peers: host, host:port ([IPv6]:port) or an IP network (10.0.0.0/8), as a "
     "comma-separated string or a JSON list"
@@ -382,8 +371,7 @@ def parse_allowed_peers(key: str, value: Any) -> AllowedPeers:
             host, port = _parse_router(key, item)
         except ConfigError:
             raise ConfigError(f"{key}: {_show(item)} is not {_ALLOWED_WHAT}") from None
-        canonical_host, _ = canonical_addr(format_addr(host.strip("[]"), port or 1))
-        hosts.append((canonical_host, port))
+        hosts.append((canonical_host(host), port))
     return AllowedPeers(tuple(hosts), tuple(networks))
 
 
@@ -530,7 +518,7 @@ class P2pConfig:
     @property
     def binds_beyond_loopback(self) -> bool:
         """Whether the workers' ports (kv_ip) can be reached from other machines."""
-        return not is_loopback_host(self.host)
+        return not is_loopback(self.host)
 
     def check_security(self) -> None:
         """Safe by default, checked at start-up (API server and engine core):

@@ -39,7 +39,6 @@ thread copies the buffer into the KV cache (:meth:`P2pEngine.take_received`).
 from __future__ import annotations
 
 import enum
-import ipaddress
 import heapq
 import itertools
 import queue
@@ -53,7 +52,14 @@ import torch
 import zmq
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
-from vllm_disagg.wire.peers import PeerInfoError, canonical_addr, format_addr, split_addr
+from vllm_disagg.wire.peers import (
+    PeerInfoError,
+    canonical_addr,
+    canonical_host,
+    format_addr,
+    source_host,
+    split_addr,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Get,
     Hello,
@@ -189,25 +195,12 @@ class KVLayout:
         return crossing and t.device.type == "cuda"
 
 
-def _canonical_host(host: str) -> str:
-    return canonical_addr(format_addr(host, 1))[0]
-
-
 def _source_ip(frame: zmq.Frame) -> str | None:
     """The IP address a message came from (libzmq's Peer-Address), canonical."""
     try:
-        address = frame.get("Peer-Address")
+        return source_host(frame.get("Peer-Address"))
     except (zmq.ZMQError, KeyError, AttributeError):
         return None
-    if not address:
-        return None
-    try:  # a dual-stack socket reports IPv4 peers as ::ffff:a.b.c.d
-        mapped = ipaddress.IPv6Address(address).ipv4_mapped
-        if mapped is not None:
-            address = str(mapped)
-    except ValueError:
-        pass
-    return _canonical_host(address)
 
 
 def check_compatible(local: LayoutSpec, remote: LayoutSpec) -> str | None:
@@ -243,7 +236,6 @@ class RecvSlot:
     pool_alloc: PoolAllocation | None
     deadline: float
     prompt_digest: bytes = b""  # the sender's: the worker copies only on a match
-    created: float = field(default_factory=time.monotonic)
     state: SlotState = SlotState.RECEIVING
     reason: str = ""
 
@@ -435,7 +427,6 @@ class _Peer:
         # they wait here, not in the thread, so other transfers go first.
         self._later: list[tuple[float, int, _GetJob]] = []
         self._later_no = itertools.count()
-        self.retired = False
         self.silent_until = 0.0  # the peer left a request unanswered: fail fast until then
         self.thread = threading.Thread(target=self._run, name=f"p2p-peer-{addr}", daemon=True)
         self.thread.start()
@@ -737,7 +728,7 @@ class P2pEngine:
             key=key, request_id=request_id, peer="", block_ids=list(block_ids),
             num_layers=self.layout.num_layers,
             deadline=time.monotonic() + self.hold_timeout_s, prompt_digest=prompt_digest,
-            decode_host=_canonical_host(split_addr(decode_addr)[0]) if decode_addr else "",
+            decode_host=canonical_host(split_addr(decode_addr)[0]) if decode_addr else "",
         )
         xfer.all_saved()
         with self._lock:
@@ -770,7 +761,7 @@ class P2pEngine:
             entry.skip_blocks, entry.prompt_digest = skip_blocks, prompt_digest
             entry.load_deadline = deadline
             if prefill_addr:
-                entry.prefill_host = _canonical_host(split_addr(prefill_addr)[0])
+                entry.prefill_host = canonical_host(split_addr(prefill_addr)[0])
             ask = get_from is not None and entry.state is RecvState.EXPECTED
         if ask:
             self._submit(get_from, _GetJob(
@@ -872,7 +863,6 @@ class P2pEngine:
                 return False
             if self._peers.get(peer.addr) is peer:
                 del self._peers[peer.addr]
-            peer.retired = True
             return True
 
     def _pool_used(self) -> int:
@@ -1015,7 +1005,7 @@ class P2pEngine:
             # the machine it came from: a peer cannot send this side's data
             # connections or pulled KV to a third one.
             try:
-                named = _canonical_host(split_addr(msg.sender_addr, "sender_addr")[0])
+                named = canonical_host(split_addr(msg.sender_addr, "sender_addr")[0])
                 foreign = source not in addresses_of(named)
             except (PeerInfoError, TransportError) as e:
                 return self._refuse(msg.req_no, "malformed", f"{type(msg).__name__}: {e}")
@@ -1111,7 +1101,7 @@ class P2pEngine:
             # of the prefill the request named, no other KV will come: fail
             # the load now; from anyone else, only refuse (the real one may).
             self.stats.record_digest_mismatch()
-            if exp.prefill_host and _canonical_host(split_addr(inbound.peer)[0]) == exp.prefill_host:
+            if exp.prefill_host and canonical_host(split_addr(inbound.peer)[0]) == exp.prefill_host:
                 self._fail_key(msg.key, "offered KV belongs to another prompt (digest mismatch)")
             return self._refuse(msg.req_no, "digest", f"offer of {msg.key}: prompt digest "
                                 "differs from the request's")
@@ -1155,30 +1145,24 @@ class P2pEngine:
 
     def _on_get(self, msg: Get) -> Reply:
         try:
-            sender_host = _canonical_host(split_addr(msg.sender_addr, "sender_addr")[0])
+            sender_host = canonical_host(split_addr(msg.sender_addr, "sender_addr")[0])
         except PeerInfoError as e:
             return self._refuse(msg.req_no, "malformed", f"Get: {e}")
         with self._lock:
             hold = self._holds.get(msg.key)
-            if (hold is not None and hold.xfer.decode_host
-                    and hold.xfer.decode_host != sender_host):  # fmt: skip
-                wrong = hold.xfer.decode_host
-            else:
-                wrong = None
-        if wrong is not None:
+            state = hold.state if hold is not None else None
             # KV goes only to the decode host the request named (any DP rank
             # there: the rank that runs the request pulls with its own address).
-            return self._refuse(msg.req_no, "not_yours",
-                                f"Get of {msg.key} from {msg.sender_addr}: held for {wrong}")
-        with self._lock:
-            hold = self._holds.get(msg.key)
-            state = hold.state if hold is not None else None
-            xfer = hold.xfer if state is HoldState.HELD else None
+            wrong = hold is not None and hold.xfer.decode_host not in ("", sender_host)
+            xfer = hold.xfer if state is HoldState.HELD and not wrong else None
             if xfer is not None:
                 hold.state = HoldState.SENDING  # until _finish_send releases it
                 hold.until = xfer.deadline
             sending = state is HoldState.SENDING
             released = state is HoldState.RELEASED
+        if wrong:
+            return self._refuse(msg.req_no, "not_yours", f"Get of {msg.key} from "
+                                f"{msg.sender_addr}: held for {hold.xfer.decode_host}")
         logger.debug("P2P %s: Get of %s from %s: %s", self.addr, msg.key, msg.sender_addr,
                      "held" if xfer else "released" if released else "not held yet")
         if sending:  # decode asks again while its offer is on the way

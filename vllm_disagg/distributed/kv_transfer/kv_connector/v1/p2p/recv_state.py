@@ -26,7 +26,7 @@ the engine calls it under its lock, the unit tests drive it directly.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class RecvState(enum.Enum):
@@ -97,7 +97,6 @@ class RecvKey:
     prefill_host: str = ""  # the host of the prefill the request named (canonical)
     slot: object | None = None  # the RecvSlot, from OFFER (or FAILED) until freed or taken
     reason: str = ""  # why it failed
-    history: list[RecvState] = field(default_factory=list)  # for logs and tests
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,6 @@ class RecvTable:
             entry.expected = True
         if current is RecvState.CLOSED and target is RecvState.EXPECTED:
             entry.slot, entry.reason = None, ""
-        entry.history.append(target)
         entry.state = target
         entry.deadline = self._deadline(entry, now, deadline)
         return entry

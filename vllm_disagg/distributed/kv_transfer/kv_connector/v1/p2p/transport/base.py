@@ -54,6 +54,8 @@ from typing import Annotated, TypeVar
 import msgspec
 import torch
 
+from vllm_disagg.wire.peers import canonical_host
+
 
 class TransportError(RuntimeError):
     """A channel failed: timeout, peer gone, protocol mismatch. The channel is unusable."""
@@ -153,7 +155,7 @@ def check_peer_endpoint(endpoint: Endpoint, peer_host: str | None) -> None:
     points this side's connections at a third machine."""
     if peer_host is None:
         return
-    if _canonical_host(endpoint.host) not in addresses_of(peer_host):
+    if canonical_host(endpoint.host) not in addresses_of(peer_host):
         raise TransportError(
             f"the peer on {peer_host} named a data endpoint on another host ({endpoint.host})"
         )
@@ -169,7 +171,7 @@ def addresses_of(host: str) -> frozenset[str]:
     """The canonical addresses a host stands for: itself when it is an IP,
     else what it resolves to (a listener advertises the address it bound),
     cached for RESOLVE_TTL_S."""
-    canonical = _canonical_host(host)
+    canonical = canonical_host(host)
     try:
         ipaddress.ip_address(canonical)
         return frozenset((canonical,))
@@ -183,19 +185,11 @@ def addresses_of(host: str) -> frozenset[str]:
         infos = socket.getaddrinfo(canonical, None, type=socket.SOCK_STREAM)
     except OSError as e:
         raise TransportError(f"cannot resolve the peer's host {host!r}: {e}") from None
-    found = frozenset({canonical} | {_canonical_host(info[4][0]) for info in infos})
+    found = frozenset({canonical} | {canonical_host(info[4][0]) for info in infos})
     if len(_RESOLVED) > 1024:
         _RESOLVED.clear()
     _RESOLVED[canonical] = (now + RESOLVE_TTL_S, found)
     return found
-
-
-def _canonical_host(host: str) -> str:
-    host = host.strip("[]")
-    try:
-        return ipaddress.ip_address(host).compressed
-    except ValueError:
-        return host.lower().rstrip(".")
 
 
 def check_host(bind_host: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from vllm_disagg import envs
 from vllm_disagg.wire.peers import format_addr
 from vllm_disagg.router import metrics as outcomes
+from vllm_disagg.router.client_limits import ClientLimits, limited_protocol
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import DiscoveryServer
 from vllm_disagg.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -36,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 STATE_KEY = "vllm_disagg_router"
 SHUTDOWN_GRACE_S = 5.0
+KEEP_ALIVE_S = 75  # above common client pools' idle times
+FDS_PER_CONNECTION = 3  # a client connection, its prefill leg and its decode leg
+FDS_RESERVED = 128  # listening sockets, discovery, logs, the interpreter's own
 
 
 @dataclass
@@ -197,6 +202,39 @@ def create_app(
     return app
 
 
+def client_limits(state: RouterState) -> ClientLimits:
+    config = state.config
+    closed = state.metrics.client_connections_closed
+    return ClientLimits(
+        max_connections=config.max_connections,
+        max_header_bytes=config.max_header_bytes,
+        header_timeout_s=config.client_header_timeout_s,
+        idle_timeout_s=config.client_idle_timeout_s,
+        on_closed=lambda reason: closed.labels(reason).inc(),
+    )
+
+
+def ensure_file_descriptors(max_connections: int) -> None:
+    """Raise the soft file-descriptor limit to what ``max_connections``
+    clients and their upstream legs need (up to the hard limit); warn once
+    when even the hard limit is short, naming the flag."""
+    needed = max_connections * FDS_PER_CONNECTION + FDS_RESERVED
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        logger.warning(
+            "router: the file-descriptor limit (%d) is below what --max-connections %d "
+            "needs (%d): lower --max-connections or raise the limit (ulimit -n)",
+            soft, max_connections, needed,
+        )  # fmt: skip
+
+
 def _listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=1024)
@@ -211,6 +249,7 @@ async def serve(app: Quart, shutdown_trigger: Callable[[], Awaitable[None]] | No
     (the ASGI servers would wrap it in a lifespan failure and a traceback).
     """
     state = router_state(app)
+    ensure_file_descriptors(state.config.max_connections)
     sock = _listen(state.config.host, state.config.port)
     state.http_port = sock.getsockname()[1]
     try:
@@ -234,9 +273,12 @@ async def _serve_uvicorn(
 ) -> None:
     import uvicorn
 
+    state = router_state(app)
     config = uvicorn.Config(
-        app, lifespan="off", log_config=None, access_log=False, http="httptools",
-        timeout_keep_alive=75, timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S), backlog=1024,
+        app, lifespan="off", log_config=None, access_log=False,
+        http=limited_protocol(client_limits(state)),
+        timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+        backlog=1024,
     )  # fmt: skip
     server = uvicorn.Server(config)
 
@@ -272,5 +314,11 @@ async def _serve_hypercorn(
     hypercorn.accesslog = None
     hypercorn.errorlog = logging.getLogger("hypercorn.error")
     hypercorn.graceful_timeout = SHUTDOWN_GRACE_S
-    hypercorn.keep_alive_timeout = 75.0  # above common client pool idle times
+    hypercorn.keep_alive_timeout = KEEP_ALIVE_S
+    # hypercorn's h11 bounds a request's head itself (431); it has no
+    # connection cap nor a separate header deadline: read_timeout covers both
+    # slow heads and slow bodies.
+    config = router_state(app).config
+    hypercorn.h11_max_incomplete_size = config.max_header_bytes
+    hypercorn.read_timeout = int(max(1, config.client_idle_timeout_s))
     await hypercorn_serve(app, hypercorn, shutdown_trigger=shutdown_trigger)

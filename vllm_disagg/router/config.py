@@ -82,6 +82,10 @@ class RouterConfig:
     breaker_cooldown_s: float = 10.0
     fallback_to_decode_prefill: bool = False
     max_body_bytes: int = 32 << 20
+    max_header_bytes: int = 64 << 10
+    max_connections: int = 4096
+    client_header_timeout_s: float = 10.0
+    client_idle_timeout_s: float = 30.0
     prefix_index_max_entries: int = 65536
     prefix_chunk_chars: int = 256
     prefix_balance_threshold: int = 16
@@ -121,6 +125,8 @@ class RouterConfig:
         self._int_range("max_retries", 0, MAX_RETRIES)
         self._int_range("breaker_failures", 1, 1000)
         self._int_range("max_body_bytes", 1024, 1 << 34)
+        self._int_range("max_header_bytes", 1024, 1 << 24)
+        self._int_range("max_connections", 1, 1 << 20)
         self._int_range("prefix_index_max_entries", 1, 1 << 26)
         self._int_range("prefix_chunk_chars", 16, 1 << 20)
         self._int_range("prefix_balance_threshold", 0, 1 << 20)
@@ -183,6 +189,11 @@ class RouterConfig:
             ("chunk_timeout_s", "streaming: between two chunks of decode's answer"),
             ("request_timeout_s", "the whole request, every leg and retry included"),
             ("breaker_cooldown_s", "how long an open circuit breaker keeps an instance out"),
+            ("client_header_timeout_s", "a client's request line and headers, from its "
+                                        "connection or the request's first byte"),
+            ("client_idle_timeout_s", "a client's request body, or its reading of a streamed "
+                                      "answer, may stall this long before the connection is "
+                                      "dropped"),
         ):
             fail.add_argument(_flag(name), type=float, default=getattr(d, name),
                               help=f"{help_text} (default %(default)s)")
@@ -200,6 +211,13 @@ class RouterConfig:
         sec.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                          help="largest accepted request body, larger ones get 413 "
                               "(default %(default)s)")
+        sec.add_argument("--max-header-bytes", type=int, default=d.max_header_bytes,
+                         help="largest request line and headers, larger ones get 431 "
+                              "(default %(default)s)")
+        sec.add_argument("--max-connections", type=int, default=d.max_connections,
+                         help="open client connections; one more is answered 503 and closed "
+                              "(default %(default)s; the file-descriptor limit is raised to "
+                              "fit them and their upstream legs)")
         sec.add_argument("--registration-token", default=None,
                          help="shared token instances sign registrations with; prefer the "
                               f"{envs.VLLM_DISAGG_ROUTER_TOKEN} environment variable "

@@ -70,6 +70,13 @@ class RouterMetrics:
             "Concurrent hand-off: prefill failed after decode started (decode recomputes).",
             registry=self.registry,
         )  # fmt: skip
+        self.client_connections_closed = Counter(
+            f"{PREFIX}_client_connections_closed",
+            "Client connections the router closed for a bound, by reason "
+            "(too_many_connections, headers_too_large, header_timeout, body_timeout, "
+            "write_timeout).",
+            ["reason"], registry=self.registry,
+        )  # fmt: skip
         self.added_latency = Histogram(
             f"{PREFIX}_added_latency_seconds",
             "Time to the client's first byte minus time spent waiting on instances.",

@@ -1,0 +1,199 @@
+"""Bounds on what one client connection may cost the router.
+
+uvicorn's httptools protocol has no limit on header size (a client that
+never ends its header block grows the router by gigabytes), no deadline for
+a request's headers or body (idle and slow connections are held forever, and
+file descriptors run out), and no deadline for a client that stops reading
+its answer. The router is a fleet's public entry point, so it adds them here,
+in a subclass of that protocol (``http=`` of ``uvicorn.Config`` takes a
+class):
+
+* **connections**: past ``max_connections`` a new connection is answered
+  503 and closed at once, so the file descriptors left serve the upstream
+  legs of the requests in flight;
+* **headers**: ``max_header_bytes`` of request line and headers (431), all
+  of them within ``header_timeout_s`` of the connection opening or the
+  request's first byte (idle keep-alive connections are closed by uvicorn's
+  own keep-alive timeout);
+* **body and answer**: a body that stops arriving, or an answer the client
+  stops reading, for ``idle_timeout_s``: the connection is dropped, which
+  the app sees as a client disconnect (the upstream legs are cancelled).
+
+Every connection closed for a bound is counted by reason through
+``on_closed`` (``vllm_disagg_router_client_connections_closed_total``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# Reasons a connection is closed (label values of the metric).
+TOO_MANY_CONNECTIONS = "too_many_connections"
+HEADERS_TOO_LARGE = "headers_too_large"
+HEADER_TIMEOUT = "header_timeout"
+BODY_TIMEOUT = "body_timeout"
+WRITE_TIMEOUT = "write_timeout"
+REASONS = (TOO_MANY_CONNECTIONS, HEADERS_TOO_LARGE, HEADER_TIMEOUT, BODY_TIMEOUT, WRITE_TIMEOUT)
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    max_connections: int
+    max_header_bytes: int
+    header_timeout_s: float
+    idle_timeout_s: float
+    on_closed: Callable[[str], None] = lambda reason: None
+
+
+def _plain_response(status: bytes, message: bytes) -> bytes:
+    body = b'{"error":{"message":"' + message + b'","type":"' + status.split(b" ", 1)[1]
+    body += b'","param":null,"code":' + status.split(b" ", 1)[0] + b"}}"
+    return (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+    )
+
+
+_TOO_MANY = _plain_response(b"503 Service Unavailable", b"too many connections")
+_TOO_LARGE = _plain_response(b"431 Request Header Fields Too Large",
+                             b"request headers too large")  # fmt: skip
+
+
+def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with ``limits`` applied."""
+
+    class LimitedHttpToolsProtocol(HttpToolsProtocol):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._in_head = True  # from a request's first byte (or the connection's) to its last header
+            self._in_body = False  # from its last header to its last body byte
+            self._head_bytes = 0  # received since the last complete head, outside bodies
+            self._head_timer: asyncio.TimerHandle | None = None
+            self._body_timer: asyncio.TimerHandle | None = None
+            self._write_timer: asyncio.TimerHandle | None = None
+
+        # --- connection ---
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_connections:
+                self._refuse(TOO_MANY_CONNECTIONS, _TOO_MANY)
+                return
+            self._arm_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_timers()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            # httptools buffers a header until it ends, so the size is
+            # counted here: every byte outside a body since the last head
+            # ended (the chunk that ends a head resets the count as it is
+            # parsed, body bytes in it included).
+            if not self._in_body:
+                self._head_bytes += len(data)
+            super().data_received(data)
+            if not self._in_body and self._head_bytes > limits.max_header_bytes:
+                self._refuse(HEADERS_TOO_LARGE, _TOO_LARGE)
+
+        # --- parser callbacks ---
+
+        def on_message_begin(self) -> None:
+            self._in_head = True
+            self._arm_head_timer()
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            self._cancel(self._head_timer)
+            self._head_timer = None
+            self._in_body = True
+            self._arm_body_timer()
+            super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            self._arm_body_timer()
+            super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            self._cancel(self._body_timer)
+            self._body_timer = None
+            super().on_message_complete()
+
+        # --- flow control: a client that stops reading its answer ---
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(
+                    limits.idle_timeout_s, self._expire, WRITE_TIMEOUT
+                )
+
+        def resume_writing(self) -> None:
+            self._cancel(self._write_timer)
+            self._write_timer = None
+            super().resume_writing()
+
+        # --- timers ---
+
+        def _arm_head_timer(self) -> None:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(
+                    limits.header_timeout_s, self._expire, HEADER_TIMEOUT
+                )
+
+        def _arm_body_timer(self) -> None:
+            self._cancel(self._body_timer)
+            self._body_timer = self.loop.call_later(
+                limits.idle_timeout_s, self._expire, BODY_TIMEOUT
+            )
+
+        def _expire(self, reason: str) -> None:
+            if reason == HEADER_TIMEOUT:
+                self._head_timer = None
+                if not self._in_head:
+                    return
+            elif reason == BODY_TIMEOUT:
+                self._body_timer = None
+                if not self._in_body:
+                    return
+                if self.flow is not None and self.flow.read_paused:
+                    self._arm_body_timer()  # the app is behind, not the client
+                    return
+            else:
+                self._write_timer = None
+            self._drop(reason)
+
+        def _refuse(self, reason: str, response: bytes) -> None:
+            if self.transport.is_closing():
+                return
+            self.transport.write(response)
+            self.transport.close()
+            self._cancel_timers()
+            limits.on_closed(reason)
+
+        def _drop(self, reason: str) -> None:
+            if self.transport.is_closing():
+                return
+            # abort, not close: close would wait to flush to a client that
+            # does not read.
+            self.transport.abort()
+            self._cancel_timers()
+            limits.on_closed(reason)
+
+        @staticmethod
+        def _cancel(timer: asyncio.TimerHandle | None) -> None:
+            if timer is not None:
+                timer.cancel()
+
+        def _cancel_timers(self) -> None:
+            for timer in (self._head_timer, self._body_timer, self._write_timer):
+                self._cancel(timer)
+            self._head_timer = self._body_timer = self._write_timer = None
+
+    return LimitedHttpToolsProtocol

@@ -75,7 +75,8 @@ class FakeInstance:
         self.requests: list[Seen] = []
         self.status = 200
         self.delay_s = 0.0
-        self.hang = False
+        self.hang = False  # never answer anything, /health included
+        self.health_status = 200
         self.chunks = sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]})
         self.chunk_delay_s = 0.0
         self.handler: Handler | None = None
@@ -95,6 +96,7 @@ class FakeInstance:
         app = web.Application()
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -124,6 +126,11 @@ class FakeInstance:
         except (asyncio.CancelledError, ConnectionResetError):
             self.disconnected.set()
             raise
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.hang:
+            await asyncio.sleep(3600)
+        return web.Response(status=self.health_status)
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})

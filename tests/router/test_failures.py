@@ -364,3 +364,49 @@ async def test_decode_breaking_its_stream_ends_the_clients(pd):
     assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
                          outcome="upstream_error") == 1  # fmt: skip
     assert router.registry.get("d-id").consecutive_failures == 1
+
+
+async def test_timeouts_a_client_causes_never_open_a_healthy_instances_breaker(pd):
+    """Stalls a request can cause (a long prefill, a slow first token, a
+    long pause mid-stream) on an instance whose /health answers: no breaker
+    opens, and the next client is served."""
+    router, p, d = await pd(breaker_failures=2, prefill_timeout_s=0.3, first_token_timeout_s=0.3,
+                            chunk_timeout_s=0.3, max_retries=0)  # fmt: skip
+    d_stalls = [b"data: 1\n\n", b"data: 2\n\n"]
+    for _ in range(3):
+        p.delay_s = 1.0  # prefill times out
+        status, _, _ = await router.post("/v1/completions", BODY)
+        assert status == 502
+        p.delay_s, d.delay_s = 0.0, 1.0  # first token times out
+        status, _, _ = await router.post("/v1/completions", STREAM)
+        assert status == 504
+        d.delay_s, d.chunks, d.chunk_delay_s = 0.0, d_stalls, 1.0  # a pause mid-stream
+        status, body, _ = await router.post("/v1/completions", STREAM)
+        assert status == 200 and b"sent nothing" in body
+        d.chunk_delay_s = 0.0
+    async with asyncio.timeout(WAIT_S):
+        while router.metric("vllm_disagg_router_health_probes_total", result="ok") < 2:
+            await asyncio.sleep(0.02)
+        while router.state.proxy._probes:  # noqa: SLF001  (every verdict is in)
+            await asyncio.sleep(0.02)
+    for name in ("p-id", "d-id"):
+        assert router.registry.breaker_state(router.registry.get(name)) is BreakerState.CLOSED
+    assert router.metric("vllm_disagg_router_breaker_opens_total") == 0
+    assert router.metric("vllm_disagg_router_health_probes_total", result="failed") == 0
+    status, _, _ = await router.post("/v1/completions", BODY)
+    assert status == 200
+
+
+async def test_timeouts_on_an_instance_that_cannot_answer_health_open_its_breaker(pd):
+    router, p, d = await pd(breaker_failures=2, first_token_timeout_s=0.3, connect_timeout_s=0.3)
+    d.hang = True  # requests and /health alike
+    for _ in range(2):
+        status, _, _ = await router.post("/v1/completions", STREAM)
+        assert status == 504
+        async with asyncio.timeout(WAIT_S):  # one probe at a time: let it end
+            while router.state.proxy._probes:  # noqa: SLF001
+                await asyncio.sleep(0.02)
+    assert router.metric("vllm_disagg_router_health_probes_total", result="failed") == 2
+    assert router.registry.breaker_state(router.registry.get("d-id")) is BreakerState.OPEN
+    status, _, _ = await router.post("/v1/completions", BODY)
+    assert status == 503

@@ -77,6 +77,12 @@ class RouterMetrics:
             "write_timeout).",
             ["reason"], registry=self.registry,
         )  # fmt: skip
+        self.health_probes = Counter(
+            f"{PREFIX}_health_probes",
+            "/health probes of instances that timed out a request, by result (failed: "
+            "counted toward the instance's circuit breaker).",
+            ["result"], registry=self.registry,
+        )  # fmt: skip
         self.added_latency = Histogram(
             f"{PREFIX}_added_latency_seconds",
             "Time to the client's first byte minus time spent waiting on instances.",

@@ -228,6 +228,8 @@ class RequestProxy:
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
         self.limited_log = LogLimiter(logger)
+        self._probing: set[str] = set()  # instance ids with a health probe in flight
+        self._probes: set[asyncio.Task] = set()
 
     async def start(self) -> None:
         """One client session for every upstream call, pooled connections."""
@@ -239,6 +241,8 @@ class RequestProxy:
         )
 
     async def close(self) -> None:
+        for task in list(self._probes):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
 
@@ -416,16 +420,52 @@ class RequestProxy:
         return self.session.post(f"http://{instance.http_addr}{ex.path}",
                                  data=msgspec.json.encode(body), headers=headers)  # fmt: skip
 
-    def _failed(self, instance: Instance, error: BaseException) -> str:
-        """Why a call to ``instance`` failed; a refused connection drops it."""
+    def _failed(self, instance: Instance, error: BaseException) -> tuple[str, bool | None]:
+        """Why a call to ``instance`` failed, and what that says about the
+        instance (``registry.finish``'s ``ok``): a refused connection drops
+        it; a timeout is only a suspicion (``suspect``)."""
         if _refused(error):
             self.registry.mark_unreachable(instance.http_addr)
-            return "refused"
-        if isinstance(error, aiohttp.ConnectionTimeoutError):
-            return "connect_timeout"
-        if isinstance(error, TimeoutError):
-            return "timeout"
-        return "connection" if isinstance(error, aiohttp.ClientConnectionError) else "error"
+            return "refused", False
+        if isinstance(error, TimeoutError):  # aiohttp's ConnectionTimeoutError is one
+            self.suspect(instance)
+            connect = isinstance(error, aiohttp.ConnectionTimeoutError)
+            return ("connect_timeout" if connect else "timeout"), None
+        if isinstance(error, aiohttp.ClientConnectionError):
+            return "connection", False
+        return "error", False
+
+    def suspect(self, instance: Instance) -> None:
+        """A request to ``instance`` timed out. A long prompt or a long
+        generation does that as well as a stuck instance, and a client must
+        not be able to open an instance's breaker for everyone: the
+        instance's ``/health`` decides. Only an instance that cannot answer
+        it within ``connect_timeout_s`` counts a failure. One probe per
+        instance at a time."""
+        if instance.instance_id in self._probing:
+            return
+        self._probing.add(instance.instance_id)
+        task = asyncio.create_task(self._probe(instance))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, instance: Instance) -> None:
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                async with self.session.get(f"http://{instance.http_addr}/health") as resp:
+                    healthy = resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            healthy = False
+            if _refused(e):
+                self.registry.mark_unreachable(instance.http_addr)
+        finally:
+            self._probing.discard(instance.instance_id)
+        self.metrics.health_probes.labels("ok" if healthy else "failed").inc()
+        if not healthy:
+            self.limited_log.warning("probe-failed", "instance %s (%s) timed out a request and "
+                                     "does not answer /health", instance.instance_id,
+                                     instance.http_addr)  # fmt: skip
+            self.registry.report(instance, False)
 
     async def _prefill(self, ex: _Exchange, prefill: Instance, decode: Instance) -> _PrefillResult:
         request_id, peers = ex.name_peers(prefill, decode, self.config.token)
@@ -439,8 +479,7 @@ class RequestProxy:
                     data = await resp.read()
             ok = resp.status < 500
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            ok = False
-            reason = self._failed(prefill, e)
+            reason, ok = self._failed(prefill, e)
             self.metrics.prefill_failures.labels(reason).inc()
             elapsed = time.monotonic() - started
             if reason == "timeout" and ex.remaining() <= 0:
@@ -506,8 +545,7 @@ class RequestProxy:
                 self.count(ex, outcomes.UPSTREAM_CLIENT_ERROR if ok else outcomes.UPSTREAM_ERROR)
             return Reply(resp.status, _content_type(resp), data)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            ok = False
-            reason = self._failed(decode, e)
+            reason, ok = self._failed(decode, e)
             self.limited_log.warning("decode-" + reason, "decode instance %s: %s: %s",
                                      decode.http_addr, reason, e)  # fmt: skip
             if reason == "refused":  # nothing was sent: another decode may take it
@@ -574,7 +612,8 @@ class _RelayStream:
             if ex.remaining() <= 0:
                 return self._end(outcomes.TIMEOUT, None, 504,
                                  f"request deadline ({config.request_timeout_s:g}s) exceeded")
-            return self._end(outcomes.TIMEOUT, False, 504,
+            self._proxy.suspect(self._decode)
+            return self._end(outcomes.TIMEOUT, None, 504,
                              f"the decode instance sent nothing for {config.chunk_timeout_s:g}s")
         except (aiohttp.ClientError, OSError) as e:
             self._proxy.limited_log.warning("stream-broken", "decode instance %s broke the "

@@ -250,22 +250,27 @@ class InstanceRegistry:
 
     def finish(self, instance: Instance, ok: bool | None) -> None:
         """The request sent to ``instance`` ended: ``ok`` True (it answered),
-        False (it failed: connection error, timeout, 5xx) or None (says
-        nothing about the instance, e.g. the client left)."""
+        False (it failed in a way only the instance can: refused, reset, 5xx)
+        or None (says nothing about the instance: the client left, or a
+        timeout a long request can cause too, see ``RequestProxy.suspect``)."""
         instance.outstanding -= 1
         instance.trial_in_flight = False
+        if ok is not None:
+            self.report(instance, ok)
+
+    def report(self, instance: Instance, ok: bool) -> None:
+        """What the instance did, for its breaker (no request accounting)."""
         if ok:
             instance.consecutive_failures = 0
             instance.opened_at = None
-        elif ok is False:
-            instance.consecutive_failures += 1
-            now = self.clock()
-            half_open = self.breaker_state(instance, now) is BreakerState.HALF_OPEN
-            if half_open or (
-                instance.opened_at is None
-                and instance.consecutive_failures >= self.breaker_failures
-            ):
-                self._open(instance, now)
+            return
+        instance.consecutive_failures += 1
+        now = self.clock()
+        half_open = self.breaker_state(instance, now) is BreakerState.HALF_OPEN
+        if half_open or (
+            instance.opened_at is None and instance.consecutive_failures >= self.breaker_failures
+        ):
+            self._open(instance, now)
 
     def breaker_state(self, instance: Instance, now: float | None = None) -> BreakerState:
         if instance.opened_at is None:

@@ -77,6 +77,7 @@ class FakeInstance:
         self.delay_s = 0.0
         self.hang = False  # never answer anything, /health included
         self.health_status = 200
+        self.models: list[dict] | None = None  # what /v1/models lists (None: 404)
         self.chunks = sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]})
         self.chunk_delay_s = 0.0
         self.handler: Handler | None = None
@@ -97,6 +98,10 @@ class FakeInstance:
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        for path in ("/tokenize", "/detokenize"):
+            app.router.add_post(path, self._echo_path)
+        app.router.add_get("/version", self._echo_path)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -126,6 +131,14 @@ class FakeInstance:
         except (asyncio.CancelledError, ConnectionResetError):
             self.disconnected.set()
             raise
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if self.models is None:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        return web.json_response({"object": "list", "data": self.models})
+
+    async def _echo_path(self, request: web.Request) -> web.Response:
+        return web.json_response({"path": request.path, "by": self.name})
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.hang:
@@ -183,6 +196,7 @@ class RunningRouter:
         self, path: str, body: Any, **kwargs: Any
     ) -> tuple[int, bytes, aiohttp.ClientResponse]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        kwargs["headers"] = {"Content-Type": "application/json", **kwargs.get("headers", {})}
         async with asyncio.timeout(WAIT_S):
             async with self.client.post(self.url + path, data=data, **kwargs) as resp:
                 return resp.status, await resp.read(), resp

@@ -162,6 +162,7 @@ async def test_a_client_that_stops_reading_its_stream_is_dropped_and_decode_rele
             await asyncio.sleep(0.1)
         await d.disconnected.wait()  # the decode leg was closed: vLLM aborts the request
     writer.close()
+    d.handler = None
     await _healthy_request_works(router)
 
 

@@ -149,8 +149,10 @@ async def test_malformed_and_foreign_messages_are_rejected_and_counted(discovery
     assert ack.reason.startswith("malformed") and "http_addr" in ack.reason
     ack = await instance.message(Ack(DISCOVERY_VERSION, "i-1", True))
     assert ack.reason.startswith("malformed")
+    ack = await instance.message(register(aliases=tuple(f"a{i}" for i in range(9))))
+    assert ack.reason.startswith("malformed") and "aliases" in ack.reason
     assert len(router.registry) == 0
-    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed") == 3
+    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed") == 4
     assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="version") == 1
 
 

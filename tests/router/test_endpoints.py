@@ -19,7 +19,7 @@ async def test_no_instances_at_all_is_a_503_json_error(start_router):
         assert status == 503 and resp.headers["Content-Type"] == "application/json"
         assert json.loads(body)["error"] == {
             "message": "no healthy decode instance is registered",
-            "type": "service_unavailable", "code": 503,
+            "type": "ServiceUnavailableError", "param": None, "code": 503,
         }  # fmt: skip
     assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
                          outcome="no_instance") == 1  # fmt: skip
@@ -31,10 +31,27 @@ async def test_malformed_bodies_are_400_json(pd):
     for raw in (b"{not json", b"[1, 2]", b"", "\"text\"".encode(), deep):
         status, body, _ = await router.post("/v1/completions", raw)
         assert status == 400, raw
-        assert json.loads(body)["error"]["type"] == "invalid_request_error"
+        error = json.loads(body)["error"]
+        assert error["type"] == "Bad Request" and error["param"] == "body", error  # as vLLM
     assert not p.requests and not d.requests
     assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
                          outcome="bad_request") == 5  # fmt: skip
+
+
+async def test_a_body_that_is_not_declared_json_gets_vllms_415_style_400(pd):
+    router, p, d = await pd()
+    for content_type in ("text/plain", "", "application/x-www-form-urlencoded"):
+        status, body, _ = await router.post("/v1/completions", BODY,
+                                            headers={"Content-Type": content_type})  # fmt: skip
+        assert status == 400
+        assert json.loads(body)["error"] == {
+            "message": "1 validation error:\n  Unsupported Media Type: Only "
+                       "'application/json' is allowed",
+            "type": "Bad Request", "param": None, "code": 400,
+        }  # fmt: skip
+    status, _, _ = await router.post("/v1/completions", BODY,
+                                     headers={"Content-Type": "application/json; charset=utf-8"})
+    assert status == 200 and len(p.requests) == 1
 
 
 async def test_oversized_bodies_are_413_json(pd):
@@ -48,7 +65,8 @@ async def test_oversized_bodies_are_413_json(pd):
             yield b" " * 1024
 
     async with asyncio.timeout(WAIT_S):
-        async with router.client.post(router.url + "/v1/completions", data=chunked()) as resp:
+        async with router.client.post(router.url + "/v1/completions", data=chunked(),
+                                      headers={"Content-Type": "application/json"}) as resp:
             assert resp.status == 413
     assert not p.requests and not d.requests
     status, _, _ = await router.post("/v1/completions", BODY)
@@ -74,15 +92,24 @@ async def test_health_follows_healthy_prefill_and_decode(start_router, fakes):
     assert await health() == (503, {"status": "unavailable", "prefill": 0, "decode": 1})
 
 
-async def test_models_lists_registered_model_names(start_router, fakes):
+async def test_models_lists_what_decodes_serve_as_they_list_it(start_router, fakes):
     router = await start_router()
     status, body = await router.get("/v1/models")
     assert status == 200 and json.loads(body) == {"object": "list", "data": []}
-    for name, model in (("p", "b"), ("d", "a"), ("d2", "a")):
-        router.add(await fakes(name), Role.PREFILL if name == "p" else Role.DECODE, model=model)
+    d = await fakes("d")
+    d.models = [{"id": name, "object": "model", "created": 1, "owned_by": "vllm",
+                 "root": "/models/a", "parent": None, "max_model_len": 1024,
+                 "permission": [{"id": "modelperm-1"}]} for name in ("a", "a2")]  # fmt: skip
+    router.add(await fakes("p"), Role.PREFILL, model="b")  # no decode serves b: not listed
+    router.add(d, Role.DECODE, model="a", aliases=("a2",))
+    router.add(await fakes("c"), Role.DECODE, model="c")  # lists nothing: minimal entry
     data = json.loads((await router.get("/v1/models"))[1])["data"]
-    assert [m["id"] for m in data] == ["a", "b"]
-    assert all(m["object"] == "model" and m["owned_by"] == "vllm" for m in data)
+    assert [m["id"] for m in data] == ["a", "a2", "c"]
+    assert data[:2] == d.models  # vLLM's fields, as the decode lists them
+    assert data[2]["object"] == "model" and data[2]["owned_by"] == "vllm"
+    # An alias routes like the model's first name.
+    status, body, _ = await router.post("/v1/completions", {**BODY, "model": "a2"})
+    assert status == 503  # a's decode, but no prefill serves a: the alias was accepted
 
 
 async def test_instances_lists_role_age_load_and_breaker(pd):
@@ -132,7 +159,19 @@ async def test_metrics_exposition(pd):
 
 async def test_unknown_routes_answer_json(start_router):
     router = await start_router()
-    status, body = await router.get("/v1/nothing")
-    assert status == 404 and json.loads(body)["error"]["code"] == 404
+    status, body = await router.get("/v1/nothing")  # as vLLM's FastAPI app answers
+    assert status == 404 and json.loads(body) == {"detail": "Not Found"}
     status, body = await router.get("/v1/completions")
-    assert status == 405 and json.loads(body)["error"]["code"] == 405
+    assert status == 405 and json.loads(body) == {"detail": "Method Not Allowed"}
+
+
+async def test_tokenize_detokenize_and_version_are_answered_by_a_decode(pd):
+    router, p, d = await pd()
+    for path in ("/tokenize", "/detokenize"):
+        status, body, _ = await router.post(path, {"model": "m", "prompt": "hi"})
+        assert status == 200 and json.loads(body) == {"path": path, "by": "d"}
+    status, body = await router.get("/version")
+    assert status == 200 and json.loads(body) == {"path": "/version", "by": "d"}
+    status, body, _ = await router.post("/tokenize", {"model": "zzz", "prompt": "hi"})
+    assert status == 404 and json.loads(body)["error"]["param"] == "model"
+    assert not p.requests

@@ -37,7 +37,7 @@ async def test_failed_prefill_is_retried_on_another_instance(pd, fakes):
     [p2] = await add_prefills(router, fakes, ["p2"])
     p.status = p2.status = 500
     status, body, _ = await router.post("/v1/completions", BODY)
-    assert status == 502 and error_of(body)["type"] == "bad_gateway"
+    assert status == 502 and error_of(body)["type"] == "BadGatewayError"
     assert len(p.requests) == len(p2.requests) == 1 and not d.requests
 
     p.status = 200  # one bad, one good: whichever is tried first, the request succeeds
@@ -97,7 +97,7 @@ async def test_refused_decode_is_a_502_and_drops_it(pd):
     assert status == 502 and "refused" in error_of(body)["message"]
     assert d.http_addr.encode() not in body  # internal addresses stay in the router's log
     status, body, _ = await router.post("/v1/completions", BODY)
-    assert status == 503 and error_of(body)["type"] == "service_unavailable"
+    assert status == 503 and error_of(body)["type"] == "ServiceUnavailableError"
 
 
 async def test_breaker_opens_then_half_open_lets_one_trial(pd, fakes):
@@ -146,7 +146,7 @@ async def test_first_token_timeout_is_a_504_before_anything_was_sent(pd):
     router, p, d = await pd(first_token_timeout_s=0.3)
     d.hang = True
     status, body, _ = await router.post("/v1/completions", STREAM)
-    assert status == 504 and error_of(body)["type"] == "timeout"
+    assert status == 504 and error_of(body)["type"] == "GatewayTimeoutError"
     async with asyncio.timeout(WAIT_S):
         await d.disconnected.wait()
     assert router.registry.get("d-id").outstanding == 0

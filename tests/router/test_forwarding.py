@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+from aiohttp import web
+
 import pytest
 
 from vllm_disagg.wire.peers import (
@@ -122,17 +124,33 @@ async def test_router_with_a_token_signs_the_peers_it_names(pd):
             check_grant(b"another token", params[GRANT_KEY], peer)
 
 
-async def test_client_headers_are_forwarded_but_not_its_request_id(pd):
+async def test_client_headers_and_request_id_are_forwarded_as_vllm_would_use_them(pd):
+    """vLLM builds the response's id from the client's X-Request-Id: both
+    legs carry it (peers travel in kv_transfer_params, never in the id), and
+    D's X-Request-Id response header (--enable-request-id-headers) reaches
+    the client."""
     router, p, d = await pd()
-    headers = {"Authorization": "Bearer k", "X-Request-Id": "mine", "traceparent": "00-ab-cd-01"}
-    await router.post("/v1/completions", COMPLETION, headers=headers)
 
+    async def echo_id(fake, request, body):
+        return web.json_response({"id": "cmpl-" + request.headers["X-Request-Id"]},
+                                 headers={"X-Request-Id": request.headers["X-Request-Id"]})
+
+    d.handler = echo_id
+    headers = {"Authorization": "Bearer k", "X-Request-Id": "mine-1_a", "traceparent": "00-ab-cd-01"}
+    status, body, resp = await router.post("/v1/completions", COMPLETION, headers=headers)
+    assert status == 200 and json.loads(body)["id"] == "cmpl-mine-1_a"
+    assert resp.headers["X-Request-Id"] == "mine-1_a"
     for seen in (p.requests[0], d.requests[0]):
         assert seen.headers["Authorization"] == "Bearer k"
         assert seen.headers["traceparent"] == "00-ab-cd-01"
-        assert seen.headers["X-Request-Id"] != "mine"
-        assert parse_peer_info(seen.headers["X-Request-Id"], None) is None
+        assert seen.headers["X-Request-Id"] == "mine-1_a"
         assert "Remote-Addr" not in seen.headers
+    # An id the connector would read as peers, or one too long or odd, is
+    # replaced by the router's own (which names nothing).
+    for odd in ("x___prefill_addr_1.2.3.4:5___decode_addr_1.2.3.4:6_k", "a" * 129, "a b", "é"):
+        await router.post("/v1/completions", COMPLETION, headers={"X-Request-Id": odd})
+        sent = d.requests[-1].headers["X-Request-Id"]
+        assert sent != odd and parse_peer_info(sent, None) is None
 
 
 async def test_upstream_error_status_and_body_are_relayed(pd):
@@ -165,7 +183,9 @@ async def test_model_filter_and_unknown_model(fakes, start_router):
 
     status, body, _ = await router.post("/v1/completions", {**COMPLETION, "model": "zzz"})
     assert status == 404
-    assert json.loads(body)["error"]["message"] == "The model `zzz` does not exist."
+    error = json.loads(body)["error"]  # vLLM's error, all names listed
+    assert error["message"] == "The model `zzz` does not exist. Valid aliases: a, b."
+    assert error["type"] == "NotFoundError" and error["param"] == "model"
 
 
 async def test_a_request_without_model_in_a_fleet_of_two_models_is_a_400(start_router, fakes):
@@ -198,23 +218,30 @@ async def test_stream_given_as_a_truthy_string_streams_like_vllm(pd):
     assert all(r.body["stream"] is False for r in p.requests)
 
 
-async def test_requests_vllm_would_refuse_are_refused_before_any_prefill(pd):
+async def test_requests_vllm_would_refuse_go_to_the_decode_alone(pd):
     """P used to prefill them (and push their KV into D's buffer) and only D
-    refused them: what the one-token prefill leg cannot show is checked by
-    the router with vLLM's own messages; the rest (logprobs, n with greedy
-    sampling) P refuses itself, as D would."""
+    refused them. What the one-token prefill leg cannot show sends the
+    request to D alone, which refuses it in validation with vLLM's own error
+    (relayed as is); the rest (logprobs, n with greedy sampling) P refuses
+    itself, as D would."""
     router, p, d = await pd()
-    cases = [
-        ({"max_tokens": 0}, "max_tokens must be at least 1"),
-        ({"max_tokens": 3, "min_tokens": 5}, "min_tokens must be less than or equal"),
-        ({"stream_options": {"include_usage": True}}, "Stream options can only be defined"),
-    ]
-    for fields, message in cases:
+    d.status = 400  # the fake refuses everything, as vLLM would these
+    for fields in ({"max_tokens": 0}, {"max_completion_tokens": -1},
+                   {"max_tokens": 3, "min_tokens": 5}, {"min_tokens": -1},
+                   {"stream_options": {"include_usage": True}},
+                   {"stream_options": {"include_usage": True}, "stream": False}):  # fmt: skip
         status, body, _ = await router.post("/v1/completions", {**COMPLETION, **fields})
-        assert status == 400 and message in json.loads(body)["error"]["message"], body
-    assert not p.requests and not d.requests
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="bad_request") == 3  # fmt: skip
+        assert status == 400 and json.loads(body) == {"error": {"message": "d"}}, fields
+    assert not p.requests and len(d.requests) == 6
+    assert all("kv_transfer_params" not in r.body for r in d.requests)
+    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total",
+                         reason="invalid") == 6  # fmt: skip
+    # vLLM reads stream_options' rule from the raw values: "stream": "false"
+    # is a non-empty string, so it passes there and is prefilled here.
+    d.status = 200
+    status, _, _ = await router.post("/v1/completions", {
+        **COMPLETION, "stream_options": {"include_usage": True}, "stream": "yes"})
+    assert status == 200 and len(p.requests) == 1
 
 
 async def test_prompt_logprobs_go_to_the_decode_alone(pd):

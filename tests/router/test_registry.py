@@ -158,7 +158,7 @@ def test_snapshot_shows_role_age_load_and_breaker():
     [entry] = registry.snapshot()
     assert entry == {
         "instance_id": "p", "role": "prefill", "http_addr": "10.0.0.1:20001",
-        "kv_addr": "10.0.0.1:21001", "model": "m", "dp_rank": 1, "dp_size": 2, "static": False,
+        "kv_addr": "10.0.0.1:21001", "model": "m", "aliases": [], "dp_rank": 1, "dp_size": 2, "static": False,
         "age_s": 5.0, "last_heartbeat_s": 1.0, "outstanding": 1, "breaker": "closed",
         "consecutive_failures": 0,
     }  # fmt: skip

@@ -31,7 +31,13 @@ from vllm_disagg.router.discovery import DiscoveryServer
 from vllm_disagg.router.metrics import CONTENT_TYPE, RouterMetrics
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.wire.discovery import Role
-from vllm_disagg.router.proxy import JSON, Reply, RequestProxy, error_json
+from vllm_disagg.router.proxy import (
+    JSON,
+    VALIDATION_ERROR_TYPE,
+    Reply,
+    RequestProxy,
+    error_json,
+)
 from vllm_disagg.router.registry import InstanceRegistry
 
 logger = logging.getLogger(__name__)
@@ -82,12 +88,26 @@ def _json(payload: object, status: int = 200) -> Response:
     return Response(msgspec.json.encode(payload), status=status, content_type=JSON)
 
 
-def _error(status: int, message: str, error_type: str) -> Response:
-    return Response(error_json(status, message, error_type), status=status, content_type=JSON)
+def _error(status: int, message: str, param: str | None = None,
+           error_type: str | None = None) -> Response:  # fmt: skip
+    return Response(error_json(status, message, param, error_type), status=status,
+                    content_type=JSON)  # fmt: skip
 
 
 def _response(reply: Reply) -> Response:
-    return Response(reply.body, status=reply.status, content_type=reply.content_type)
+    return Response(reply.body, status=reply.status, content_type=reply.content_type,
+                    headers=reply.headers)  # fmt: skip
+
+
+# vLLM's answer to a body that is not JSON (its validate_json_request
+# dependency, rendered by its validation handler).
+UNSUPPORTED_MEDIA_TYPE = (
+    "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
+)
+
+
+def _is_json(content_type: str | None) -> bool:
+    return (content_type or "").split(";", 1)[0].strip().lower() == JSON
 
 
 def create_app(
@@ -136,14 +156,16 @@ def create_app(
 
     async def forward(endpoint: str) -> Response:
         declared = request.content_length
+        if not _is_json(request.headers.get("Content-Type")):
+            metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
+            return _error(400, UNSUPPORTED_MEDIA_TYPE, None, VALIDATION_ERROR_TYPE)
         try:
             if declared is not None and declared > config.max_body_bytes:
                 raise RequestEntityTooLarge()
             raw = await request.get_data(cache=False)
         except RequestEntityTooLarge:
             metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
-            return _error(413, f"request body larger than {config.max_body_bytes} bytes",
-                          "invalid_request_error")  # fmt: skip
+            return _error(413, f"request body larger than {config.max_body_bytes} bytes", "body")
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as e:
@@ -154,7 +176,7 @@ def create_app(
             problem = "request body must be a JSON object"
         if not isinstance(body, dict):
             metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
-            return _error(400, problem, "invalid_request_error")
+            return _error(400, problem, "body", VALIDATION_ERROR_TYPE)
         return _response(await proxy.handle(endpoint, request.path, body, request.headers))
 
     @app.post("/v1/completions")
@@ -167,12 +189,32 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        created = int(time.time())
-        return _json({
-            "object": "list",
-            "data": [{"id": m, "object": "model", "created": created, "owned_by": "vllm"}
-                     for m in registry.models()],
-        })  # fmt: skip
+        return _json({"object": "list", "data": await proxy.list_models()})
+
+    async def relay_json(endpoint: str) -> Response:
+        """A JSON POST one decode answers alone (vLLM checks the body)."""
+        raw = await request.get_data(cache=False)
+        try:
+            body = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, RecursionError):
+            body = None
+        if not isinstance(body, dict):
+            metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
+            return _error(400, "request body must be a JSON object", "body",
+                          VALIDATION_ERROR_TYPE)  # fmt: skip
+        return _response(await proxy.relay(endpoint, "POST", request.path, body))
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        return await relay_json("tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        return await relay_json("detokenize")
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _response(await proxy.relay("version", "GET", "/version", None))
 
     @app.get("/health")
     async def health() -> Response:
@@ -192,12 +234,13 @@ def create_app(
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
-        return _error(error.code or 500, error.description or error.name, error.name)
+        # As vLLM's FastAPI app answers an unknown path or method.
+        return _json({"detail": error.name}, error.code or 500)
 
     @app.errorhandler(Exception)
     async def unexpected(error: Exception) -> Response:
         logger.exception("router: unexpected error on %s", request.path)
-        return _error(500, f"router error: {type(error).__name__}", "internal_error")
+        return _error(500, f"router error: {type(error).__name__}")
 
     return app
 

@@ -62,7 +62,7 @@ class RouterMetrics:
             f"{PREFIX}_decode_prefill_fallbacks",
             "Requests the decode instance prefilled itself (--fallback-to-decode-prefill), "
             "by reason (no_prefill, prefill_failed, prompt_logprobs: vLLM computes such a "
-            "prompt where it answers).",
+            "prompt where it answers, invalid: vLLM refuses it in validation).",
             ["reason"], registry=self.registry,
         )  # fmt: skip
         self.concurrent_prefill_failures = Counter(

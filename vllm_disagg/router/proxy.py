@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -38,12 +39,18 @@ from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.registry import Instance, InstanceRegistry
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.grants import GRANT_KEY, make_grant
-from vllm_disagg.wire.peers import PEER_INFO_KEYS, make_kv_transfer_params
+from vllm_disagg.wire.peers import (
+    DECODE_MARKER,
+    PEER_INFO_KEYS,
+    PREFILL_MARKER,
+    make_kv_transfer_params,
+)
 
 logger = logging.getLogger(__name__)
 
 JSON = "application/json"
 UPSTREAM_KEEPALIVE_S = 4.0
+MODELS_CACHE_S = 10.0
 # Headers of the client's request that are not passed on: hop-by-hop ones,
 # those the router sets itself, and Quart's Remote-Addr.
 _NOT_FORWARDED = frozenset({
@@ -55,35 +62,55 @@ _NOT_FORWARDED = frozenset({
 # exactly one token, and must neither stop nor fail on the client's
 # generation options. What stays is validated by P exactly as D would
 # validate it (logprobs, n: cheap for one token), so a request D would refuse
-# is refused before anything is prefilled; what max_tokens=1 would make
-# invalid (min_tokens) is checked by the router itself (check_for_prefill).
+# is refused before anything is prefilled; what max_tokens=1 would hide
+# (min_tokens) sends the request to the decode alone (decode_alone_reason).
 _PREFILL_DROPPED = (
     "stream_options", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
     "best_of", "use_beam_search", "prompt_logprobs",
 )  # fmt: skip
 
 
-def check_for_prefill(body: Mapping[str, Any]) -> str | None:
-    """What vLLM would refuse in ``body`` that the prefill leg cannot show
-    (its max_tokens is 1 and it never streams): vLLM's own message, or None."""
+def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
+    """Why ``body`` goes to the decode alone, with no prefill leg (a
+    ``decode_prefill_fallbacks`` label), or None.
+
+    * ``prompt_logprobs``: vLLM computes the whole prompt where it must
+      return prompt logprobs (it reads no cached or transferred KV), so a
+      prefill elsewhere would be work and buffer space for nothing.
+    * ``invalid``: vLLM would refuse the request for something the prefill
+      leg cannot show (its max_tokens is 1 and it never streams). The decode
+      refuses it in validation, before any compute, with vLLM's own error
+      body; should it accept after all, it answers correctly by itself.
+    """
+    if body.get("prompt_logprobs") is not None or (
+        body.get("echo") is True and body.get("logprobs") is not None
+    ):
+        return "prompt_logprobs"
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if _is_int(limit) and limit < 1:
-        return f"max_tokens must be at least 1, got {limit}."
+        return "invalid"
     low = body.get("min_tokens")
-    if _is_int(low) and _is_int(limit) and low > limit:
-        return f"min_tokens must be less than or equal to max_tokens={limit}, got {low}."
-    if body.get("stream_options") is not None and not _truthy(body.get("stream")):
-        return "Stream options can only be defined when `stream=True`."
+    if _is_int(low) and (low < 0 or (_is_int(limit) and low > limit)):
+        return "invalid"
+    # vLLM's own test (a "before" validator): the raw values, not coerced.
+    if body.get("stream_options") and not body.get("stream"):
+        return "invalid"
     return None
 
 
-def computes_prompt_locally(body: Mapping[str, Any]) -> bool:
-    """vLLM computes the whole prompt on the instance that answers when it
-    must return prompt logprobs (it reads no cached or transferred KV):
-    prefilling elsewhere first would be work and buffer space for nothing."""
-    return body.get("prompt_logprobs") is not None or (
-        body.get("echo") is True and body.get("logprobs") is not None
-    )
+_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's ``X-Request-Id`` when both legs may carry it, as vLLM
+    would (its response ``id`` is built from it): up to 128 of
+    ``[A-Za-z0-9_.:-]``, and nothing the connector would read as peers (the
+    request-id codec's markers). Otherwise None: the router's own."""
+    if value is None or not _CLIENT_ID_RE.match(value):
+        return None
+    if PREFILL_MARKER in value or DECODE_MARKER in value:
+        return None
+    return value
 
 
 def _is_int(value: Any) -> bool:
@@ -104,14 +131,32 @@ class Reply:
     status: int
     content_type: str
     body: bytes | AsyncIterator[bytes]
+    headers: dict[str, str] = field(default_factory=dict)  # relayed from the instance
 
 
-def error_json(status: int, message: str, error_type: str) -> bytes:
-    return msgspec.json.encode({"error": {"message": message, "type": error_type, "code": status}})
+# vLLM's names for its own errors (entrypoints/serve/exception_handling), and
+# the same style for the gateway errors only a router has.
+ERROR_TYPES = {
+    400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
+    500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}  # fmt: skip
+# What vLLM calls a request its FastAPI layer refused (body, content type).
+VALIDATION_ERROR_TYPE = "Bad Request"
 
 
-def error_reply(status: int, message: str, error_type: str) -> Reply:
-    return Reply(status, JSON, error_json(status, message, error_type))
+def error_json(status: int, message: str, param: str | None = None,
+               error_type: str | None = None) -> bytes:  # fmt: skip
+    """vLLM's ErrorResponse: ``{"error": {message, type, param, code}}``."""
+    error_type = error_type or ERROR_TYPES.get(status, "InternalServerError")
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    )
+
+
+def error_reply(status: int, message: str, param: str | None = None,
+                error_type: str | None = None) -> Reply:  # fmt: skip
+    return Reply(status, JSON, error_json(status, message, param, error_type))
 
 
 def _with_peers(client_params: Any, peers: dict[str, str] | None) -> dict[str, Any] | None:
@@ -229,6 +274,8 @@ class RequestProxy:
         self._session: aiohttp.ClientSession | None = None
         self.limited_log = LogLimiter(logger)
         self._probing: set[str] = set()  # instance ids with a health probe in flight
+        # model -> (until, names, entries): /v1/models as its decodes list it
+        self._models_cache: dict[str, tuple[float, tuple[str, ...], list[dict]]] = {}
         self._probes: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -261,6 +308,9 @@ class RequestProxy:
             {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED},
             deadline=time.monotonic() + self.config.request_timeout_s,
         )  # fmt: skip
+        client_id = client_request_id(headers.get("X-Request-Id"))
+        if client_id is not None:
+            ex.request_id = client_id
         try:
             return await self._route(ex)
         except asyncio.CancelledError:
@@ -277,9 +327,10 @@ class RequestProxy:
         elapsed = time.monotonic() - ex.started
         self.metrics.added_latency.observe(max(0.0, elapsed - ex.upstream_s))
 
-    def _error(self, ex: _Exchange, outcome: str, status: int, message: str, kind: str) -> Reply:
+    def _error(self, ex: _Exchange, outcome: str, status: int, message: str,
+               param: str | None = None) -> Reply:  # fmt: skip
         self.count(ex, outcome)
-        return error_reply(status, message, kind)
+        return error_reply(status, message, param)
 
     def _pick(
         self, side: Role, ex: _Exchange, exclude: set[str] = frozenset(),
@@ -299,24 +350,22 @@ class RequestProxy:
         model = ex.model
         if model is not None and len(self.registry) and not self.registry.serves_model(model):
             return self._error(ex, outcomes.NO_INSTANCE, 404,
-                               f"The model `{model}` does not exist.", "NotFoundError")  # fmt: skip
+                               f"The model `{model}` does not exist. Valid aliases: "
+                               f"{', '.join(self.registry.model_names())}.", "model")  # fmt: skip
         if model is None and len(self.registry.models()) > 1:
             # vllm serve takes a request without `model` for its one model;
             # with several, any choice could answer with the wrong one.
             return self._error(ex, outcomes.BAD_REQUEST, 400,
                                "`model` is required: this router serves "
-                               f"{', '.join(self.registry.models())}", "BadRequestError")  # fmt: skip
-        problem = check_for_prefill(ex.body)
-        if problem is not None:
-            return self._error(ex, outcomes.BAD_REQUEST, 400, problem, "BadRequestError")
+                               f"{', '.join(self.registry.models())}", "model")  # fmt: skip
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
             return self._error(ex, outcomes.NO_INSTANCE, 503,
-                               "no healthy decode instance is registered",
-                               "service_unavailable")  # fmt: skip
-        if computes_prompt_locally(ex.body):
+                               "no healthy decode instance is registered")
+        alone = decode_alone_reason(ex.body)
+        if alone is not None:
             self.registry.begin(decode)
-            self.metrics.decode_prefill_fallbacks.labels("prompt_logprobs").inc()
+            self.metrics.decode_prefill_fallbacks.labels(alone).inc()
             try:
                 return await self._decode(ex, decode, None)
             except _DecodeRefused as refused:
@@ -351,7 +400,75 @@ class RequestProxy:
                 return await self._decode(ex, other, None)
             except _DecodeRefused as again:
                 refused = again
-        return self._error(ex, outcomes.UPSTREAM_ERROR, 502, refused.message, "bad_gateway")
+        return self._error(ex, outcomes.UPSTREAM_ERROR, 502, refused.message)
+
+    # --- endpoints one decode answers alone ---------------------------------
+
+    async def relay(self, endpoint: str, method: str, path: str, body: dict | None) -> Reply:
+        """A request with no prefill leg (``/tokenize``, ``/detokenize``,
+        ``/version``): one healthy decode of the request's model answers it,
+        relayed as it is."""
+        ex = _Exchange(endpoint, path, body or {}, {},
+                       deadline=time.monotonic() + self.config.request_timeout_s)  # fmt: skip
+        model = ex.model
+        if model is not None and len(self.registry) and not self.registry.serves_model(model):
+            return self._error(ex, outcomes.NO_INSTANCE, 404,
+                               f"The model `{model}` does not exist. Valid aliases: "
+                               f"{', '.join(self.registry.model_names())}.", "model")  # fmt: skip
+        decode = self._pick(Role.DECODE, ex)
+        if decode is None:
+            return self._error(ex, outcomes.NO_INSTANCE, 503,
+                               "no healthy decode instance is registered")
+        data = None if body is None else msgspec.json.encode(body)
+        headers = {"Content-Type": JSON} if body is not None else {}
+        try:
+            async with asyncio.timeout(min(self.config.connect_timeout_s + 30.0, ex.remaining())):
+                async with self.session.request(method, f"http://{decode.http_addr}{path}",
+                                                data=data, headers=headers) as resp:  # fmt: skip
+                    payload = await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            reason, _ = self._failed(decode, e)
+            return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
+                               f"the decode instance failed ({reason})")
+        self.count(ex, outcomes.OK if resp.status < 400 else outcomes.UPSTREAM_CLIENT_ERROR)
+        return Reply(resp.status, _content_type(resp), payload)
+
+    async def list_models(self) -> list[dict[str, Any]]:
+        """``/v1/models`` of the fleet: every model a decode serves, each
+        entry as one of its decodes lists it (``root``, ``max_model_len``,
+        ``permission``, aliases as their own entries); cached for
+        MODELS_CACHE_S. A model whose decodes do not answer in time gets the
+        minimal entry."""
+        by_model: dict[str, Instance] = {}
+        for instance in self.registry.healthy(Role.DECODE):
+            if instance.model is not None:
+                by_model.setdefault(instance.model, instance)
+        lists = await asyncio.gather(*(self._models_of(i) for i in by_model.values()))
+        return [entry for entries in lists for entry in entries]
+
+    async def _models_of(self, instance: Instance) -> list[dict[str, Any]]:
+        names = (instance.model, *instance.aliases)
+        cached = self._models_cache.get(instance.model)
+        now = time.monotonic()
+        if cached is not None and cached[0] > now and cached[1] == names:
+            return cached[2]
+        entries: list[dict[str, Any]] = []
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                async with self.session.get(f"http://{instance.http_addr}/v1/models") as resp:
+                    listed = msgspec.json.decode(await resp.read()) if resp.status == 200 else {}
+            data = listed.get("data") if isinstance(listed, dict) else None
+            if isinstance(data, list):
+                entries = [e for e in data if isinstance(e, dict) and e.get("id") in names]
+        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError):
+            pass
+        if not entries:
+            created = int(time.time())
+            entries = [{"id": n, "object": "model", "created": created, "owned_by": "vllm"}
+                       for n in names]  # fmt: skip
+        else:
+            self._models_cache[instance.model] = (now + MODELS_CACHE_S, names, entries)
+        return entries
 
     # --- hand-off styles -------------------------------------------------
 
@@ -408,10 +525,9 @@ class RequestProxy:
         if failures:
             return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
                                f"prefill failed on {len(failures)} instance(s): "
-                               + "; ".join(failures), "bad_gateway")  # fmt: skip
+                               + "; ".join(failures))
         return self._error(ex, outcomes.NO_INSTANCE, 503,
-                           "no healthy prefill instance is registered",
-                           "service_unavailable")  # fmt: skip
+                           "no healthy prefill instance is registered")
 
     # --- legs --------------------------------------------------------------
 
@@ -499,8 +615,7 @@ class RequestProxy:
         return _PrefillResult(True, elapsed)
 
     def _deadline_reply(self) -> Reply:
-        return error_reply(504, f"request deadline ({self.config.request_timeout_s:g}s) exceeded",
-                           "timeout")  # fmt: skip
+        return error_reply(504, f"request deadline ({self.config.request_timeout_s:g}s) exceeded")
 
     async def _decode(
         self,
@@ -537,13 +652,13 @@ class RequestProxy:
             if streamed:
                 stream = _RelayStream(self, ex, decode, resp, data, prefill_task)
                 handed_to_stream = True
-                return Reply(200, _content_type(resp), stream)
+                return Reply(200, _content_type(resp), stream, _relayed_headers(resp))
             ok = resp.status < 500
             if resp.status < 400:
                 self.count(ex, outcomes.OK)
             else:
                 self.count(ex, outcomes.UPSTREAM_CLIENT_ERROR if ok else outcomes.UPSTREAM_ERROR)
-            return Reply(resp.status, _content_type(resp), data)
+            return Reply(resp.status, _content_type(resp), data, _relayed_headers(resp))
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             reason, ok = self._failed(decode, e)
             self.limited_log.warning("decode-" + reason, "decode instance %s: %s: %s",
@@ -552,13 +667,13 @@ class RequestProxy:
                 raise _DecodeRefused("the decode instance refused the connection") from None
             if reason != "timeout":
                 return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
-                                   f"the decode instance failed ({reason})", "bad_gateway")
+                                   f"the decode instance failed ({reason})")
             if ex.remaining() <= 0:
                 self.count(ex, outcomes.TIMEOUT)
                 return self._deadline_reply()
             return self._error(ex, outcomes.TIMEOUT, 504,
                                "the decode instance sent nothing within "
-                               f"{self.config.first_token_timeout_s:g}s", "timeout")  # fmt: skip
+                               f"{self.config.first_token_timeout_s:g}s")
         finally:
             if not handed_to_stream:  # else it owns D's response and the prefill task
                 self.registry.finish(decode, ok)  # ok None: cancelled, says nothing
@@ -638,7 +753,7 @@ class _RelayStream:
         if not at_boundary:
             raise StopAsyncIteration
         # As vLLM ends a stream that failed: the error event, then [DONE].
-        return b"data: " + error_json(status, message, outcome) + b"\n\ndata: [DONE]\n\n"
+        return b"data: " + error_json(status, message) + b"\n\ndata: [DONE]\n\n"
 
     async def aclose(self) -> None:
         self._close(outcomes.CANCELLED, None)
@@ -664,6 +779,15 @@ class _DecodeRefused(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+# Response headers of the answering instance that reach the client: vLLM's
+# (--enable-request-id-headers); the rest are the connection's own.
+RELAYED_RESPONSE_HEADERS = ("X-Request-Id",)
+
+
+def _relayed_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    return {h: resp.headers[h] for h in RELAYED_RESPONSE_HEADERS if h in resp.headers}
 
 
 def _content_type(resp: aiohttp.ClientResponse) -> str:

@@ -63,6 +63,7 @@ class Instance:
     consecutive_failures: int = 0
     opened_at: float | None = None  # breaker opened at (clock time); None: closed
     trial_in_flight: bool = False
+    aliases: tuple[str, ...] = ()  # other names of its model
     seq: int = 0  # the last accepted heartbeat's counter (replays are older)
     sent_at: float = 0.0  # the last accepted heartbeat's sender clock
 
@@ -72,6 +73,12 @@ class Instance:
 
     def serves(self, side: Role) -> bool:
         return self.role in _SERVES[side]
+
+    def answers_to(self, model: str | None) -> bool:
+        """Whether a request for ``model`` (None: any) may go here."""
+        return model is None or self.model is None or model == self.model or (
+            model in self.aliases
+        )
 
 
 class RegistryRefused(RuntimeError):
@@ -155,13 +162,14 @@ class InstanceRegistry:
             known.role, known.http_addr, known.kv_addr = msg.role, msg.http_addr, msg.kv_addr
             self._index(known)
             known.seq, known.sent_at = msg.seq, msg.sent_at
-            known.model, known.dp_rank, known.dp_size = msg.model, msg.dp_rank, msg.dp_size
+            known.model, known.aliases = msg.model, tuple(msg.aliases)
+            known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.last_seen, known.expires_after_s = now, expires_after_s
             return False
         instance = self._instances[msg.instance_id] = Instance(
             msg.instance_id, msg.role, msg.http_addr, msg.kv_addr, msg.model,
             msg.dp_rank, msg.dp_size, now, now, expires_after_s,
-            seq=msg.seq, sent_at=msg.sent_at,
+            aliases=tuple(msg.aliases), seq=msg.seq, sent_at=msg.sent_at,
         )  # fmt: skip
         self._index(instance)
         logger.info(
@@ -234,13 +242,12 @@ class InstanceRegistry:
         now = self.clock()
         return [
             i for i in self._instances.values()
-            if i.serves(side) and (model is None or i.model in (None, model))
-            and self._admits(i, now)
+            if i.serves(side) and i.answers_to(model) and self._admits(i, now)
         ]  # fmt: skip
 
     def serves_model(self, model: str) -> bool:
         """Whether any registered instance, healthy or not, serves ``model``."""
-        return any(i.model in (None, model) for i in self._instances.values())
+        return any(i.answers_to(model) for i in self._instances.values())
 
     def begin(self, instance: Instance) -> None:
         """A request was sent to ``instance``."""
@@ -306,6 +313,12 @@ class InstanceRegistry:
         self.expire()
         return sorted({i.model for i in self._instances.values() if i.model is not None})
 
+    def model_names(self) -> list[str]:
+        """Every name a request may use: models and their aliases, sorted."""
+        self.expire()
+        return sorted({n for i in self._instances.values() if i.model is not None
+                       for n in (i.model, *i.aliases)})  # fmt: skip
+
     def counts(self) -> dict[str, int]:
         """Registered instances by role (``prefill``, ``decode``, ``both``)."""
         self.expire()
@@ -325,6 +338,7 @@ class InstanceRegistry:
                 "http_addr": i.http_addr,
                 "kv_addr": i.kv_addr,
                 "model": i.model,
+                "aliases": list(i.aliases),
                 "dp_rank": i.dp_rank,
                 "dp_size": i.dp_size,
                 "static": i.static,

@@ -31,7 +31,8 @@ import msgspec
 
 # History:
 #   1: first version (Register / Deregister / Ack).
-DISCOVERY_VERSION = 1
+#   2: Register.aliases (vllm serve --served-model-name's other names).
+DISCOVERY_VERSION = 2
 
 DEFAULT_DISCOVERY_PORT = 30001
 DEFAULT_HTTP_PORT = 10001
@@ -42,6 +43,7 @@ MAX_FRAME_BYTES = 4096
 MAX_ADDR_CHARS = 261  # a host name (253) + brackets + ":" + port
 MAX_ID_CHARS = 128
 MAX_MODEL_CHARS = 256
+MAX_ALIASES = 8
 MAX_REASON_CHARS = 300
 MAX_CLOCK_SKEW_S = 300.0
 
@@ -73,7 +75,8 @@ class Register(_Msg, tag="register"):
     role: Role
     http_addr: str  # "host:port" of its OpenAI server
     kv_addr: str  # "host:port" of its P2P control plane (TP rank 0)
-    model: str  # served model name
+    model: str  # served model name (the first of --served-model-name)
+    aliases: tuple[str, ...] = ()  # its other names, also accepted in requests
     dp_rank: int = 0
     dp_size: int = 1
     seq: int = 0  # heartbeat counter of this incarnation
@@ -161,6 +164,8 @@ def validate(msg: Message) -> None:
                  f"{name} must be host:port")  # fmt: skip
             need(0 < int(value.rsplit(":", 1)[1]) < 65536, f"{name} port out of range")
         need(0 < len(msg.model) <= MAX_MODEL_CHARS, "model name length")
+        need(len(msg.aliases) <= MAX_ALIASES, f"more than {MAX_ALIASES} aliases")
+        need(all(0 < len(a) <= MAX_MODEL_CHARS for a in msg.aliases), "alias length")
         need(1 <= msg.dp_size <= 1024 and 0 <= msg.dp_rank < msg.dp_size, "dp_rank/dp_size")
         need(msg.seq >= 0, "negative seq")
         need(0.05 <= msg.interval_s <= 600, "interval_s out of [0.05, 600]")

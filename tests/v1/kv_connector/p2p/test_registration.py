@@ -266,7 +266,7 @@ def test_instance_ids_are_unique_and_bounded():
 
 def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
     """What the connector starts: the Register names the DP rank's address,
-    the first served model name and the env token, and the first one waits
+    the served model names and the env token, and the first one waits
     until the API server accepts connections."""
     router = routers(token=b"tok")
     monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "tok")
@@ -288,6 +288,7 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
         assert (msg.role, msg.model, msg.http_addr, msg.kv_addr, msg.dp_rank, msg.dp_size) == (
             Role.PREFILL, "served", f"127.0.0.1:{http_port}", "127.0.0.1:21002", 1, 2
         )
+        assert msg.aliases == ("alias",)  # --served-model-name's other names route too
     finally:
         client.close()
 

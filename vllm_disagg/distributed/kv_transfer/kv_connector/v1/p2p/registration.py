@@ -102,6 +102,7 @@ class RegistrationClient:
         http_addr: str,
         kv_addr: str,
         model: str,
+        aliases: Sequence[str] = (),
         dp_rank: int = 0,
         dp_size: int = 1,
         token: bytes | None = None,
@@ -116,7 +117,8 @@ class RegistrationClient:
         self.instance_id = make_instance_id(kv_addr)
         self._template = Register(
             version=DISCOVERY_VERSION, instance_id=self.instance_id, role=role,
-            http_addr=http_addr, kv_addr=kv_addr, model=model, dp_rank=dp_rank,
+            http_addr=http_addr, kv_addr=kv_addr, model=model, aliases=tuple(aliases),
+            dp_rank=dp_rank,
             dp_size=dp_size, interval_s=interval_s,
         )  # fmt: skip
         try:
@@ -328,9 +330,9 @@ def start_registration(
     rank registers for this API server."""
     if not config.routers or not registers_for_its_api_server(vllm_config.parallel_config):
         return None
-    model = vllm_config.model_config.served_model_name
-    if isinstance(model, list | tuple):
-        model = model[0] if model else None
+    names = vllm_config.model_config.served_model_name
+    names = list(names) if isinstance(names, list | tuple) else [names] if names else []
+    model = names[0] if names else None
     parallel = vllm_config.parallel_config
     return RegistrationClient(
         routers=config.routers,
@@ -338,6 +340,7 @@ def start_registration(
         http_addr=config.http_addr,
         kv_addr=kv_addr,
         model=model or vllm_config.model_config.model,
+        aliases=names[1:],
         dp_rank=dp_rank_of(parallel),
         dp_size=parallel.data_parallel_size,
         token=envs.router_token(),

@@ -28,6 +28,7 @@ VLLM_DISAGG_P2P_SECRET = "VLLM_DISAGG_P2P_SECRET"
 VLLM_DISAGG_P2P_SECRET_FILE = "VLLM_DISAGG_P2P_SECRET_FILE"
 VLLM_DISAGG_ROUTER_TOKEN = "VLLM_DISAGG_ROUTER_TOKEN"
 VLLM_DISAGG_SERVE_HOST = "VLLM_DISAGG_SERVE_HOST"
+VLLM_DISAGG_SERVE_PORT = "VLLM_DISAGG_SERVE_PORT"
 
 VARIABLES: dict[str, EnvVar] = {
     var.name: var
@@ -89,6 +90,13 @@ VARIABLES: dict[str, EnvVar] = {
             "one address advertises that address, not the host's default route.",
         ),
         EnvVar(
+            VLLM_DISAGG_SERVE_PORT,
+            "set by the `vllm` command from `vllm serve --port` (8000 when not given)",
+            "The port the API server listens on, inherited by the engine cores: an "
+            "instance whose advertised http_port differs says so at start (routers would "
+            "send requests where nothing listens, unless a port mapping is in between).",
+        ),
+        EnvVar(
             VLLM_DISAGG_VENV,
             ".venv in the repository",
             "Where scripts/bootstrap.sh, demo.sh and test.sh keep the virtual environment.",
@@ -143,6 +151,12 @@ def p2p_secret() -> bytes | None:
 def serve_host() -> str | None:
     """``vllm serve --host`` when the ``vllm`` command saw one (not a wildcard)."""
     return os.environ.get(VLLM_DISAGG_SERVE_HOST) or None
+
+
+def serve_port() -> int | None:
+    """``vllm serve --port`` when the ``vllm`` command saw a ``serve``."""
+    value = os.environ.get(VLLM_DISAGG_SERVE_PORT)
+    return int(value) if value and value.isdigit() else None
 
 
 def router_token() -> bytes | None:

@@ -11,7 +11,9 @@ It wraps upstream's ``vllm.entrypoints.cli.main:main`` and adds two things:
   end the command with a one-line message and exit status 2, not a traceback;
 * ``vllm serve --host ADDR`` (not a wildcard) is passed to the engine cores
   as ``VLLM_DISAGG_SERVE_HOST``: the P2P connector advertises the address the
-  server listens on, not the host's default route.
+  server listens on, not the host's default route; ``--port`` as
+  ``VLLM_DISAGG_SERVE_PORT``, so an advertised ``http_port`` that differs is
+  reported at start.
 
 Everything else, every sub-command and flag, is upstream's.
 """
@@ -53,11 +55,30 @@ def serve_host(argv: list[str]) -> str | None:
     return host.strip("[]")
 
 
+DEFAULT_SERVE_PORT = 8000  # vllm serve's --port default
+
+
+def serve_port(argv: list[str]) -> int | None:
+    """The ``--port`` of ``vllm serve ...`` (its default when not given)."""
+    if not argv or argv[0] != "serve":
+        return None
+    port = str(DEFAULT_SERVE_PORT)
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            port = argv[i + 1]
+        elif arg.startswith("--port="):
+            port = arg.split("=", 1)[1]
+    return int(port) if port.isdigit() else None
+
+
 def export_serve_host(argv: list[str]) -> None:
-    """Children (API servers, engine cores) inherit it; an explicit one wins."""
+    """Children (API servers, engine cores) inherit them; explicit ones win."""
     host = serve_host(argv)
     if host is not None:
         os.environ.setdefault(envs.VLLM_DISAGG_SERVE_HOST, host)
+    port = serve_port(argv)
+    if port is not None:
+        os.environ.setdefault(envs.VLLM_DISAGG_SERVE_PORT, str(port))
 
 
 def main() -> int | None:

@@ -154,6 +154,7 @@ def test_defaults(monkeypatch):
 
 def test_default_host_is_vllms_ip(monkeypatch):
     monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_HOST, raising=False)
+    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_PORT, raising=False)
     monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
     obj = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both"}
     assert P2pConfig.from_kv_transfer_config(KVTransferConfig(**obj)).host == "10.1.2.3"
@@ -170,6 +171,7 @@ def test_default_host_is_the_address_vllm_serve_listens_on(monkeypatch):
     assert serve_host(["serve", "m", "--host", "0.0.0.0"]) is None
     assert serve_host(["bench", "serve", "--host", "127.0.0.1"]) is None
     monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_HOST, raising=False)
+    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_PORT, raising=False)
     monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
     export_serve_host(["serve", "m", "--host", "127.0.0.1"])
     obj = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both", "kv_port": 21001,
@@ -178,7 +180,18 @@ def test_default_host_is_the_address_vllm_serve_listens_on(monkeypatch):
     config = P2pConfig.from_kv_transfer_config(KVTransferConfig(**obj))
     assert config.host == "127.0.0.1" and config.http_addr == "127.0.0.1:20001"
     assert not config.binds_beyond_loopback
+    assert envs.serve_port() == 8000  # vllm serve's default, exported for the start-up check
     monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_HOST)
+    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_PORT)
+
+
+def test_serve_port_is_the_one_vllm_serve_listens_on():
+    from vllm_disagg.entrypoints.cli.main import serve_port
+
+    assert serve_port(["serve", "m"]) == 8000
+    assert serve_port(["serve", "m", "--port", "20001"]) == 20001
+    assert serve_port(["serve", "m", "--port=20002", "--host", "x"]) == 20002
+    assert serve_port(["bench", "serve", "--port", "1"]) is None
 
 
 @pytest.mark.parametrize(

@@ -330,3 +330,23 @@ def test_scheduler_shutdown_deregisters(routers, tmp_path, monkeypatch):
     scheduler.shutdown()
     [bye] = router.receive(1, kind=Deregister)
     assert bye.instance_id == msg.instance_id
+
+
+def test_an_advertised_http_address_where_vllm_serve_does_not_listen_is_said_at_start():
+    """With the seed's JSON and `vllm serve --host 127.0.0.1`, instances used
+    to register an address nothing listened on, after 120 s of silence."""
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import (
+        advertised_http_problems,
+    )
+
+    assert advertised_http_problems("127.0.0.1:20001", "127.0.0.1", 20001) == []
+    assert advertised_http_problems("localhost:20001", "127.0.0.1", 20001) == []
+    assert advertised_http_problems("127.0.0.1:20001", None, None) == []  # wildcard, local
+    [port] = advertised_http_problems("127.0.0.1:20001", "127.0.0.1", 8000)
+    assert "http_port 20001" in port and "--port 8000" in port
+    [host] = advertised_http_problems("127.0.0.2:20001", "127.0.0.1", 20001)
+    assert "http_ip 127.0.0.2" in host and "--host 127.0.0.1" in host
+    [foreign] = advertised_http_problems("192.0.2.7:20001", None, 20001)  # TEST-NET-1
+    assert "not an address of this machine" in foreign
+    [unresolved] = advertised_http_problems("no-such-host.invalid:20001", None, None)
+    assert "does not resolve" in unresolved

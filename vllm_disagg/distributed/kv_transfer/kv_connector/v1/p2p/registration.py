@@ -21,6 +21,7 @@ by the next heartbeat after ZMQ reconnects (within about a second).
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ import msgspec
 import zmq
 
 from vllm_disagg import envs
-from vllm_disagg.wire.peers import format_addr
+from vllm_disagg.wire.peers import canonical_host, format_addr
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.discovery import (
@@ -306,6 +307,56 @@ class RegistrationClient:
             logger.warning(fmt, *args)
 
 
+def _addresses(host: str) -> set[str]:
+    """The IPs ``host`` names (itself when it is one); empty when it does not resolve."""
+    try:
+        return {canonical_host(ipaddress.ip_address(host.strip("[]")).compressed)}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return set()
+    return {canonical_host(info[4][0]) for info in infos}
+
+
+def _is_local(ip: str) -> bool:
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+def advertised_http_problems(
+    http_addr: str, serve_host: str | None, serve_port: int | None
+) -> list[str]:
+    """Why routers would send this instance's requests where its API server
+    does not listen: the advertised ``http_addr`` against what ``vllm serve``
+    was given (``--host``, ``--port``; None: unknown or a wildcard). Said at
+    start instead of found by clients; a port mapping or NAT in between can
+    make a difference right, hence warnings, not errors."""
+    host, _, port = http_addr.rpartition(":")
+    problems = []
+    if serve_port is not None and int(port) != serve_port:
+        problems.append(
+            f"http_port {port} is not the port vllm serve listens on (--port {serve_port})"
+        )
+    ips = _addresses(host)
+    if not ips:
+        problems.append(f"http_ip {host} does not resolve here")
+    elif serve_host is not None:
+        if not ips & _addresses(serve_host):
+            problems.append(
+                f"http_ip {host} is not the address vllm serve listens on (--host {serve_host})"
+            )
+    elif not any(_is_local(ip) for ip in ips):
+        problems.append(f"http_ip {host} is not an address of this machine")
+    return problems
+
+
 def registers_for_its_api_server(parallel_config) -> bool:
     """One registration per API server, since a router knows an instance by
     its HTTP address (a new registration at a known address replaces the old
@@ -334,6 +385,13 @@ def start_registration(
     names = list(names) if isinstance(names, list | tuple) else [names] if names else []
     model = names[0] if names else None
     parallel = vllm_config.parallel_config
+    for problem in advertised_http_problems(config.http_addr, envs.serve_host(), envs.serve_port()):
+        logger.warning(
+            "%s: routers will send this instance's requests where its API server does not "
+            "listen (unless a port mapping or NAT is in between); set "
+            "kv_connector_extra_config.http_ip / http_port to the address clients of this "
+            "server use", problem,
+        )  # fmt: skip
     return RegistrationClient(
         routers=config.routers,
         role=Role.from_kv_role(config.role),

@@ -37,7 +37,11 @@ HEADERS_TOO_LARGE = "headers_too_large"
 HEADER_TIMEOUT = "header_timeout"
 BODY_TIMEOUT = "body_timeout"
 WRITE_TIMEOUT = "write_timeout"
-REASONS = (TOO_MANY_CONNECTIONS, HEADERS_TOO_LARGE, HEADER_TIMEOUT, BODY_TIMEOUT, WRITE_TIMEOUT)
+INVALID_HTTP = "invalid_http"  # the parser refused the bytes (uvicorn answers 400)
+REASONS = (
+    TOO_MANY_CONNECTIONS, HEADERS_TOO_LARGE, HEADER_TIMEOUT, BODY_TIMEOUT, WRITE_TIMEOUT,
+    INVALID_HTTP,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,13 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            # httptools buffers a header until it ends, so the size is
-            # counted here: every byte outside a body since the last head
-            # ended (the chunk that ends a head resets the count as it is
-            # parsed, body bytes in it included).
+            if self.transport.is_closing():
+                return  # refused or dropped: nothing more is parsed
+            # httptools buffers a header until it ends, so a head that does
+            # not end is measured here: every byte outside a body since the
+            # last head ended (the chunk that ends a head resets the count as
+            # it is parsed); a head that ends is measured whole in
+            # on_headers_complete.
             if not self._in_body:
                 self._head_bytes += len(data)
             super().data_received(data)
@@ -111,11 +118,21 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
             self._in_head, self._head_bytes = False, 0
             self._cancel(self._head_timer)
             self._head_timer = None
+            if self.transport.is_closing():
+                return
+            # A whole head can arrive in one read: measure what was parsed
+            # (request target, names, values, separators).
+            size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+            if size > limits.max_header_bytes:
+                self._refuse(HEADERS_TOO_LARGE, _TOO_LARGE)
+                return
             self._in_body = True
             self._arm_body_timer()
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
+            if self.transport.is_closing():
+                return
             self._arm_body_timer()
             super().on_body(body)
 
@@ -123,7 +140,16 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
             self._in_body = False
             self._cancel(self._body_timer)
             self._body_timer = None
+            if self.transport.is_closing():
+                return
             super().on_message_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            if self.transport.is_closing():
+                return
+            self._cancel_timers()
+            limits.on_closed(INVALID_HTTP)
+            super().send_400_response(msg)
 
         # --- flow control: a client that stops reading its answer ---
 

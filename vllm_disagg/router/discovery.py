@@ -35,8 +35,8 @@ from vllm_disagg.wire.discovery import (
     open_frame,
     seal,
 )
-from vllm_disagg.router.logs import LogLimiter
 from vllm_disagg.router.registry import InstanceRegistry, RegistryRefused
+from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class DiscoveryServer:
         self._wall_clock = wall_clock
         self.accepted: Counter[str] = Counter(register=0, deregister=0)
         self.rejected: Counter[str] = Counter(dict.fromkeys(REJECTION_KINDS, 0))
-        self._log = LogLimiter(logger)
+        self._log = RateLimitedLog(logger)
         self._ctx: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None

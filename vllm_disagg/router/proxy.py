@@ -33,12 +33,12 @@ import msgspec
 
 from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.config import RouterConfig
-from vllm_disagg.router.logs import LogLimiter
 from vllm_disagg.router.metrics import RouterMetrics
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.registry import Instance, InstanceRegistry
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.grants import GRANT_KEY, make_grant
+from vllm_disagg.wire.logs import RateLimitedLog
 from vllm_disagg.wire.peers import (
     DECODE_MARKER,
     PEER_INFO_KEYS,
@@ -272,7 +272,7 @@ class RequestProxy:
         self.policies = policies
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
-        self.limited_log = LogLimiter(logger)
+        self.limited_log = RateLimitedLog(logger)
         self._probing: set[str] = set()  # instance ids with a health probe in flight
         # model -> (until, names, entries): /v1/models as its decodes list it
         self._models_cache: dict[str, tuple[float, tuple[str, ...], list[dict]]] = {}

@@ -62,6 +62,7 @@ from vllm.utils.network_utils import is_valid_ipv6_address, make_zmq_path, split
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = init_logger(__name__)
 
@@ -265,26 +266,6 @@ class _Counters:
             return dict(self._values)
 
 
-class _RateLimitedLog:
-    """One warning per kind of event per interval, with the count in between."""
-
-    def __init__(self, prefix: str, interval_s: float = REJECT_LOG_INTERVAL_S):
-        self._prefix = prefix
-        self._interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, kind: str, detail: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(kind, -self._interval_s) < self._interval_s:
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        self._last[kind] = now
-        more = self._suppressed.pop(kind, 0)
-        suffix = f" ({more} more since the last report)" if more else ""
-        logger.warning("%s: dropped frame: %s%s", self._prefix, detail, suffix)
-
-
 def _socket(kind: int, address: str) -> zmq.Socket:
     sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
@@ -381,7 +362,8 @@ class Coordinator(_NetworkThread):
         self._registered: tuple[int, ...] = ()
         self._rejected: dict[int, str] = {}
         self._seq = 0
-        self._log = _RateLimitedLog("step sync coordinator")
+        self._log_prefix = "step sync coordinator"
+        self._log = RateLimitedLog(logger, REJECT_LOG_INTERVAL_S)
         self._abort_on_close: str | None = None
         self._sock = _socket(zmq.ROUTER, address)
         self._sockets.append(self._sock)
@@ -589,7 +571,7 @@ class Coordinator(_NetworkThread):
 
     def _drop(self, counter: str, kind: str, detail: str) -> None:
         self.counters.inc(counter)
-        self._log.warning(kind, detail)
+        self._log.warning(kind, "%s: dropped frame: %s", self._log_prefix, detail)
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -684,7 +666,8 @@ class Participant(_NetworkThread):
             "resends",
         )
         self._incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._log = _RateLimitedLog(f"step sync rank {dp_rank}")
+        self._log_prefix = f"step sync rank {dp_rank}"
+        self._log = RateLimitedLog(logger, REJECT_LOG_INTERVAL_S)
         # The latest state the engine thread published (the network thread
         # adds seq and local_step when it sends it).
         self._state = self._snapshot()
@@ -947,7 +930,7 @@ class Participant(_NetworkThread):
         msg, why = _open(self._secret, _TO_PARTICIPANT, frames, _to_participant)
         if msg is None:
             self.counters.inc("malformed_messages")
-            self._log.warning(why, why)
+            self._log.warning(why, "%s: dropped frame: %s", self._log_prefix, why)
             return False
         if isinstance(msg, Abort):
             self._fail(f"step sync coordinator aborted the DP group: {msg.reason}")

@@ -86,6 +86,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
     addresses_of,
 )
 from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = init_logger(__name__)
 
@@ -678,7 +679,7 @@ class P2pEngine:
         self._finished_sends: list[SendTransfer] = []
         self._buffer_used = 0
         self._pool: TensorMemoryPool | None = None
-        self._log_last: dict[str, float] = {}
+        self._limited_log = RateLimitedLog(logger, LOG_INTERVAL_S)
 
         self._router = self.zmq_ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -873,10 +874,7 @@ class P2pEngine:
         self._log_limited(kind, f"P2P engine {self.addr} rejected a message ({kind}): {detail}")
 
     def _log_limited(self, kind: str, line: str) -> None:
-        now = time.monotonic()
-        if now - self._log_last.get(kind, -LOG_INTERVAL_S) >= LOG_INTERVAL_S:
-            self._log_last[kind] = now
-            logger.warning("%s", line)
+        self._limited_log.warning(kind, "%s", line)
 
     def _finish_send(self, xfer: SendTransfer, *, ok: bool, reason: str = "") -> None:
         with self._lock:

@@ -37,6 +37,7 @@ from vllm_disagg import envs
 from vllm_disagg.wire.peers import canonical_host, format_addr
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.logs import RateLimitedLog
 from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
     HEARTBEAT_INTERVAL_S,
@@ -89,7 +90,6 @@ class _Router:
     down_since: float | None = None  # not connected since
     registered: bool = False  # its last answer accepted us
     unanswered: int = 0  # heartbeats sent since its last answer
-    last_warn: float = float("-inf")
 
 
 class RegistrationClient:
@@ -132,6 +132,7 @@ class RegistrationClient:
         self._http_probe = (host.strip("[]"), int(port)) if wait_for_http else None
         self._stop = threading.Event()
         self._closed = False
+        self._log = RateLimitedLog(logger, WARN_INTERVAL_S)
         self._thread = threading.Thread(
             target=self._run, name=f"p2p-registration-dp{dp_rank}", daemon=True
         )
@@ -301,10 +302,7 @@ class RegistrationClient:
                 pass  # not connected: it drops us when the heartbeats stop
 
     def _warn(self, router: _Router, fmt: str, *args) -> None:
-        now = time.monotonic()
-        if now - router.last_warn >= WARN_INTERVAL_S:
-            router.last_warn = now
-            logger.warning(fmt, *args)
+        self._log.warning(router.addr, fmt, *args)  # one per router per interval
 
 
 def _addresses(host: str) -> set[str]:

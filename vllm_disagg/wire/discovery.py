@@ -22,12 +22,12 @@ use it.
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import re
 import time
 
 import msgspec
+
+from vllm_disagg.wire.frames import MAC_BYTES, FrameCodec, FrameError
 
 # History:
 #   1: first version (Register / Deregister / Ack).
@@ -38,7 +38,6 @@ DEFAULT_DISCOVERY_PORT = 30001
 DEFAULT_HTTP_PORT = 10001
 HEARTBEAT_INTERVAL_S = 3.0
 
-MAC_BYTES = 16
 MAX_FRAME_BYTES = 4096
 MAX_ADDR_CHARS = 261  # a host name (253) + brackets + ":" + port
 MAX_ID_CHARS = 128
@@ -99,62 +98,45 @@ class Ack(_Msg, tag="ack"):
 
 Message = Register | Deregister | Ack
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
-
-
-class DiscoveryError(ValueError):
-    """A frame was rejected; ``kind`` is the counter label, the text says why."""
-
-    def __init__(self, kind: str, detail: str):
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
-
-
-def _mac(token: bytes, payload: bytes) -> bytes:
-    return hmac.new(token, b"vllm-disagg-discovery" + payload, hashlib.sha256).digest()[:MAC_BYTES]
+_codec = FrameCodec(b"vllm-disagg-discovery", msgspec.msgpack.Decoder(Message), MAX_FRAME_BYTES)
+# One error type for every protocol's frames (wire/frames.py).
+DiscoveryError = FrameError
 
 
 def seal(token: bytes | None, msg: Message) -> list[bytes]:
-    payload = _encoder.encode(msg)
-    return [payload, _mac(token, payload) if token else b""]
+    return _codec.seal(token, msg)
 
 
 def open_frame(token: bytes | None, frames: list[bytes], *, now: float | None = None) -> Message:
     """Authenticate, bound, decode and validate ``[payload, mac]``.
 
-    Raises DiscoveryError (kinds: malformed, oversized, unauthenticated,
-    stale, version).
+    Raises FrameError (kinds: malformed, oversized, unauthenticated, stale,
+    version).
     """
-    if len(frames) != 2:
-        raise DiscoveryError("malformed", f"{len(frames)} frames, expected 2")
-    payload, mac = frames
-    if len(payload) > MAX_FRAME_BYTES:
-        raise DiscoveryError("oversized", f"{len(payload)} bytes > {MAX_FRAME_BYTES}")
-    if token and (len(mac) != MAC_BYTES or not hmac.compare_digest(mac, _mac(token, payload))):
-        raise DiscoveryError("unauthenticated", "bad or missing registration token")
     try:
-        msg = _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise DiscoveryError("malformed", str(e)[:200]) from None
+        msg = _codec.open(token, frames)
+    except FrameError as e:
+        if e.kind == "unauthenticated":  # what an operator must fix
+            raise FrameError(e.kind, "bad or missing registration token") from None
+        raise
     if msg.version != DISCOVERY_VERSION:
-        raise DiscoveryError(
+        raise FrameError(
             "version", f"discovery protocol {msg.version}, this side speaks {DISCOVERY_VERSION}"
         )
     validate(msg)
     if token and not isinstance(msg, Ack):
         now = time.time() if now is None else now
         if abs(now - msg.sent_at) > MAX_CLOCK_SKEW_S:
-            raise DiscoveryError("stale", f"sent_at is {now - msg.sent_at:.0f}s off")
+            raise FrameError("stale", f"sent_at is {now - msg.sent_at:.0f}s off")
     return msg
 
 
 def validate(msg: Message) -> None:
-    """Bounds every field a peer controls; raises DiscoveryError("malformed")."""
+    """Bounds every field a peer controls; raises FrameError("malformed")."""
 
     def need(cond: bool, what: str) -> None:
         if not cond:
-            raise DiscoveryError("malformed", what)
+            raise FrameError("malformed", what)
 
     need(bool(_ID_RE.match(msg.instance_id)), "instance_id must be 1-128 of [A-Za-z0-9._:@[]-]")
     if isinstance(msg, Register):

@@ -30,7 +30,8 @@ Failure is reported, never waited out: a peer silent for ``peer_timeout_s``,
 a rank that owes passes and runs none, or one that ran an ungranted pass that
 stays ungranted for that long, ends the group with a message naming it.
 
-Membership is authenticated: every frame carries an HMAC-SHA256 of its
+Membership is authenticated: every frame (the shared format of
+``vllm_disagg/wire/frames.py``) carries an HMAC-SHA256 of its
 payload under the group secret (which DP rank 0 publishes in the DP group's
 TCP store), and a per-sender sequence number against replay. Unauthenticated,
 malformed, stale or oversized frames are dropped and counted; their log lines
@@ -45,8 +46,6 @@ turns into items on its input queue.
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import os
 import secrets
 import threading
@@ -62,6 +61,7 @@ from vllm.utils.network_utils import is_valid_ipv6_address, make_zmq_path, split
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.frames import MAC_BYTES, FrameCodec, FrameError  # noqa: F401 (re-exported)
 from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = init_logger(__name__)
@@ -71,7 +71,6 @@ logger = init_logger(__name__)
 PROTOCOL_VERSION = 2
 # No legitimate frame is anywhere near this; ZMQ drops larger ones.
 MAX_MESSAGE_BYTES = 1024
-MAC_BYTES = 16
 SECRET_BYTES = 32
 # Heartbeats per peer_timeout_s; a peer must miss several before it is dead.
 HEARTBEATS_PER_TIMEOUT = 5
@@ -216,38 +215,30 @@ class Abort(msgspec.Struct, tag="abort", array_like=True, forbid_unknown_fields=
 ToCoordinator = RankState | Abort
 ToParticipant = GroupState | Abort
 
-_encoder = msgspec.msgpack.Encoder()
-_to_coordinator = msgspec.msgpack.Decoder(ToCoordinator)
-_to_participant = msgspec.msgpack.Decoder(ToParticipant)
-
 # Direction labels inside the MAC, so a frame cannot be reflected back.
-_TO_COORDINATOR = b"P2C"
-_TO_PARTICIPANT = b"C2P"
+_TO_COORDINATOR = FrameCodec(b"P2C", msgspec.msgpack.Decoder(ToCoordinator), MAX_MESSAGE_BYTES)
+_TO_PARTICIPANT = FrameCodec(b"C2P", msgspec.msgpack.Decoder(ToParticipant), MAX_MESSAGE_BYTES)
 
 
-def _mac(secret: bytes, direction: bytes, payload: bytes) -> bytes:
-    return hmac.new(secret, direction + payload, hashlib.sha256).digest()[:MAC_BYTES]
+def _seal(secret: bytes, codec: FrameCodec, msg: msgspec.Struct) -> list[bytes]:
+    return codec.seal(secret, msg)
 
 
-def _seal(secret: bytes, direction: bytes, msg: msgspec.Struct) -> list[bytes]:
-    payload = _encoder.encode(msg)
-    return [payload, _mac(secret, direction, payload)]
-
-
-def _open(secret: bytes, direction: bytes, frames: list[bytes], decoder):
-    """Authenticate and decode ``[payload, mac]``; the reason why not, else."""
-    if len(frames) != 2:
-        return None, "wrong frame count"
-    payload, mac = frames
-    if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, direction, payload)):
-        return None, "unauthenticated frame"
+def _open(secret: bytes, codec: FrameCodec, frames: list[bytes]):
+    """Authenticate and decode ``[payload, mac]``: (message, None), or
+    (None, the reason why not)."""
     try:
-        msg = decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None, "undecodable message"
+        msg = codec.open(secret, frames)
+    except FrameError as e:
+        return None, _REASONS.get(e.kind, e.kind)
     if msg.version != PROTOCOL_VERSION:
         return None, f"protocol version {msg.version}, expected {PROTOCOL_VERSION}"
     return msg, None
+
+
+# FrameError kinds in the words of this module's log lines.
+_REASONS = {"unauthenticated": "unauthenticated frame", "malformed": "undecodable message",
+            "oversized": "oversized frame"}  # fmt: skip
 
 
 class _Counters:
@@ -427,7 +418,7 @@ class Coordinator(_NetworkThread):
             self._drop("malformed_messages", "frame", "no payload")
             return
         route, body = frames[0], frames[1:]
-        msg, why = _open(self._secret, _TO_COORDINATOR, body, _to_coordinator)
+        msg, why = _open(self._secret, _TO_COORDINATOR, body)
         if msg is None:
             counter = "unauthenticated_messages" if why == "unauthenticated frame" else (
                 "malformed_messages"
@@ -927,7 +918,7 @@ class Participant(_NetworkThread):
         return time.monotonic()
 
     def _handle(self, frames: list[bytes]) -> bool:
-        msg, why = _open(self._secret, _TO_PARTICIPANT, frames, _to_participant)
+        msg, why = _open(self._secret, _TO_PARTICIPANT, frames)
         if msg is None:
             self.counters.inc("malformed_messages")
             self._log.warning(why, "%s: dropped frame: %s", self._log_prefix, why)

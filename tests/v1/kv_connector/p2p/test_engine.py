@@ -639,7 +639,7 @@ def _flood_frames(n: int, secret: bytes | None) -> list[list[bytes]]:
         # out-of-bounds and garbage content with a valid MAC: "malformed"
         def garbage_with_mac(i):
             payload = msgspec.msgpack.encode(["offer", i, "c", "", 0, 1, ""])
-            return [payload, proto._mac(secret, payload)]
+            return [payload, proto._codec.mac(secret, payload)]
 
         kinds.append(garbage_with_mac)
     return [kinds[i % len(kinds)](i) for i in range(n)]

@@ -1,10 +1,10 @@
 """Control-plane messages between the P2P engines of two instances.
 
 Every message is a msgspec struct (never pickle: the bytes come off the
-network), tagged, with unknown fields forbidden. A frame is
-``[payload, mac]``: the MAC is HMAC-SHA256 (16 bytes) over the payload under
-the shared secret (``VLLM_DISAGG_P2P_SECRET``), or empty when no secret is
-set. Sizes a peer claims are checked against the local KV layout by the
+network), tagged, with unknown fields forbidden, in the project's one frame
+format (``vllm_disagg/wire/frames.py``: ``[payload, mac]``, the MAC under
+the shared secret ``VLLM_DISAGG_P2P_SECRET``, or empty when no secret is
+set). Sizes a peer claims are checked against the local KV layout by the
 engine before anything is allocated.
 
 The protocol version is checked on the first contact (``Hello``); a peer with
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import array
 import hashlib
-import hmac
 
 import msgspec
 
+from vllm_disagg.wire.frames import MAC_BYTES, FrameCodec, FrameError  # noqa: F401 (re-exported)
 from vllm_disagg.wire.peers import MAX_KEY_CHARS
 
 # Version of everything P2P instances exchange (request naming, the messages
@@ -53,7 +53,6 @@ def embeds_digest(embeds) -> bytes:
     h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
     return h.digest()[:DIGEST_BYTES]
 
-MAC_BYTES = 16
 MAX_FRAME_BYTES = 8192
 MAX_ADDR_CHARS = 300
 MAX_REASON_CHARS = 300
@@ -128,41 +127,16 @@ class Status:
 
 Message = Hello | Offer | Get | Reply
 
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
-
-
-def _mac(secret: bytes, payload: bytes) -> bytes:
-    return hmac.new(secret, b"p2p-kv" + payload, hashlib.sha256).digest()[:MAC_BYTES]
+_codec = FrameCodec(b"p2p-kv", msgspec.msgpack.Decoder(Message), MAX_FRAME_BYTES)
 
 
 def seal(secret: bytes | None, msg: _Msg) -> list[bytes]:
-    payload = _encoder.encode(msg)
-    return [payload, _mac(secret, payload) if secret else b""]
-
-
-class FrameError(ValueError):
-    """A frame was rejected; the message says why (for counted, rate-limited logs)."""
-
-    def __init__(self, kind: str, detail: str):
-        super().__init__(f"{kind}: {detail}")
-        self.kind = kind
+    return _codec.seal(secret, msg)
 
 
 def open_frame(secret: bytes | None, frames: list[bytes]) -> Message:
     """Authenticate, bound and decode ``[payload, mac]``; raises FrameError."""
-    if len(frames) != 2:
-        raise FrameError("malformed", f"{len(frames)} frames, expected 2")
-    payload, mac = frames
-    if len(payload) > MAX_FRAME_BYTES:
-        raise FrameError("oversized", f"{len(payload)} bytes")
-    if secret:
-        if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, payload)):
-            raise FrameError("unauthenticated", "bad or missing MAC")
-    try:
-        msg = _decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise FrameError("malformed", str(e)[:200]) from None
+    msg = _codec.open(secret, frames)
     _check_bounds(msg)
     return msg
 

@@ -115,7 +115,15 @@ class FakeInstance:
             self._runner = None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, RecursionError):
+            body = None
+        if not isinstance(body, dict):  # as vLLM's FastAPI validation answers
+            self.requests.append(Seen(request.path, request.headers.copy(), body))
+            return web.json_response({"error": {"message": f"{self.name}: not an object",
+                                                "type": "Bad Request", "param": "body",
+                                                "code": 400}}, status=400)  # fmt: skip
         self.requests.append(Seen(request.path, request.headers.copy(), body))
         try:
             if self.handler is not None:

@@ -25,17 +25,44 @@ async def test_no_instances_at_all_is_a_503_json_error(start_router):
                          outcome="no_instance") == 1  # fmt: skip
 
 
-async def test_malformed_bodies_are_400_json(pd):
+BROKEN_BODIES = (b"{not json", b"[1, 2]", b"", b'"text"',
+                 b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}")  # was a 500 and a traceback
+
+
+async def test_malformed_bodies_are_refused_by_a_decode_as_vllm_refuses_them(pd):
+    """vLLM's FastAPI validation names the position of a JSON error; a
+    decode says it exactly, before any compute, and nothing is prefilled."""
     router, p, d = await pd()
-    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # was a 500 and a traceback
-    for raw in (b"{not json", b"[1, 2]", b"", "\"text\"".encode(), deep):
+    for raw in BROKEN_BODIES:
+        status, body, _ = await router.post("/v1/completions", raw)
+        assert status == 400, raw
+        assert json.loads(body)["error"]["message"] == "d: not an object", body
+    assert not p.requests and len(d.requests) == len(BROKEN_BODIES)
+    assert all("kv_transfer_params" not in (r.body or {}) for r in d.requests)
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
+                         outcome="bad_request") == len(BROKEN_BODIES)  # fmt: skip
+
+
+async def test_malformed_bodies_without_a_decode_get_the_routers_own_400(start_router):
+    router = await start_router()
+    for raw in BROKEN_BODIES:
         status, body, _ = await router.post("/v1/completions", raw)
         assert status == 400, raw
         error = json.loads(body)["error"]
         assert error["type"] == "Bad Request" and error["param"] == "body", error  # as vLLM
-    assert not p.requests and not d.requests
     assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="bad_request") == 5  # fmt: skip
+                         outcome="bad_request") == len(BROKEN_BODIES)  # fmt: skip
+
+
+async def test_error_messages_name_no_local_path(start_router, fakes):
+    """vLLM sanitizes its messages; a model's default name is its path."""
+    router = await start_router()
+    router.add(await fakes("d"), Role.DECODE, model="/tmp/models/tiny-llama")
+    status, body, _ = await router.post("/v1/completions", {**BODY, "model": "x"})
+    assert status == 404
+    assert json.loads(body)["error"]["message"] == (
+        "The model `x` does not exist. Valid aliases: <path>"  # vLLM's regexes eat the dot
+    )
 
 
 async def test_a_body_that_is_not_declared_json_gets_vllms_415_style_400(pd):

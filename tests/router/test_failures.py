@@ -370,8 +370,10 @@ async def test_timeouts_a_client_causes_never_open_a_healthy_instances_breaker(p
     """Stalls a request can cause (a long prefill, a slow first token, a
     long pause mid-stream) on an instance whose /health answers: no breaker
     opens, and the next client is served."""
+    # connect_timeout_s bounds the health probe: generous, a loaded host must
+    # not fail a probe of a healthy instance.
     router, p, d = await pd(breaker_failures=2, prefill_timeout_s=0.3, first_token_timeout_s=0.3,
-                            chunk_timeout_s=0.3, max_retries=0)  # fmt: skip
+                            chunk_timeout_s=0.3, max_retries=0, connect_timeout_s=8.0)  # fmt: skip
     d_stalls = [b"data: 1\n\n", b"data: 2\n\n"]
     for _ in range(3):
         p.delay_s = 1.0  # prefill times out

@@ -175,6 +175,9 @@ def create_app(
         else:
             problem = "request body must be a JSON object"
         if not isinstance(body, dict):
+            refused = await proxy.refused_by_decode(endpoint, request.path, raw)
+            if refused is not None:
+                return _response(refused)
             metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
             return _error(400, problem, "body", VALIDATION_ERROR_TYPE)
         return _response(await proxy.handle(endpoint, request.path, body, request.headers))

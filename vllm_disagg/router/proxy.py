@@ -145,13 +145,30 @@ ERROR_TYPES = {
 VALIDATION_ERROR_TYPE = "Bad Request"
 
 
+# What vLLM's error messages never show (its sanitize_message): memory
+# addresses, traceback lines, local paths (a model's path is its default name).
+_SANITIZE = (
+    (re.compile(r" at 0x[0-9a-fA-F]+>"), ">"),
+    (re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?'), ""),
+    (re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"), "<path>"),
+    (re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"), "<path>"),
+)
+
+
+def sanitize_message(message: str) -> str:
+    for pattern, replacement in _SANITIZE:
+        message = pattern.sub(replacement, message)
+    return message.strip()
+
+
 def error_json(status: int, message: str, param: str | None = None,
                error_type: str | None = None) -> bytes:  # fmt: skip
-    """vLLM's ErrorResponse: ``{"error": {message, type, param, code}}``."""
+    """vLLM's ErrorResponse: ``{"error": {message, type, param, code}}``,
+    the message sanitized as vLLM sanitizes its own."""
     error_type = error_type or ERROR_TYPES.get(status, "InternalServerError")
-    return msgspec.json.encode(
-        {"error": {"message": message, "type": error_type, "param": param, "code": status}}
-    )
+    return msgspec.json.encode({"error": {
+        "message": sanitize_message(message), "type": error_type, "param": param, "code": status,
+    }})  # fmt: skip
 
 
 def error_reply(status: int, message: str, param: str | None = None,
@@ -431,6 +448,29 @@ class RequestProxy:
             return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
                                f"the decode instance failed ({reason})")
         self.count(ex, outcomes.OK if resp.status < 400 else outcomes.UPSTREAM_CLIENT_ERROR)
+        return Reply(resp.status, _content_type(resp), payload)
+
+    async def refused_by_decode(self, endpoint: str, path: str, raw: bytes) -> Reply | None:
+        """A body that is not a JSON object, refused by a decode exactly as
+        ``vllm serve`` refuses it (FastAPI's validation error names the
+        position), before any compute; None when no decode can say (then
+        the router answers itself). Only a 4xx is relayed."""
+        ex = _Exchange(endpoint, path, {}, {},
+                       deadline=time.monotonic() + self.config.connect_timeout_s + 5.0)  # fmt: skip
+        decode = self._pick(Role.DECODE, ex)
+        if decode is None:
+            return None
+        try:
+            async with asyncio.timeout(ex.remaining()):
+                async with self.session.post(f"http://{decode.http_addr}{path}", data=raw,
+                                             headers={"Content-Type": JSON}) as resp:  # fmt: skip
+                    payload = await resp.read()
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            self._failed(decode, e)
+            return None
+        if not 400 <= resp.status < 500:
+            return None
+        self.count(ex, outcomes.BAD_REQUEST)
         return Reply(resp.status, _content_type(resp), payload)
 
     async def list_models(self) -> list[dict[str, Any]]:

@@ -5,9 +5,15 @@ can see is counted, and clients are served throughout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import random
+import socket
+import time
 
+import aiohttp
 import pytest
+import zmq
 
 from vllm_disagg.router.client_limits import REASONS
 from vllm_disagg.testing.hostile import (
@@ -16,6 +22,7 @@ from vllm_disagg.testing.hostile import (
     flood_zmq,
     http_payloads,
 )
+from vllm_disagg.wire import frames
 from vllm_disagg.wire.discovery import Role
 
 from .conftest import WAIT_S
@@ -85,3 +92,67 @@ async def test_an_http_flood_of_broken_requests_leaves_clients_served(pd):
     refused += sum(router.metric("vllm_disagg_router_client_connections_closed_total",
                                  reason=r) for r in REASONS)  # fmt: skip
     assert refused == sent.total, sent
+
+
+async def test_a_discovery_flood_does_not_hold_up_http_requests(pd):
+    """pyzmq hands back finished futures while frames are queued: the
+    discovery loop never yielded, and a flood of junk stalled every request
+    until it ended (8 s for an 8 s flood)."""
+    router, p, d = await pd()
+    endpoint = router.state.discovery.endpoint
+    stop = asyncio.Event()
+
+    def junk() -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100000)
+        sock.connect(endpoint)
+        deadline = time.monotonic() + 10.0
+        while not stop.is_set() and time.monotonic() < deadline:
+            for _ in range(1000):
+                with contextlib.suppress(zmq.Again):
+                    sock.send_multipart([b"junkjunk", b""], flags=zmq.NOBLOCK)
+        sock.close()
+        ctx.term()
+
+    flood = asyncio.create_task(asyncio.to_thread(junk))
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while router.metric("vllm_disagg_router_discovery_rejected_total",
+                                kind="malformed") < 20000:  # fmt: skip
+                await asyncio.sleep(0.05)
+        started = time.monotonic()
+        status, _, _ = await router.post("/v1/completions", BODY)
+        elapsed = time.monotonic() - started
+    finally:
+        stop.set()
+        await flood
+    assert status == 200 and elapsed < 2.0, elapsed  # ~0.01 s unloaded; a bound for slow hosts
+
+
+async def test_idle_connections_to_the_discovery_port_are_dropped(start_router, monkeypatch):
+    """libzmq accepts any number of TCP connections: idle ones, never
+    finishing the handshake, used up the router's file descriptors."""
+    monkeypatch.setattr(frames, "HANDSHAKE_TIMEOUT_MS", 300)
+    router = await start_router()
+    host, port = router.state.discovery.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    conns = [socket.create_connection((host, int(port))) for _ in range(20)]
+    try:
+        for conn in conns:
+            conn.settimeout(WAIT_S)
+            with contextlib.suppress(ConnectionResetError):
+                while conn.recv(4096):  # libzmq's greeting, then the close
+                    pass
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+def test_the_routers_own_descriptor_shortage_is_not_blamed_on_an_instance():
+    from vllm_disagg.router.proxy import _out_of_descriptors
+
+    key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None)
+    emfile = aiohttp.ClientConnectorError(key, OSError(errno.EMFILE, "Too many open files"))
+    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "x"))
+    assert _out_of_descriptors(emfile) and not _out_of_descriptors(refused)

@@ -36,6 +36,7 @@ from vllm_disagg.wire.discovery import (
     seal,
 )
 from vllm_disagg.router.registry import InstanceRegistry, RegistryRefused
+from vllm_disagg.wire.frames import harden_listener
 from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class DiscoveryServer:
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ZMQ_FRAME_BYTES)
+        harden_listener(sock, MAX_ZMQ_FRAME_BYTES)
         sock.setsockopt(zmq.IPV6, 1 if ":" in self.host else 0)
         try:
             sock.bind(f"tcp://{format_addr(self.host, self.port or '*')}")
@@ -126,6 +127,9 @@ class DiscoveryServer:
                 continue
             with contextlib.suppress(zmq.Again):  # the sender stopped reading: drop
                 await self._socket.send_multipart([frames[0], *reply], flags=zmq.NOBLOCK)
+            # pyzmq returns finished futures while messages are queued, so
+            # without this a flood of frames would never let a request run.
+            await asyncio.sleep(0)
 
     def handle(self, frames: list[bytes], source: str | None = None) -> list[bytes]:
         """One message (the frames after the sender's identity) -> the Ack

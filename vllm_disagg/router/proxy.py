@@ -20,6 +20,7 @@ error ``Reply`` (before the first byte) or the end of the stream (after it).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import re
 import time
@@ -210,6 +211,13 @@ def prefill_body(body: Mapping[str, Any], peers: dict[str, str]) -> dict[str, An
 def decode_body(body: Mapping[str, Any], peers: dict[str, str] | None) -> dict[str, Any]:
     """The body D gets: the client's, peers named (None: D prefills itself)."""
     return _set_params(dict(body), _with_peers(body.get("kv_transfer_params"), peers))
+
+
+def _out_of_descriptors(error: BaseException) -> bool:
+    os_error = error.os_error if isinstance(error, aiohttp.ClientConnectorError) else error
+    return isinstance(os_error, OSError) and os_error.errno in (
+        errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
+    )
 
 
 def _refused(error: BaseException) -> bool:
@@ -583,6 +591,11 @@ class RequestProxy:
         if _refused(error):
             self.registry.mark_unreachable(instance.http_addr)
             return "refused", False
+        if _out_of_descriptors(error):  # the router's own shortage, not the instance's
+            self.limited_log.warning("descriptors", "router: out of file descriptors or "
+                                     "buffers (%s); lower --max-connections or raise the "
+                                     "limit", error)  # fmt: skip
+            return "local", None
         if isinstance(error, TimeoutError):  # aiohttp's ConnectionTimeoutError is one
             self.suspect(instance)
             connect = isinstance(error, aiohttp.ConnectionTimeoutError)

@@ -23,8 +23,23 @@ from typing import Any
 import msgspec
 
 MAC_BYTES = 16
+# A connection must finish ZMQ's handshake this soon, or libzmq drops it: a
+# stranger's idle TCP connections cannot pile up and use every descriptor.
+HANDSHAKE_TIMEOUT_MS = 5000
 
 _encoder = msgspec.msgpack.Encoder()
+
+
+def harden_listener(sock, max_frame_bytes: int) -> None:
+    """Bounds for a socket that strangers can reach (a pyzmq socket; zmq is
+    imported by the caller): frames over ``max_frame_bytes`` disconnect
+    their sender, connections that never finish the handshake are dropped.
+    libzmq bounds each frame, not the number of frames in a message: see the
+    known limits in docs/p2p_connector.md#security."""
+    import zmq
+
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
 
 
 class FrameError(ValueError):

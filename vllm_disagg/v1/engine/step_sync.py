@@ -62,6 +62,7 @@ from vllm.utils.network_utils import is_valid_ipv6_address, make_zmq_path, split
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.frames import MAC_BYTES, FrameCodec, FrameError  # noqa: F401 (re-exported)
+from vllm_disagg.wire.frames import harden_listener
 from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = init_logger(__name__)
@@ -357,6 +358,7 @@ class Coordinator(_NetworkThread):
         self._log = RateLimitedLog(logger, REJECT_LOG_INTERVAL_S)
         self._abort_on_close: str | None = None
         self._sock = _socket(zmq.ROUTER, address)
+        harden_listener(self._sock, MAX_MESSAGE_BYTES)
         self._sockets.append(self._sock)
         scheme, host, port = split_zmq_path(address)
         if port == "0":

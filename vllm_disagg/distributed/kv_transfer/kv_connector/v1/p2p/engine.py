@@ -86,6 +86,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
     addresses_of,
 )
 from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.frames import harden_listener
 from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = init_logger(__name__)
@@ -683,7 +684,7 @@ class P2pEngine:
 
         self._router = self.zmq_ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, 2 * proto.MAX_FRAME_BYTES)
+        harden_listener(self._router, 2 * proto.MAX_FRAME_BYTES)
         if ":" in host:
             self._router.setsockopt(zmq.IPV6, 1)
         try:

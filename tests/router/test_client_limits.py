@@ -179,3 +179,43 @@ async def test_connections_past_the_limit_are_answered_503_and_others_still_serv
         w.close()
     await asyncio.sleep(0.2)  # the router sees the closes
     await _healthy_request_works(router)
+
+
+async def test_a_body_trickled_byte_by_byte_is_cut_at_the_body_deadline(pd):
+    """A byte every few seconds defeats any idle timeout: slow bodies held
+    --max-connections slots for as long as they liked."""
+    router, p, d = await pd(**LIMITS, client_body_timeout_s=1.0)
+    reader, writer = await _connect(router)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n")
+    started = asyncio.get_running_loop().time()
+    with contextlib.suppress(ConnectionError):
+        for _ in range(40):  # 0.2 s apart: never idle for 0.5 s, 8 s in all
+            writer.write(b" ")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            if reader.at_eof():
+                break
+    await _closed_by_peer(reader, within_s=3.0)
+    writer.close()
+    assert asyncio.get_running_loop().time() - started < 4.0
+    assert _closed(router, "body_timeout") == 1
+    assert not p.requests and not d.requests
+
+
+async def test_pipelined_requests_past_the_limit_drop_the_connection(pd):
+    """uvicorn queues any number of pipelined requests, each with its head:
+    a client that sent them and read nothing grew the router without bound."""
+    router, p, d = await pd(**LIMITS)
+    d.delay_s = 2.0  # the first answer takes a while: the rest queue behind it
+    reader, writer = await _connect(router)
+    body = json.dumps({"model": "m", "prompt": "x"}).encode()
+    one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with contextlib.suppress(ConnectionError):
+        writer.write(one * 100)
+        await writer.drain()
+    await _closed_by_peer(reader)
+    writer.close()
+    assert _closed(router, "too_many_pipelined") == 1
+    assert len(p.requests) <= 1

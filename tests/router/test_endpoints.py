@@ -202,3 +202,13 @@ async def test_tokenize_detokenize_and_version_are_answered_by_a_decode(pd):
     status, body, _ = await router.post("/tokenize", {"model": "zzz", "prompt": "hi"})
     assert status == 404 and json.loads(body)["error"]["param"] == "model"
     assert not p.requests
+
+
+async def test_invalid_utf8_in_a_json_string_is_a_400_not_a_traceback(pd):
+    router, p, d = await pd()
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        status, body, _ = await router.post(path, b'{"model":"m","prompt":"\xff\xfe"}')
+        assert status == 400, (path, body)  # refused by the decode, as vLLM refuses it
+    assert not p.requests
+    assert router.metric("vllm_disagg_router_requests_total", endpoint="/tokenize",
+                         outcome="router_error") == 0  # fmt: skip

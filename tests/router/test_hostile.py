@@ -149,7 +149,7 @@ async def test_idle_connections_to_the_discovery_port_are_dropped(start_router, 
             conn.close()
 
 
-def test_the_routers_own_descriptor_shortage_is_not_blamed_on_an_instance():
+async def test_the_routers_own_descriptor_shortage_is_not_blamed_on_an_instance():
     from vllm_disagg.router.proxy import _out_of_descriptors
 
     key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None)

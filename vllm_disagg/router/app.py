@@ -23,6 +23,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from vllm_disagg import envs
+from vllm_disagg.wire.logs import RateLimitedLog
 from vllm_disagg.wire.peers import format_addr
 from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.client_limits import ClientLimits, limited_protocol
@@ -106,6 +107,19 @@ UNSUPPORTED_MEDIA_TYPE = (
 )
 
 
+def _decode_body(raw: bytes) -> tuple[object, str]:
+    """The parsed body (None when it is not JSON) and what is wrong with it
+    unless it is a JSON object."""
+    try:
+        return msgspec.json.decode(raw), "request body must be a JSON object"
+    except msgspec.DecodeError as e:
+        return None, f"request body is not JSON: {e}"
+    except UnicodeDecodeError:  # invalid UTF-8 inside a string
+        return None, "request body is not UTF-8"
+    except RecursionError:  # msgspec's own depth limit, not a router bug
+        return None, "request body is nested too deeply"
+
+
 def _is_json(content_type: str | None) -> bool:
     return (content_type or "").split(";", 1)[0].strip().lower() == JSON
 
@@ -128,7 +142,9 @@ def create_app(
     app = Quart(__name__)
     app.config.update(
         MAX_CONTENT_LENGTH=config.max_body_bytes,
-        BODY_TIMEOUT=config.request_timeout_s,
+        # Above the connection's own body deadline (client_limits.py), which
+        # drops the connection; Quart's answers 408 and keeps it open.
+        BODY_TIMEOUT=config.client_body_timeout_s + 5.0,
         RESPONSE_TIMEOUT=None,  # the router's own deadlines end responses
     )
     app.extensions[STATE_KEY] = state
@@ -166,14 +182,7 @@ def create_app(
         except RequestEntityTooLarge:
             metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
             return _error(413, f"request body larger than {config.max_body_bytes} bytes", "body")
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as e:
-            body, problem = None, f"request body is not JSON: {e}"
-        except RecursionError:  # msgspec's own depth limit, not a router bug
-            body, problem = None, "request body is nested too deeply"
-        else:
-            problem = "request body must be a JSON object"
+        body, problem = _decode_body(raw)
         if not isinstance(body, dict):
             refused = await proxy.refused_by_decode(endpoint, request.path, raw)
             if refused is not None:
@@ -197,10 +206,7 @@ def create_app(
     async def relay_json(endpoint: str) -> Response:
         """A JSON POST one decode answers alone (vLLM checks the body)."""
         raw = await request.get_data(cache=False)
-        try:
-            body = msgspec.json.decode(raw)
-        except (msgspec.DecodeError, RecursionError):
-            body = None
+        body, _ = _decode_body(raw)
         if not isinstance(body, dict):
             metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
             return _error(400, "request body must be a JSON object", "body",
@@ -240,9 +246,15 @@ def create_app(
         # As vLLM's FastAPI app answers an unknown path or method.
         return _json({"detail": error.name}, error.code or 500)
 
+    unexpected_log = RateLimitedLog(logger)
+
     @app.errorhandler(Exception)
     async def unexpected(error: Exception) -> Response:
-        logger.exception("router: unexpected error on %s", request.path)
+        # A bug, but one a client may be able to trigger at will: counted,
+        # and its traceback logged at most once per interval.
+        metrics.requests.labels(request.path, outcomes.ROUTER_ERROR).inc()
+        unexpected_log.warning("unexpected", "router: unexpected error on %s",
+                               request.path, exc_info=error)  # fmt: skip
         return _error(500, f"router error: {type(error).__name__}")
 
     return app
@@ -256,6 +268,7 @@ def client_limits(state: RouterState) -> ClientLimits:
         max_header_bytes=config.max_header_bytes,
         header_timeout_s=config.client_header_timeout_s,
         idle_timeout_s=config.client_idle_timeout_s,
+        body_timeout_s=config.client_body_timeout_s,
         on_closed=lambda reason: closed.labels(reason).inc(),
     )
 

@@ -16,8 +16,12 @@ class):
   request's first byte (idle keep-alive connections are closed by uvicorn's
   own keep-alive timeout);
 * **body and answer**: a body that stops arriving, or an answer the client
-  stops reading, for ``idle_timeout_s``: the connection is dropped, which
-  the app sees as a client disconnect (the upstream legs are cancelled).
+  stops reading, for ``idle_timeout_s``, or a body not whole within
+  ``body_timeout_s`` (a byte every few seconds defeats any idle timeout):
+  the connection is dropped, which the app sees as a client disconnect (the
+  upstream legs are cancelled);
+* **pipelining**: at most MAX_PIPELINED requests queued behind the one being
+  answered (uvicorn queues any number, each with its parsed head).
 
 Every connection closed for a bound is counted by reason through
 ``on_closed`` (``vllm_disagg_router_client_connections_closed_total``).
@@ -38,10 +42,12 @@ HEADER_TIMEOUT = "header_timeout"
 BODY_TIMEOUT = "body_timeout"
 WRITE_TIMEOUT = "write_timeout"
 INVALID_HTTP = "invalid_http"  # the parser refused the bytes (uvicorn answers 400)
+TOO_MANY_PIPELINED = "too_many_pipelined"
 REASONS = (
     TOO_MANY_CONNECTIONS, HEADERS_TOO_LARGE, HEADER_TIMEOUT, BODY_TIMEOUT, WRITE_TIMEOUT,
-    INVALID_HTTP,
+    INVALID_HTTP, TOO_MANY_PIPELINED,
 )  # fmt: skip
+MAX_PIPELINED = 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class ClientLimits:
     max_header_bytes: int
     header_timeout_s: float
     idle_timeout_s: float
+    body_timeout_s: float
     on_closed: Callable[[str], None] = lambda reason: None
 
 
@@ -78,6 +85,7 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
             self._head_bytes = 0  # received since the last complete head, outside bodies
             self._head_timer: asyncio.TimerHandle | None = None
             self._body_timer: asyncio.TimerHandle | None = None
+            self._body_deadline: asyncio.TimerHandle | None = None
             self._write_timer: asyncio.TimerHandle | None = None
 
         # --- connection ---
@@ -126,8 +134,16 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
             if size > limits.max_header_bytes:
                 self._refuse(HEADERS_TOO_LARGE, _TOO_LARGE)
                 return
+            answering = self.cycle is not None and not self.cycle.response_complete
+            if answering and len(self.pipeline) >= MAX_PIPELINED:
+                self._drop(TOO_MANY_PIPELINED)
+                return
             self._in_body = True
             self._arm_body_timer()
+            self._cancel(self._body_deadline)
+            self._body_deadline = self.loop.call_later(
+                limits.body_timeout_s, self._expire, "body_deadline"
+            )
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
@@ -138,8 +154,9 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
 
         def on_message_complete(self) -> None:
             self._in_body = False
-            self._cancel(self._body_timer)
-            self._body_timer = None
+            for timer in (self._body_timer, self._body_deadline):
+                self._cancel(timer)
+            self._body_timer = self._body_deadline = None
             if self.transport.is_closing():
                 return
             super().on_message_complete()
@@ -157,7 +174,7 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
             super().pause_writing()
             if self._write_timer is None:
                 self._write_timer = self.loop.call_later(
-                    limits.idle_timeout_s, self._expire, WRITE_TIMEOUT
+                    limits.idle_timeout_s, self._expire, "write"
                 )
 
         def resume_writing(self) -> None:
@@ -170,30 +187,34 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
         def _arm_head_timer(self) -> None:
             if self._head_timer is None:
                 self._head_timer = self.loop.call_later(
-                    limits.header_timeout_s, self._expire, HEADER_TIMEOUT
+                    limits.header_timeout_s, self._expire, "head"
                 )
 
         def _arm_body_timer(self) -> None:
             self._cancel(self._body_timer)
             self._body_timer = self.loop.call_later(
-                limits.idle_timeout_s, self._expire, BODY_TIMEOUT
+                limits.idle_timeout_s, self._expire, "body_idle"
             )
 
-        def _expire(self, reason: str) -> None:
-            if reason == HEADER_TIMEOUT:
+        def _expire(self, timer: str) -> None:
+            """``timer`` ran out: "head", "body_idle", "body_deadline" or "write"."""
+            if timer == "head":
                 self._head_timer = None
-                if not self._in_head:
-                    return
-            elif reason == BODY_TIMEOUT:
+                if self._in_head:
+                    self._drop(HEADER_TIMEOUT)
+            elif timer == "body_idle":
                 self._body_timer = None
-                if not self._in_body:
-                    return
-                if self.flow is not None and self.flow.read_paused:
+                if self._in_body and self.flow is not None and self.flow.read_paused:
                     self._arm_body_timer()  # the app is behind, not the client
-                    return
+                elif self._in_body:
+                    self._drop(BODY_TIMEOUT)
+            elif timer == "body_deadline":
+                self._body_deadline = None
+                if self._in_body:
+                    self._drop(BODY_TIMEOUT)
             else:
                 self._write_timer = None
-            self._drop(reason)
+                self._drop(WRITE_TIMEOUT)
 
         def _refuse(self, reason: str, response: bytes) -> None:
             if self.transport.is_closing():
@@ -218,8 +239,9 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
                 timer.cancel()
 
         def _cancel_timers(self) -> None:
-            for timer in (self._head_timer, self._body_timer, self._write_timer):
+            for timer in (self._head_timer, self._body_timer, self._body_deadline,
+                          self._write_timer):  # fmt: skip
                 self._cancel(timer)
-            self._head_timer = self._body_timer = self._write_timer = None
+            self._head_timer = self._body_timer = self._body_deadline = self._write_timer = None
 
     return LimitedHttpToolsProtocol

@@ -86,6 +86,7 @@ class RouterConfig:
     max_connections: int = 4096
     client_header_timeout_s: float = 10.0
     client_idle_timeout_s: float = 30.0
+    client_body_timeout_s: float = 60.0
     prefix_index_max_entries: int = 65536
     prefix_chunk_chars: int = 256
     prefix_balance_threshold: int = 16
@@ -194,6 +195,8 @@ class RouterConfig:
             ("client_idle_timeout_s", "a client's request body, or its reading of a streamed "
                                       "answer, may stall this long before the connection is "
                                       "dropped"),
+            ("client_body_timeout_s", "a client's request body must be whole this long after "
+                                      "its headers"),
         ):
             fail.add_argument(_flag(name), type=float, default=getattr(d, name),
                               help=f"{help_text} (default %(default)s)")

@@ -34,6 +34,7 @@ NO_INSTANCE = "no_instance"  # 503 / 404: nothing to send it to
 UPSTREAM_ERROR = "upstream_error"  # 5xx, connection failure, broken stream
 TIMEOUT = "timeout"  # a leg or the request deadline ran out
 CANCELLED = "cancelled"  # the client went away
+ROUTER_ERROR = "router_error"  # a bug in the router: a 500 (endpoint: the path)
 
 
 class RouterMetrics:

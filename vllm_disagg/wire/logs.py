@@ -23,9 +23,10 @@ class RateLimitedLog:
         self._next_at: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
-    def warning(self, kind: str, message: str, *args: object) -> bool:
+    def warning(self, kind: str, message: str, *args: object, **kwargs: object) -> bool:
         """Log ``message % args`` unless ``kind`` was logged within the
-        interval; True when it was logged."""
+        interval; True when it was logged. ``kwargs`` go to the logger
+        (``exc_info``)."""
         now = time.monotonic()
         with self._lock:
             if now < self._next_at.get(kind, now):
@@ -35,5 +36,5 @@ class RateLimitedLog:
             held = self._held.pop(kind, 0)
         if held:
             message += f" ({held} more since the last report)"
-        self._logger.warning(message, *args)
+        self._logger.warning(message, *args, **kwargs)
         return True

@@ -159,3 +159,28 @@ def test_prefix_hashing_cost_is_bounded_per_request():
     assert render_prompt(other, policy.max_chars) == text
     assert render_prompt({"messages": [{"role": "user", "content": "x" * 10**7}]},
                          policy.max_chars).startswith("user\x1fxxx")  # fmt: skip
+
+
+def test_rendering_costs_what_the_limit_allows_whatever_the_body():
+    """json.dumps per token id (3M ids froze the loop for seconds), of 10 MB
+    of tools, and of JSON nested 980 deep (a RecursionError, a 500)."""
+    import time
+
+    deep: list = []
+    inner = deep
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]
+    bodies = [
+        {"prompt": list(range(3_000_000))},
+        {"tools": [{"function": {"name": "f" * 100}}] * 100_000,
+         "messages": [{"role": "user", "content": "q"}]},
+        {"messages": [{"role": "user", "content": deep}]},
+        {"prompt": [deep]},
+    ]  # fmt: skip
+    for body in bodies:
+        started = time.perf_counter()
+        text = render_prompt(body, 131072)
+        assert len(text) <= 131072
+        assert time.perf_counter() - started < 1.0  # ~0.1 s at most here
+    assert render_prompt({"prompt": [deep]}, 1000).count("\u2026") == 1

@@ -7,7 +7,6 @@ unhealthy or removed instance.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -58,40 +57,131 @@ def render_prompt(body: Mapping[str, Any], limit: int | None = None) -> str:
     content and the rest, tools first as templates put them) or the
     completion prompt. Not the model's template, but the same prefix gives
     the same text. With ``limit``, the first ``limit`` characters, rendered
-    without touching the rest (a 3M-token prompt froze the event loop)."""
+    without touching more of the body than that (a 3M-token prompt froze
+    the event loop; so did a JSON rendering of 10 MB of tools)."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        parts = [_canonical(body["tools"])[:limit]] if body.get("tools") else []
+        parts = [render_value(body["tools"], limit)] if body.get("tools") else []
         size = sum(len(p) for p in parts)
         for message in messages:
             if limit is not None and size >= limit:
                 break
             if not isinstance(message, Mapping):
-                parts.append(_canonical(message))
-                continue
-            content = message.get("content")
-            if isinstance(content, str):
-                content = content[:limit]
+                parts.append(render_value(message, limit))
             else:
-                content = _canonical(content)[:limit]
-            rest = {k: v for k, v in message.items() if k not in ("role", "content")}
-            parts.append(f"{message.get('role')}\x1f{content}"
-                         f"{_canonical(rest)[:limit] if rest else ''}")  # fmt: skip
+                rest = {k: v for k, v in message.items() if k not in ("role", "content")}
+                parts.append(f"{render_value(message.get('role'), limit)}\x1f"
+                             f"{render_value(message.get('content'), limit)}"
+                             f"{render_value(rest, limit) if rest else ''}")  # fmt: skip
             size += len(parts[-1])
         return "\x1e".join(parts)[:limit]
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+        # A batch of prompts: the first one leads the text.
+        return "\x1e".join(_prompt_text(p, limit) for p in prompt[: limit or len(prompt)])[:limit]
+    return _prompt_text(prompt, limit)
+
+
+def _prompt_text(prompt: Any, limit: int | None) -> str:
+    """One prompt: its text, or its token ids as "11,2,3" (no brackets: a
+    longer prompt's text extends a shorter one's)."""
     if isinstance(prompt, str):
         return prompt[:limit]
     if isinstance(prompt, list):
-        # Token ids, or a batch of prompts: the first one leads the text.
-        # Every item renders to at least one character: ``limit`` items suffice.
-        items = prompt if limit is None else prompt[:limit]
-        return "\x1e".join(p if isinstance(p, str) else _canonical(p) for p in items)[:limit]
-    return ""
+        # Every id renders to at least one character: ``limit`` ids suffice.
+        ids = prompt if limit is None else prompt[:limit]
+        return ",".join(str(i) if isinstance(i, int) else render_value(i, limit)
+                        for i in ids)[:limit]  # fmt: skip
+    return "" if prompt is None else render_value(prompt, limit)
 
 
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+MAX_RENDER_DEPTH = 32  # deeper parts of a value render as one marker
+
+
+def render_value(value: Any, limit: int | None = None) -> str:
+    """``value`` (strings as they are, everything else JSON-like) cut to
+    ``limit`` characters, at a cost bounded by ``limit``: a walk over
+    iterators that stops when the text is long enough, never a recursion
+    (a client's nesting cannot reach the interpreter's limit) and never a
+    rendering of what would be cut off."""
+    budget = float("inf") if limit is None else limit
+    out: list[str] = []
+    size = 0
+
+    def emit(text: str) -> None:
+        nonlocal size
+        text = text[: int(min(len(text), budget - size))]
+        out.append(text)
+        size += len(text)
+
+    if isinstance(value, str):
+        return value[:limit]
+    stack: list[list[Any]] = []  # [iterator of children, closer, children so far]
+    item: Any = value
+    while size < budget:
+        if item is _NEXT:
+            if not stack:
+                break
+            frame = stack[-1]
+            item = next(frame[0], _NEXT)
+            if item is _NEXT:
+                stack.pop()
+                emit(frame[1])
+            elif not isinstance(item, _Value):
+                if frame[2]:
+                    emit(",")
+                frame[2] += 1
+            continue
+        if isinstance(item, _Key):
+            emit(item.text)
+            item = _NEXT
+            continue
+        if isinstance(item, _Value):
+            item = item.value
+        if isinstance(item, str):
+            emit('"' + item[: int(min(len(item), budget - size))] + '"')
+        elif isinstance(item, Mapping | list | tuple):
+            if len(stack) >= MAX_RENDER_DEPTH:
+                emit("\u2026")
+            else:
+                opener, closer = ("{", "}") if isinstance(item, Mapping) else ("[", "]")
+                emit(opener)
+                stack.append([_children(item), closer, 0])
+        else:
+            emit(str(item) if isinstance(item, int | float | bool) or item is None else
+                 type(item).__name__)  # fmt: skip
+        item = _NEXT
+    return "".join(out)
+
+
+_NEXT = object()
+
+
+class _Key:
+    """A mapping key (the value after it is not a new child)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, key: Any) -> None:
+        self.text = f"{key!s}:"[:256]
+
+
+class _Value:
+    """A mapping's value, following its key."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _children(value: Any):
+    if isinstance(value, Mapping):
+        for key, child in value.items():
+            yield _Key(key)
+            yield _Value(child)
+    else:
+        yield from value
 
 
 MAX_PREFIX_CHUNKS = 512  # per prompt: bounds the hashing a request costs

@@ -37,6 +37,7 @@ from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.metrics import RouterMetrics
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.registry import Instance, InstanceRegistry
+from vllm_disagg.router.validation import decode_alone_reason, streams
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.grants import GRANT_KEY, make_grant
 from vllm_disagg.wire.logs import RateLimitedLog
@@ -64,39 +65,12 @@ _NOT_FORWARDED = frozenset({
 # generation options. What stays is validated by P exactly as D would
 # validate it (logprobs, n: cheap for one token), so a request D would refuse
 # is refused before anything is prefilled; what max_tokens=1 would hide
-# (min_tokens) sends the request to the decode alone (decode_alone_reason).
+# (min_tokens, and invalid values of the dropped fields) sends the request to
+# the decode alone (validation.decode_alone_reason).
 _PREFILL_DROPPED = (
     "stream_options", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
     "best_of", "use_beam_search", "prompt_logprobs",
 )  # fmt: skip
-
-
-def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
-    """Why ``body`` goes to the decode alone, with no prefill leg (a
-    ``decode_prefill_fallbacks`` label), or None.
-
-    * ``prompt_logprobs``: vLLM computes the whole prompt where it must
-      return prompt logprobs (it reads no cached or transferred KV), so a
-      prefill elsewhere would be work and buffer space for nothing.
-    * ``invalid``: vLLM would refuse the request for something the prefill
-      leg cannot show (its max_tokens is 1 and it never streams). The decode
-      refuses it in validation, before any compute, with vLLM's own error
-      body; should it accept after all, it answers correctly by itself.
-    """
-    if body.get("prompt_logprobs") is not None or (
-        body.get("echo") is True and body.get("logprobs") is not None
-    ):
-        return "prompt_logprobs"
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if _is_int(limit) and limit < 1:
-        return "invalid"
-    low = body.get("min_tokens")
-    if _is_int(low) and (low < 0 or (_is_int(limit) and low > limit)):
-        return "invalid"
-    # vLLM's own test (a "before" validator): the raw values, not coerced.
-    if body.get("stream_options") and not body.get("stream"):
-        return "invalid"
-    return None
 
 
 _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
@@ -112,17 +86,6 @@ def client_request_id(value: str | None) -> str | None:
     if PREFILL_MARKER in value or DECODE_MARKER in value:
         return None
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _truthy(value: Any) -> bool:
-    """vLLM's reading of a boolean field (pydantic: "true", 1, ...)."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("true", "1", "yes", "on", "t", "y")
-    return bool(value) if isinstance(value, (bool, int)) else False
 
 
 @dataclass
@@ -268,7 +231,7 @@ class _Exchange:
     @property
     def stream(self) -> bool:
         # vLLM's pydantic model takes "true", 1, ... as true: stream those too.
-        return _truthy(self.body.get("stream"))
+        return streams(self.body)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

@@ -151,8 +151,18 @@ async def test_malformed_and_foreign_messages_are_rejected_and_counted(discovery
     assert ack.reason.startswith("malformed")
     ack = await instance.message(register(aliases=tuple(f"a{i}" for i in range(9))))
     assert ack.reason.startswith("malformed") and "aliases" in ack.reason
+    # A newline in a name would forge a line in the router's log.
+    ack = await instance.message(register(model="m\nINFO forged"))
+    assert ack.reason.startswith("malformed") and "printable" in ack.reason
+    ack = await instance.message(register(sent_at=float("nan")))
+    assert ack.reason.startswith("malformed") and "sent_at" in ack.reason
+    # Without a token too, a clock from the future would lock an address.
+    ack = await instance.message(register(sent_at=time.time() + 1e6))
+    assert ack.reason.startswith("stale")
+    ack = await instance.message(register(seq=2**62))
+    assert ack.reason.startswith("malformed") and "seq" in ack.reason
     assert len(router.registry) == 0
-    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed") == 4
+    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed") == 7
     assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="version") == 1
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from vllm_disagg.wire.discovery import DISCOVERY_VERSION, Register, Role
-from vllm_disagg.router.registry import BreakerState, InstanceRegistry
+from vllm_disagg.router.registry import BreakerState, InstanceRegistry, RegistryRefused
 
 from .conftest import FakeClock
 
@@ -67,14 +69,42 @@ def test_new_incarnation_at_the_same_address_replaces_the_old():
     assert registry.get("new").outstanding == 0 and registry.removals["replaced"] == 1
 
 
-def test_a_heartbeat_refreshes_what_changed_and_keeps_the_load():
+def test_a_heartbeat_refreshes_what_may_change_and_keeps_the_load():
     registry, _ = make()
     registry.register(reg("p", port=1))
     registry.begin(registry.get("p"))
-    registry.register(reg("p", port=1, model="other", dp_rank=1, dp_size=2))
+    registry.register(reg("p", port=1, dp_rank=1, dp_size=2, seq=1))
     instance = registry.get("p")
-    assert (instance.model, instance.dp_rank, instance.dp_size, instance.outstanding) == (
-        "other", 1, 2, 1)
+    assert (instance.dp_rank, instance.dp_size, instance.outstanding) == (1, 2, 1)
+
+
+@pytest.mark.parametrize("change", [
+    {"port": 2}, {"model": "other"}, {"aliases": ("x",)},
+])  # fmt: skip
+def test_a_frame_under_a_known_id_that_moves_its_addresses_or_names_is_refused(change):
+    """An incarnation keeps its addresses and names: without a token, a
+    forged frame under a victim's id (ids are listed) moved its KV address."""
+    registry, _ = make()
+    registry.register(reg("p", port=1))
+    with pytest.raises(RegistryRefused) as e:
+        registry.register(reg("p", **{"port": 1, "seq": 1, **change}))
+    assert e.value.kind == "stale"
+    assert registry.get("p").kv_addr == reg("p", port=1).kv_addr
+
+
+def test_a_name_that_already_names_another_model_is_refused():
+    """Two models sharing an alias answered its requests in turn."""
+    registry, _ = make()
+    registry.register(reg("a", port=1, model="a", aliases=("shared",)))
+    with pytest.raises(RegistryRefused) as e:
+        registry.register(reg("b", port=2, model="b", aliases=("shared",)))
+    assert e.value.kind == "conflict"
+    with pytest.raises(RegistryRefused):
+        registry.register(reg("c", port=3, model="shared"))
+    registry.register(reg("a2", port=4, model="a", aliases=("shared",)))  # the same model: fine
+    registry.deregister("a")
+    registry.deregister("a2")
+    registry.register(reg("b", port=2, model="b", aliases=("shared",)))  # free again
 
 
 def test_deregister_and_unreachable_remove_at_once():

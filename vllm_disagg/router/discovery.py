@@ -41,7 +41,10 @@ from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
-REJECTION_KINDS = ("malformed", "oversized", "unauthenticated", "stale", "version", "replayed", "full")
+REJECTION_KINDS = (
+    "malformed", "oversized", "unauthenticated", "stale", "version", "replayed", "full",
+    "conflict",
+)  # fmt: skip
 # A peer sending a larger frame is disconnected by ZMQ before it is buffered;
 # up to this size a frame reaches open_frame and is counted as "oversized".
 MAX_ZMQ_FRAME_BYTES = 2 * MAX_FRAME_BYTES + MAC_BYTES

@@ -113,6 +113,8 @@ class InstanceRegistry:
     # http_addr -> instance ids there (normally one): registration without a scan
     _by_http: dict[str, set[str]] = field(default_factory=dict, init=False)
     _by_kv: dict[str, set[str]] = field(default_factory=dict, init=False)
+    # name (a model or an alias) -> {model it names: instances registering it}
+    _by_name: dict[str, Counter[str]] = field(default_factory=dict, init=False)
     # instance id -> until: incarnations a newer one replaced
     _retired: dict[str, float] = field(default_factory=dict, init=False)
     # What happened to instances, for /metrics: removals by reason, breaker opens.
@@ -129,6 +131,17 @@ class InstanceRegistry:
         """
         now = self.clock()
         known = self._instances.get(msg.instance_id)
+        if known is not None and (
+            (msg.http_addr, msg.kv_addr, msg.model, tuple(msg.aliases))
+            != (known.http_addr, known.kv_addr, known.model, known.aliases)
+        ):
+            # An incarnation keeps its addresses and names: another frame
+            # under its id that changes them is not from it.
+            raise RegistryRefused("stale", f"{msg.instance_id}: registered with other "
+                                  "addresses or names")  # fmt: skip
+        if known is None and (name := self._name_conflict(msg)) is not None:
+            raise RegistryRefused("conflict", f"{msg.instance_id}: the name {name!r} already "
+                                  "names another model")  # fmt: skip
         if known is not None and msg.seq < known.seq:
             raise RegistryRefused("replayed", f"{msg.instance_id}: heartbeat {msg.seq} after "
                                   f"{known.seq}")  # fmt: skip
@@ -158,11 +171,8 @@ class InstanceRegistry:
             raise RegistryFull(f"the registry holds {self.max_instances} instances already")
         expires_after_s = max(self.heartbeat_timeout_s, 3 * msg.interval_s)
         if known is not None:
-            self._unindex(known)
-            known.role, known.http_addr, known.kv_addr = msg.role, msg.http_addr, msg.kv_addr
-            self._index(known)
+            known.role = msg.role
             known.seq, known.sent_at = msg.seq, msg.sent_at
-            known.model, known.aliases = msg.model, tuple(msg.aliases)
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.last_seen, known.expires_after_s = now, expires_after_s
             return False
@@ -217,6 +227,18 @@ class InstanceRegistry:
     def _index(self, instance: Instance) -> None:
         self._by_http.setdefault(instance.http_addr, set()).add(instance.instance_id)
         self._by_kv.setdefault(instance.kv_addr, set()).add(instance.instance_id)
+        if instance.model is not None:
+            for name in (instance.model, *instance.aliases):
+                self._by_name.setdefault(name, Counter())[instance.model] += 1
+
+    def _name_conflict(self, msg: Register) -> str | None:
+        """A name of ``msg`` that already names another model: requests for
+        it would go to either model in turn."""
+        for name in (msg.model, *msg.aliases):
+            holders = self._by_name.get(name, {})
+            if any(model != msg.model for model in holders):
+                return name
+        return None
 
     def _unindex(self, instance: Instance) -> None:
         for index, addr in ((self._by_http, instance.http_addr), (self._by_kv, instance.kv_addr)):
@@ -225,6 +247,15 @@ class InstanceRegistry:
                 ids.discard(instance.instance_id)
                 if not ids:
                     del index[addr]
+        if instance.model is not None:
+            for name in (instance.model, *instance.aliases):
+                holders = self._by_name.get(name)
+                if holders is not None:
+                    holders[instance.model] -= 1
+                    if holders[instance.model] <= 0:
+                        del holders[instance.model]
+                    if not holders:
+                        del self._by_name[name]
 
     def _remove(self, instance: Instance, reason: str) -> None:
         del self._instances[instance.instance_id]

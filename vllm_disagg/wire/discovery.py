@@ -22,6 +22,7 @@ use it.
 from __future__ import annotations
 
 import enum
+import math
 import re
 import time
 
@@ -45,6 +46,7 @@ MAX_MODEL_CHARS = 256
 MAX_ALIASES = 8
 MAX_REASON_CHARS = 300
 MAX_CLOCK_SKEW_S = 300.0
+MAX_SEQ = 2**53  # heartbeats every 50 ms for longer than the universe has existed
 
 _ADDR_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$")
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]{1,128}$")
@@ -124,10 +126,15 @@ def open_frame(token: bytes | None, frames: list[bytes], *, now: float | None = 
             "version", f"discovery protocol {msg.version}, this side speaks {DISCOVERY_VERSION}"
         )
     validate(msg)
-    if token and not isinstance(msg, Ack):
+    if not isinstance(msg, Ack):
+        # A sender clock decides which incarnation holds an address, so one
+        # from the future would lock it: bounded with or without a token.
+        # With one, the past is bounded too (replays of captured frames);
+        # without, an old clock only loses every contest.
         now = time.time() if now is None else now
-        if abs(now - msg.sent_at) > MAX_CLOCK_SKEW_S:
-            raise FrameError("stale", f"sent_at is {now - msg.sent_at:.0f}s off")
+        ahead = msg.sent_at - now
+        if ahead > MAX_CLOCK_SKEW_S or (token and -ahead > MAX_CLOCK_SKEW_S):
+            raise FrameError("stale", f"sent_at is {-ahead:.0f}s off")
     return msg
 
 
@@ -139,17 +146,20 @@ def validate(msg: Message) -> None:
             raise FrameError("malformed", what)
 
     need(bool(_ID_RE.match(msg.instance_id)), "instance_id must be 1-128 of [A-Za-z0-9._:@[]-]")
+    if not isinstance(msg, Ack):
+        need(math.isfinite(msg.sent_at) and msg.sent_at >= 0, "sent_at must be a finite time")
     if isinstance(msg, Register):
         for name in ("http_addr", "kv_addr"):
             value = getattr(msg, name)
             need(len(value) <= MAX_ADDR_CHARS and bool(_ADDR_RE.match(value)),
                  f"{name} must be host:port")  # fmt: skip
             need(0 < int(value.rsplit(":", 1)[1]) < 65536, f"{name} port out of range")
-        need(0 < len(msg.model) <= MAX_MODEL_CHARS, "model name length")
         need(len(msg.aliases) <= MAX_ALIASES, f"more than {MAX_ALIASES} aliases")
-        need(all(0 < len(a) <= MAX_MODEL_CHARS for a in msg.aliases), "alias length")
+        for name in (msg.model, *msg.aliases):
+            need(0 < len(name) <= MAX_MODEL_CHARS, "model name length")
+            need(name.isprintable(), "model names must be printable (no control characters)")
         need(1 <= msg.dp_size <= 1024 and 0 <= msg.dp_rank < msg.dp_size, "dp_rank/dp_size")
-        need(msg.seq >= 0, "negative seq")
+        need(0 <= msg.seq <= MAX_SEQ, f"seq out of [0, {MAX_SEQ}]")
         need(0.05 <= msg.interval_s <= 600, "interval_s out of [0.05, 600]")
     elif isinstance(msg, Ack):
         need(len(msg.reason) <= MAX_REASON_CHARS, "reason too long")

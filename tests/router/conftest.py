@@ -78,6 +78,7 @@ class FakeInstance:
         self.hang = False  # never answer anything, /health included
         self.health_status = 200
         self.models: list[dict] | None = None  # what /v1/models lists (None: 404)
+        self.api_key: str | None = None  # /v1/models wants "Bearer <it>" (vllm --api-key)
         self.chunks = sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]})
         self.chunk_delay_s = 0.0
         self.handler: Handler | None = None
@@ -141,6 +142,8 @@ class FakeInstance:
             raise
 
     async def _models(self, request: web.Request) -> web.Response:
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
         if self.models is None:
             return web.json_response({"detail": "Not Found"}, status=404)
         return web.json_response({"object": "list", "data": self.models})

@@ -212,3 +212,27 @@ async def test_invalid_utf8_in_a_json_string_is_a_400_not_a_traceback(pd):
     assert not p.requests
     assert router.metric("vllm_disagg_router_requests_total", endpoint="/tokenize",
                          outcome="router_error") == 0  # fmt: skip
+
+
+async def test_models_are_listed_only_to_clients_the_decodes_accept(start_router, fakes):
+    """A decode with --api-key refuses /v1/models without the key; the
+    router listed every model to anyone."""
+    router = await start_router()
+    d = await fakes("d")
+    d.api_key = "k1"
+    d.models = [{"id": "a", "object": "model", "root": "/m"}]
+    router.add(d, Role.DECODE, model="a")
+    status, body = await router.get("/v1/models")
+    assert status == 401
+    async with router.client.get(router.url + "/v1/models",
+                                 headers={"Authorization": "Bearer k1"}) as resp:  # fmt: skip
+        assert resp.status == 200 and (await resp.json())["data"] == d.models
+
+
+async def test_instances_are_listed_to_the_routers_own_host_only(pd, monkeypatch):
+    from vllm_disagg.router import app as app_module
+
+    router, _, _ = await pd()
+    monkeypatch.setattr(app_module, "is_loopback", lambda host: False)
+    status, body = await router.get("/instances")
+    assert status == 403 and json.loads(body) == {"detail": "Forbidden"}

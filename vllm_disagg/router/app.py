@@ -24,7 +24,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from vllm_disagg import envs
 from vllm_disagg.wire.logs import RateLimitedLog
-from vllm_disagg.wire.peers import format_addr
+from vllm_disagg.wire.peers import format_addr, is_loopback
 from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.client_limits import ClientLimits, limited_protocol
 from vllm_disagg.router.config import RouterConfig
@@ -201,7 +201,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _json({"object": "list", "data": await proxy.list_models()})
+        return _response(await proxy.list_models(request.headers.get("Authorization")))
 
     async def relay_json(endpoint: str) -> Response:
         """A JSON POST one decode answers alone (vLLM checks the body)."""
@@ -235,6 +235,9 @@ def create_app(
 
     @app.get("/instances")
     async def instances() -> Response:
+        # The fleet's addresses and state: for the router's own host only.
+        if not is_loopback(request.remote_addr or ""):
+            return _json({"detail": "Forbidden"}, 403)
         return _json(registry.snapshot())
 
     @app.get("/metrics")

@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 JSON = "application/json"
 UPSTREAM_KEEPALIVE_S = 4.0
 MODELS_CACHE_S = 10.0
+MODELS_CACHE_ENTRIES = 256
 # Headers of the client's request that are not passed on: hop-by-hop ones,
 # those the router sets itself, and Quart's Remote-Addr.
 _NOT_FORWARDED = frozenset({
@@ -262,8 +263,9 @@ class RequestProxy:
         self._session: aiohttp.ClientSession | None = None
         self.limited_log = RateLimitedLog(logger)
         self._probing: set[str] = set()  # instance ids with a health probe in flight
-        # model -> (until, names, entries): /v1/models as its decodes list it
-        self._models_cache: dict[str, tuple[float, tuple[str, ...], list[dict]]] = {}
+        # (model, client's Authorization) -> (until, names, entries): /v1/models
+        # as its decodes list it
+        self._models_cache: dict[tuple, tuple[float, tuple[str, ...], list[dict]]] = {}
         self._probes: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -444,30 +446,46 @@ class RequestProxy:
         self.count(ex, outcomes.BAD_REQUEST)
         return Reply(resp.status, _content_type(resp), payload)
 
-    async def list_models(self) -> list[dict[str, Any]]:
+    async def list_models(self, authorization: str | None = None) -> Reply:
         """``/v1/models`` of the fleet: every model a decode serves, each
         entry as one of its decodes lists it (``root``, ``max_model_len``,
-        ``permission``, aliases as their own entries); cached for
-        MODELS_CACHE_S. A model whose decodes do not answer in time gets the
-        minimal entry."""
+        ``permission``, aliases as their own entries), asked with the
+        client's ``Authorization`` (a decode with ``--api-key`` refuses a
+        client without it, and so does the router: its 401 is relayed);
+        cached for MODELS_CACHE_S. A model whose decodes do not answer in
+        time gets the minimal entry."""
         by_model: dict[str, Instance] = {}
         for instance in self.registry.healthy(Role.DECODE):
             if instance.model is not None:
                 by_model.setdefault(instance.model, instance)
-        lists = await asyncio.gather(*(self._models_of(i) for i in by_model.values()))
-        return [entry for entries in lists for entry in entries]
+        answers = await asyncio.gather(
+            *(self._models_of(i, authorization) for i in by_model.values())
+        )
+        for answer in answers:
+            if isinstance(answer, Reply):  # refused: the client may not list models
+                return answer
+        data = [entry for entries in answers for entry in entries]
+        return Reply(200, JSON, msgspec.json.encode({"object": "list", "data": data}))
 
-    async def _models_of(self, instance: Instance) -> list[dict[str, Any]]:
+    async def _models_of(
+        self, instance: Instance, authorization: str | None
+    ) -> list[dict[str, Any]] | Reply:
         names = (instance.model, *instance.aliases)
-        cached = self._models_cache.get(instance.model)
+        key = (instance.model, authorization)
+        cached = self._models_cache.get(key)
         now = time.monotonic()
         if cached is not None and cached[0] > now and cached[1] == names:
             return cached[2]
         entries: list[dict[str, Any]] = []
+        headers = {"Authorization": authorization} if authorization else {}
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
-                async with self.session.get(f"http://{instance.http_addr}/v1/models") as resp:
-                    listed = msgspec.json.decode(await resp.read()) if resp.status == 200 else {}
+                async with self.session.get(f"http://{instance.http_addr}/v1/models",
+                                            headers=headers) as resp:  # fmt: skip
+                    payload = await resp.read()
+            if resp.status in (401, 403):
+                return Reply(resp.status, _content_type(resp), payload)
+            listed = msgspec.json.decode(payload) if resp.status == 200 else {}
             data = listed.get("data") if isinstance(listed, dict) else None
             if isinstance(data, list):
                 entries = [e for e in data if isinstance(e, dict) and e.get("id") in names]
@@ -478,7 +496,9 @@ class RequestProxy:
             entries = [{"id": n, "object": "model", "created": created, "owned_by": "vllm"}
                        for n in names]  # fmt: skip
         else:
-            self._models_cache[instance.model] = (now + MODELS_CACHE_S, names, entries)
+            if len(self._models_cache) >= MODELS_CACHE_ENTRIES:
+                self._models_cache.clear()  # many clients' keys: start over
+            self._models_cache[key] = (now + MODELS_CACHE_S, names, entries)
         return entries
 
     # --- hand-off styles -------------------------------------------------

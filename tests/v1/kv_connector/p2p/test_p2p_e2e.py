@@ -12,7 +12,9 @@ Through the router too: every instance registers itself with the routers its
 ``proxy_ip`` lists (1P1D, 1P2D and 2P1D routers over the same instances), and
 completions, streams and chats through each router equal the colocated run; a
 decode instance started while traffic flows starts taking requests, and once
-killed it is removed and later requests succeed.
+killed it is removed and later requests succeed. The 1P1D router answers some
+50 request shapes (errors included) as the colocated `vllm serve` does, field
+by field, but for the differences ``KNOWN_DIFFERENCES`` lists.
 
 One server set for the module (2 prefills, 2 decodes with different buffers),
 started concurrently. The colocated reference is the second prefill instance
@@ -22,6 +24,8 @@ GET and PUT have their own module (test_p2p_get_put_e2e.py).
 
 from __future__ import annotations
 
+import json
+import re
 import socket
 import threading
 import time
@@ -29,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_disagg.testing import openai_client
+from vllm_disagg.testing import compare, openai_client
 from vllm_disagg.testing.p2p import P2pInstance, disaggregated_completion, peer_naming
 
 from .e2e_common import (
@@ -376,3 +380,137 @@ def test_router_lists_of_prompts_and_n_above_1_are_right_and_never_wait(put_asyn
                                   n=3, seed=11)  # fmt: skip
     assert len(body["choices"]) == 3
     assert time.monotonic() - start < LOAD_TIMEOUT_S
+
+
+# --- the router answers as `vllm serve` does, field by field --------------------
+
+# Fields whose values differ between any two answers, whoever gives them;
+# every other field must be equal. Each is compared through its normalizer.
+FIELDS_THAT_DIFFER_BY_NATURE = {
+    # Response, chunk and model-permission ids are random per request (hex:
+    # vLLM's own 16 digits, the router's request id 32): only their shape
+    # counts, "cmpl-<hex>", "chatcmpl-<hex>", "modelperm-<hex>", so an address
+    # or a transfer key in an id still differs. Cases that send X-Request-Id
+    # compare ids as they are (vLLM answers "cmpl-" + the client's id).
+    "id": compare.id_shape,
+    # Unix timestamps of when each server answered (or, in /v1/models, when it
+    # listed the model): only their type counts.
+    "created": compare.type_name,
+}
+COMPAT_RULES = compare.FieldRules(normalize=FIELDS_THAT_DIFFER_BY_NATURE)
+
+# Case name -> (field paths that may differ, why). Paths as the assertion
+# message prints them; "*" is any characters but "." and a path covers
+# everything under it. Only what the router cannot or should not match belongs
+# here: an entry that no longer differs fails the test too (remove it).
+KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
+    "health": (("content_type", "body"),
+               "the router's /health reports the fleet (ready, prefill and decode counts) as JSON; "
+               "vLLM's is an empty 200"),
+}  # fmt: skip
+
+_COMPAT_PROMPT = "step sync keeps every data parallel engine in lockstep"
+_COMPAT_TOKENS = LENGTH_PROMPTS[2][:40]
+_TOO_LONG = [t % 400 + 3 for t in range(1100)]  # --max-model-len is 1024
+
+
+def compat_cases(model: str, stop: str) -> list[compare.HttpCase]:
+    """The request shapes compared: greedy unless a seed is named; ``stop``
+    occurs in the greedy completion of the prompt."""
+    case = compare.HttpCase
+    chat = "/v1/chat/completions"
+    cmpl = {"model": model, "prompt": _COMPAT_PROMPT, "max_tokens": 8, "temperature": 0.0}
+    msgs = {"model": model, "messages": CHATS[1], "max_tokens": 8, "temperature": 0.0}
+    usage = {"stream_options": {"include_usage": True}}
+    seeded = {"temperature": 0.8, "seed": 7}
+    return [
+        case("completion", body=cmpl),
+        case("completion stream", body={**cmpl, "stream": True}),
+        case("completion stream 'true'", body={**cmpl, "stream": "true"}),
+        case("completion stream 1", body={**cmpl, "stream": 1}),
+        case("completion stream usage", body={**cmpl, "stream": True, **usage}),
+        case("completion stream continuous usage", body={**cmpl, "stream": True, "stream_options":
+             {"include_usage": True, "continuous_usage_stats": True}}),
+        case("chat", chat, msgs),
+        case("chat stream", chat, {**msgs, "stream": True}),
+        case("chat stream usage", chat, {**msgs, "stream": True, **usage}),
+        case("chat max_completion_tokens", chat,
+             {**{k: v for k, v in msgs.items() if k != "max_tokens"}, "max_completion_tokens": 5}),
+        case("completion seeded", body={**cmpl, **seeded, "top_p": 0.9}),
+        case("completion logprobs", body={**cmpl, "logprobs": 3}),
+        case("chat logprobs", chat, {**msgs, "logprobs": True, "top_logprobs": 3}),
+        case("chat stream logprobs", chat,
+             {**msgs, "logprobs": True, "top_logprobs": 2, "stream": True}),
+        case("completion echo", body={**cmpl, "echo": True}),
+        case("completion echo logprobs", body={**cmpl, "echo": True, "logprobs": 2}),
+        case("completion prompt_logprobs", body={**cmpl, "prompt_logprobs": 2}),
+        case("completion stop", body={**cmpl, "max_tokens": 12, "stop": [stop]}),
+        case("completion stop included", body={**cmpl, "max_tokens": 12, "stop": [stop],
+                                                "include_stop_str_in_output": True}),
+        case("completion stream stop", body={**cmpl, "max_tokens": 12, "stop": [stop],
+                                              "stream": True}),
+        case("completion min_tokens", body={**cmpl, "min_tokens": 6, "ignore_eos": False}),
+        case("completion 2 prompts", body={**cmpl, "prompt": [_COMPAT_PROMPT, "the proxy sends"]}),
+        case("completion token ids", body={**cmpl, "prompt": _COMPAT_TOKENS}),
+        case("completion 2 token-id prompts", body={**cmpl, "prompt": [_COMPAT_TOKENS[:17],
+                                                                        _COMPAT_TOKENS]}),
+        case("completion n=2 seeded", body={**cmpl, **seeded, "n": 2}),
+        case("chat stream n=2 seeded", chat, {**msgs, **seeded, "n": 2, "stream": True}),
+        case("completion return_token_ids", body={**cmpl, "return_token_ids": True}),
+        case("completion without model", body={k: v for k, v in cmpl.items() if k != "model"}),
+        case("completion X-Request-Id", body=cmpl, headers={"X-Request-Id": "client-id-1"},
+             exact=frozenset({"id"})),
+        case("chat stream X-Request-Id", chat, {**msgs, "stream": True},
+             headers={"X-Request-Id": "client-id-2"}, exact=frozenset({"id"})),
+        case("error unknown model", body={**cmpl, "model": "no-such-model"}),
+        case("error max_tokens 0", body={**cmpl, "max_tokens": 0}),
+        case("error max_tokens -1", body={**cmpl, "max_tokens": -1}),
+        case("error min_tokens > max_tokens", body={**cmpl, "min_tokens": 9}),
+        case("error logprobs 50", body={**cmpl, "logprobs": 50}),
+        case("error temperature -1", body={**cmpl, "temperature": -1}),
+        case("error missing prompt", body={k: v for k, v in cmpl.items() if k != "prompt"}),
+        case("error stream_options without stream", body={**cmpl, **usage}),
+        case("error prompt too long", body={**cmpl, "prompt": _TOO_LONG}),
+        case("error bad JSON", raw=b'{"model": "x",'),
+        case("error JSON array", raw=b"[1, 2]"),
+        case("error text/plain", body=cmpl, headers={"Content-Type": "text/plain"}),
+        case("error unknown path", "/v1/no-such-path", cmpl),
+        case("error wrong method", method="GET"),
+        case("models", "/v1/models", method="GET"),
+        case("health", "/health", method="GET"),
+        case("tokenize", "/tokenize", {"model": model, "prompt": _COMPAT_PROMPT}),
+        case("version", "/version", method="GET"),
+    ]
+
+
+def test_router_answers_like_vllm_serve_field_by_field(put_async_set, routers, tmp_path):
+    """The same requests to the 1P1D router and to a colocated `vllm serve`
+    (p2, no peers named): status, media type, X-Request-Id header, every JSON
+    field, and every field of a stream's events merged (how many tokens an
+    event carries is timing, in vLLM itself) and its final [DONE] are equal,
+    but for FIELDS_THAT_DIFFER_BY_NATURE and KNOWN_DIFFERENCES."""
+    router, colocated = routers["1p1d"], put_async_set["p2"].server
+    _wait_registered(router, 2)
+    greedy = openai_client.complete(colocated, _COMPAT_PROMPT, max_tokens=12, temperature=0.0)
+    text = greedy["choices"][0]["text"]
+    # Two letters in the latter part of the greedy text: a stop string that occurs.
+    found = re.search(r"[A-Za-z]{2}", text[len(text) // 3:])
+    assert found, f"no stop string in {text!r}"
+    cases = compat_cases(colocated.model, found.group())
+    diffs, views = compare.compare_servers(router.url, colocated.url, cases, COMPAT_RULES)
+    # Each case asks what its name says (vLLM's side): errors are errors, stops stop.
+    for name, (_, answer) in views.items():
+        status = answer.get("status", 0)
+        assert status >= 400 if name.startswith("error") else status == 200, (name, answer)
+    assert views["completion stop"][1]["body"]["choices"][0]["finish_reason"] == "stop"
+    dump = tmp_path / "answers.json"
+    dump.write_text(json.dumps({n: {"router": r, "vllm": v} for n, (r, v) in views.items()},
+                               indent=1, default=repr))  # fmt: skip
+    unexpected, stale = compare.split_known(diffs, KNOWN_DIFFERENCES)
+    message = []
+    if unexpected:
+        message.append(f"{len(unexpected)} of {len(cases)} cases differ (router vs vLLM):\n"
+                       + compare.format_differences(unexpected, "router", "vllm"))  # fmt: skip
+    if stale:
+        message.append(f"KNOWN_DIFFERENCES entries that no longer differ (remove them): {stale}")
+    assert not message, "\n".join(message) + f"\nboth sides' answers: {dump}"

@@ -283,6 +283,8 @@ def test_acceptor_finish_without_initiator_times_out(name):
 
 def test_tcp_strangers_on_the_data_port_do_not_break_set_up():
     a, b = create_transport("tcp", CPU, HOST), create_transport("tcp", CPU, HOST)
+    rejected = []
+    b.on_rejected = rejected.append  # the engine counts them (vllm:p2p_rejected_messages)
     strangers = []
     try:
         setup, finish_initiator = a.initiate()
@@ -302,6 +304,12 @@ def test_tcp_strangers_on_the_data_port_do_not_break_set_up():
         acceptor = join()
         strangers[0].settimeout(5)
         assert strangers[0].recv(16) == b""  # the wrong token was hung up on
+        assert rejected == ["data_unknown_token"]
+        strangers[1].close()  # one that leaves without a token
+        deadline = time.monotonic() + 5
+        while rejected == ["data_unknown_token"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rejected == ["data_unknown_token", "data_no_token"]
         send = _in_thread(initiator.send, [torch.arange(10, dtype=torch.uint8)], _in(5))
         got = torch.zeros(10, dtype=torch.uint8)
         acceptor.recv([got], _in(5))

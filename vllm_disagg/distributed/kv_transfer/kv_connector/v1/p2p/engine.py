@@ -665,6 +665,7 @@ class P2pEngine:
         self.hold_timeout_s = hold_timeout_s
         self.secret = secret or None
         self.stats = stats or P2pStatsRecorder()
+        transport.on_rejected = self.stats.record_rejected  # its data port counts here too
         self.stopped = threading.Event()
         self.zmq_ctx = zmq.Context()
 

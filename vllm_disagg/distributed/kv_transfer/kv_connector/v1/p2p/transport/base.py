@@ -98,6 +98,9 @@ class Transport(abc.ABC):
     def __init__(self, device: torch.device, bind_host: str):
         self.device = device
         self.bind_host = bind_host
+        # Called with a kind for every connection a data port refuses (the
+        # engine counts them with the control plane's rejected messages).
+        self.on_rejected: Callable[[str], None] = lambda kind: None
 
     @abc.abstractmethod
     def initiate(self, peer_host: str | None = None) -> tuple[bytes, InitiateFinish]:

@@ -24,9 +24,12 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.peers import format_addr
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     AcceptFinish,
@@ -39,6 +42,8 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
     check_peer_endpoint,
     remaining,
 )
+
+logger = init_logger(__name__)
 
 TOKEN_BYTES = 16
 _HEADER = struct.Struct("!Q")
@@ -224,7 +229,8 @@ class _Listener:
     without blocking on any of them, and hands it to the channel that
     expects that token; everything else is closed."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, on_rejected: Callable[[str], None] = lambda kind: None):
+        self._on_rejected = on_rejected
         family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -236,6 +242,7 @@ class _Listener:
         except OSError:
             self._sock.close()
             raise
+        logger.info("P2P tcp data port listening on %s", format_addr(*self._sock.getsockname()[:2]))
         self._expected: dict[bytes, _Expected] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -278,6 +285,7 @@ class _Listener:
             selector.unregister(conn)
             del greeting[conn]
             conn.close()
+            self._on_rejected("data_no_token")
 
         try:
             while not self._stopped.is_set():
@@ -332,6 +340,7 @@ class _Listener:
                 entry.arrived.set()
                 return
         conn.close()
+        self._on_rejected("data_unknown_token")
 
 
 class TcpTransport(Transport):
@@ -381,7 +390,7 @@ class TcpTransport(Transport):
                 raise TransportError("transport closed")
             if self._listener is None:
                 try:
-                    self._listener = _Listener(self.bind_host)
+                    self._listener = _Listener(self.bind_host, self.on_rejected)
                 except OSError as e:
                     raise TransportError(f"cannot listen on {self.bind_host}: {e}") from e
             return self._listener

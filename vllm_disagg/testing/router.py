@@ -39,9 +39,12 @@ class RouterProcess(LoggedProcess):
         log_path: str | os.PathLike,
         model: str = "",
         env: dict[str, str] | None = None,
+        port: int | None = None,
+        discovery_port: int | None = None,
     ):
-        self.port = get_free_port()
-        self.discovery_port = get_free_port()
+        # Explicit ports restart a router where the fleet knows it (chaos tests).
+        self.port = port or get_free_port()
+        self.discovery_port = discovery_port or get_free_port()
         self.model = model  # what openai_client puts in request bodies
         self.log_path = Path(log_path)
         # Inherit the environment, with the test fleets' router token by default.

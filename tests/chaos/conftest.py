@@ -1,0 +1,54 @@
+"""One fleet for the chaos module: started once, stopped by PID at the end;
+a failing test's report gets the tail of every log the fleet wrote."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_disagg.testing.chaos import warm_up
+from vllm_disagg.testing.fleet import Fleet, FleetConfig
+from vllm_disagg.testing.traffic import compute_references, make_specs
+
+SEED = 20261125
+WARMUP = 16
+
+_fleets: list[Fleet] = []
+
+
+@pytest.fixture(scope="module")
+def chaos_fleet(tiny_models, tmp_path_factory):
+    """(fleet, references, endless spec iterator): the fleet warmed up.
+
+    The colocated reference is prefill p2 asked with no peers named, before
+    it takes part in any transfer (a plain ``vllm serve`` run of the same
+    model and arguments, as in tests/v1/kv_connector/p2p/): a fifth server
+    would cost this 2-core machine about 15 s of start-up and 3 GiB.
+    ``benchmarks/chaos.py`` starts a separate reference server.
+    """
+    config = FleetConfig(model=str(tiny_models["tiny-mixtral"]), reference=False,
+                         log_dir=tmp_path_factory.mktemp("chaos-logs"))  # fmt: skip
+    fleet = Fleet(config)
+    _fleets.append(fleet)
+    try:
+        fleet.start()
+        warm_specs, mix = make_specs(SEED, fleet.model, count=WARMUP, start=10_000_000)
+        specs, more = make_specs(SEED, fleet.model)
+        mix.references.update(more.references)
+        references = compute_references(fleet.members["p2"].server.url, mix)
+        warm = warm_up(fleet, list(warm_specs), references)
+        bad = [r for r in warm if r.outcome in ("failed", "wrong")]
+        assert not bad, f"warm-up: {[r.as_dict() for r in bad]}"
+        yield fleet, references, specs
+    finally:
+        fleet.stop()
+        _fleets.remove(fleet)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for fleet in _fleets:
+            for title, tail in fleet.log_tails(80):
+                report.sections.append((f"chaos fleet log {title}", tail))

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import zmq
 
+from vllm_disagg import envs
 from vllm_disagg.router.client_limits import REASONS
 from vllm_disagg.testing.hostile import (
     discovery_protocol,
@@ -38,7 +39,7 @@ def _rejected(router) -> float:
 
 
 async def test_a_discovery_flood_registers_nothing_and_is_counted(pd, monkeypatch):
-    monkeypatch.setenv("VLLM_DISAGG_ROUTER_TOKEN", "fleet-token")
+    monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "fleet-token")
     router, p, d = await pd()
     endpoint = router.state.discovery.endpoint.removeprefix("tcp://")
     before = len(router.registry)

@@ -93,8 +93,10 @@ start_instance() {  # index role buffer
 for ((i = 0; i < NUM_PREFILL; i++)); do start_instance "${i}" kv_producer 1e1; done
 for ((i = NUM_PREFILL; i < total; i++)); do start_instance "${i}" kv_consumer 8e9; done
 
-echo "waiting for the router to report every instance healthy (GET /instances) ..."
-until [[ $(curl -s "http://${HOST}:${ROUTER_PORT}/instances" | "${PYTHON:-python3}" -c 'import json,sys; print(len(json.load(sys.stdin)))' 2>/dev/null || echo 0) -ge ${total} ]]; do
+# /metrics, not /instances: the router lists instance addresses to its own
+# loopback only, and HOST may be another address of this machine.
+echo "waiting for the router to count every instance (GET /metrics) ..."
+until [[ $(curl -s "http://${HOST}:${ROUTER_PORT}/metrics" | awk '/^vllm_disagg_router_instances\{/ {s += $2} END {print int(s)}' 2>/dev/null || echo 0) -ge ${total} ]]; do
     sleep 5
 done
 echo "ready: send OpenAI requests to http://${HOST}:${ROUTER_PORT}/v1/completions (Ctrl-C stops all)"

@@ -24,7 +24,6 @@ from vllm_disagg.testing.hostile import (
     http_payloads,
 )
 from vllm_disagg.wire import frames
-from vllm_disagg.wire.discovery import Role
 
 from .conftest import WAIT_S
 

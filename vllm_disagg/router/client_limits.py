@@ -32,8 +32,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from vllm_disagg.router.proxy import error_json
 
 # Reasons a connection is closed (label values of the metric).
 TOO_MANY_CONNECTIONS = "too_many_connections"
@@ -60,18 +63,18 @@ class ClientLimits:
     on_closed: Callable[[str], None] = lambda reason: None
 
 
-def _plain_response(status: bytes, message: bytes) -> bytes:
-    body = b'{"error":{"message":"' + message + b'","type":"' + status.split(b" ", 1)[1]
-    body += b'","param":null,"code":' + status.split(b" ", 1)[0] + b"}}"
+def _plain_response(status: HTTPStatus, message: str) -> bytes:
+    """A whole HTTP/1.1 answer, written before any request was parsed."""
+    body = error_json(status.value, message, error_type=status.phrase)
     return (
-        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
-        b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body
+        f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
     )
 
 
-_TOO_MANY = _plain_response(b"503 Service Unavailable", b"too many connections")
-_TOO_LARGE = _plain_response(b"431 Request Header Fields Too Large",
-                             b"request headers too large")  # fmt: skip
+_TOO_MANY = _plain_response(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections")
+_TOO_LARGE = _plain_response(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                             "request headers too large")  # fmt: skip
 
 
 def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
@@ -80,7 +83,8 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            self._in_head = True  # from a request's first byte (or the connection's) to its last header
+            # From a request's first byte (or the connection's) to its last header.
+            self._in_head = True
             self._in_body = False  # from its last header to its last body byte
             self._head_bytes = 0  # received since the last complete head, outside bodies
             self._head_timer: asyncio.TimerHandle | None = None

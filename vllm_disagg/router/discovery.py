@@ -25,7 +25,6 @@ from vllm_disagg import envs
 from vllm_disagg.wire.peers import format_addr, is_loopback, source_host
 from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
-    MAC_BYTES,
     MAX_FRAME_BYTES,
     MAX_REASON_CHARS,
     Ack,
@@ -36,7 +35,7 @@ from vllm_disagg.wire.discovery import (
     seal,
 )
 from vllm_disagg.router.registry import InstanceRegistry, RegistryRefused
-from vllm_disagg.wire.frames import harden_listener
+from vllm_disagg.wire.frames import MAC_BYTES, harden_listener
 from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)

@@ -322,6 +322,15 @@ class RequestProxy:
         self.count(ex, outcome)
         return error_reply(status, message, param)
 
+    def _unknown_model(self, ex: _Exchange) -> Reply | None:
+        """vLLM's 404 when no instance serves the request's model."""
+        model = ex.model
+        if model is None or not len(self.registry) or self.registry.serves_model(model):
+            return None
+        return self._error(ex, outcomes.NO_INSTANCE, 404,
+                           f"The model `{model}` does not exist. Valid aliases: "
+                           f"{', '.join(self.registry.model_names())}.", "model")  # fmt: skip
+
     def _pick(
         self, side: Role, ex: _Exchange, exclude: set[str] = frozenset(),
         model: str | None = None,
@@ -338,10 +347,8 @@ class RequestProxy:
 
     async def _route(self, ex: _Exchange) -> Reply:
         model = ex.model
-        if model is not None and len(self.registry) and not self.registry.serves_model(model):
-            return self._error(ex, outcomes.NO_INSTANCE, 404,
-                               f"The model `{model}` does not exist. Valid aliases: "
-                               f"{', '.join(self.registry.model_names())}.", "model")  # fmt: skip
+        if (unknown := self._unknown_model(ex)) is not None:
+            return unknown
         if model is None and len(self.registry.models()) > 1:
             # vllm serve takes a request without `model` for its one model;
             # with several, any choice could answer with the wrong one.
@@ -400,11 +407,8 @@ class RequestProxy:
         relayed as it is."""
         ex = _Exchange(endpoint, path, body or {}, {},
                        deadline=time.monotonic() + self.config.request_timeout_s)  # fmt: skip
-        model = ex.model
-        if model is not None and len(self.registry) and not self.registry.serves_model(model):
-            return self._error(ex, outcomes.NO_INSTANCE, 404,
-                               f"The model `{model}` does not exist. Valid aliases: "
-                               f"{', '.join(self.registry.model_names())}.", "model")  # fmt: skip
+        if (unknown := self._unknown_model(ex)) is not None:
+            return unknown
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
             return self._error(ex, outcomes.NO_INSTANCE, 503,

@@ -347,8 +347,7 @@ class InstanceRegistry:
     def model_names(self) -> list[str]:
         """Every name a request may use: models and their aliases, sorted."""
         self.expire()
-        return sorted({n for i in self._instances.values() if i.model is not None
-                       for n in (i.model, *i.aliases)})  # fmt: skip
+        return sorted(self._by_name)
 
     def counts(self) -> dict[str, int]:
         """Registered instances by role (``prefill``, ``decode``, ``both``)."""

@@ -28,7 +28,7 @@ import time
 
 import msgspec
 
-from vllm_disagg.wire.frames import MAC_BYTES, FrameCodec, FrameError
+from vllm_disagg.wire.frames import FrameCodec, FrameError
 
 # History:
 #   1: first version (Register / Deregister / Ack).

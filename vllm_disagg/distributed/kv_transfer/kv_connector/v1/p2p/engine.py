@@ -987,7 +987,7 @@ class P2pEngine:
                 except proto.FrameError as e:
                     self._reject(e.kind, str(e))
                     continue
-                except Exception as e:  # noqa: BLE001 - one bad message must not stop the listener
+                except Exception:  # noqa: BLE001 - one bad message must not stop the listener
                     logger.exception("P2P listener failed to handle a message")
                     reply = Reply(req_no=getattr(msg, "req_no", 0), status=Status.REJECTED,
                                   reason="internal")
@@ -1047,9 +1047,6 @@ class P2pEngine:
         with self._lock:
             if msg.channel_id in self._inbound or msg.channel_id in self._seen_channels:
                 return self._refuse(msg.req_no, "duplicate", "channel id in use or replayed")
-            # A sender uses only its newest channel to us: an older one from
-            # the same address belongs to a sender that restarted or gave up on it.
-            stale = [c for c in self._inbound.values() if c.peer == msg.sender_addr]
             # Threads, not channels: a replaced channel's thread may still be
             # waiting for its set-up to time out.
             if self._recv_threads >= MAX_INBOUND_CHANNELS:

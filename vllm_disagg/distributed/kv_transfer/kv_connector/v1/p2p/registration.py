@@ -21,7 +21,6 @@ by the next heartbeat after ZMQ reconnects (within about a second).
 from __future__ import annotations
 
 import atexit
-import ipaddress
 import socket
 import threading
 import time
@@ -34,7 +33,7 @@ import msgspec
 import zmq
 
 from vllm_disagg import envs
-from vllm_disagg.wire.peers import canonical_host, format_addr
+from vllm_disagg.wire.peers import format_addr
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.logs import RateLimitedLog
@@ -54,6 +53,10 @@ from vllm_disagg.wire.discovery import (
 )
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import dp_rank_of
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
+    TransportError,
+    addresses_of,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -305,17 +308,13 @@ class RegistrationClient:
         self._log.warning(router.addr, fmt, *args)  # one per router per interval
 
 
-def _addresses(host: str) -> set[str]:
-    """The IPs ``host`` names (itself when it is one); empty when it does not resolve."""
+def _addresses(host: str) -> frozenset[str]:
+    """What ``host`` stands for (the transports' resolution); empty when it
+    does not resolve."""
     try:
-        return {canonical_host(ipaddress.ip_address(host.strip("[]")).compressed)}
-    except ValueError:
-        pass
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return set()
-    return {canonical_host(info[4][0]) for info in infos}
+        return addresses_of(host)
+    except TransportError:
+        return frozenset()
 
 
 def _is_local(ip: str) -> bool:

@@ -219,3 +219,19 @@ async def test_pipelined_requests_past_the_limit_drop_the_connection(pd):
     writer.close()
     assert _closed(router, "too_many_pipelined") == 1
     assert len(p.requests) <= 1
+
+
+async def test_junk_connections_are_counted_each_but_logged_once_per_interval(pd, caplog):
+    """uvicorn warns once per request its parser refuses: a stranger sending
+    junk wrote one log line per connection."""
+    router, _, _ = await pd(**LIMITS)
+    with caplog.at_level("WARNING"):
+        for _ in range(20):
+            reader, writer = await _connect(router)
+            writer.write(b"\x16\x03\x01 not http at all\r\n\r\n")
+            await _closed_by_peer(reader)
+            writer.close()
+    assert _closed(router, "invalid_http") == 20
+    lines = [r for r in caplog.records if "Invalid HTTP request received" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    await _healthy_request_works(router)

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import socket
+import time
 
 from aiohttp import web
 
@@ -140,6 +141,47 @@ async def test_prefill_timeout_retries_elsewhere(pd, fakes):
         await p.disconnected.wait()
         await p2.disconnected.wait()
     assert router.metric("vllm_disagg_router_prefill_failures_total", reason="timeout") == 2
+
+
+async def test_prefill_legs_on_an_instance_whose_heartbeats_stop_are_retried_at_once(pd, fakes):
+    """A stopped prefill holds its legs until --prefill-timeout-s (300 s by
+    default) unless its removal ends them: once its heartbeats are overdue
+    (checked every second, traffic or not), its legs go to another prefill."""
+    router, p, d = await pd(prefill_timeout_s=30.0, request_timeout_s=40.0)
+    p.hang = True
+    request = asyncio.create_task(router.post("/v1/completions", BODY))
+    async with asyncio.timeout(WAIT_S):
+        while not p.requests:
+            await asyncio.sleep(0.01)
+    p2 = await fakes("p2")
+    router.clock.advance(router.registry.heartbeat_timeout_s + 1)
+    router.add(p2, Role.PREFILL)  # p2 and d heartbeat, p is silent
+    router.add(d, Role.DECODE)
+    started = time.monotonic()
+    status, body, _ = await request
+    assert status == 200 and body == d.answer()
+    assert time.monotonic() - started < 5.0  # one sweep (1 s); a bound for slow hosts
+    assert len(p2.requests) == 1
+    assert router.metric("vllm_disagg_router_prefill_failures_total",
+                         reason="instance_removed") == 1  # fmt: skip
+    assert router.metric("vllm_disagg_router_instance_removals_total", reason="expired") == 1
+    async with asyncio.timeout(WAIT_S):
+        await p.disconnected.wait()  # the router closed the stopped prefill's leg
+
+
+async def test_a_deregistered_prefill_finishes_its_legs(pd):
+    """An instance that says goodbye (a graceful shutdown) still answers
+    what it holds: its legs are not ended."""
+    router, p, d = await pd()
+    p.delay_s = 0.5
+    request = asyncio.create_task(router.post("/v1/completions", BODY))
+    async with asyncio.timeout(WAIT_S):
+        while not p.requests:
+            await asyncio.sleep(0.01)
+    assert router.registry.deregister(f"{p.name}-id")
+    status, body, _ = await request
+    assert status == 200 and body == d.answer()
+    assert len(p.requests) == 1 and not p.disconnected.is_set()
 
 
 async def test_first_token_timeout_is_a_504_before_anything_was_sent(pd):

@@ -24,12 +24,15 @@ class):
   answered (uvicorn queues any number, each with its parsed head).
 
 Every connection closed for a bound is counted by reason through
-``on_closed`` (``vllm_disagg_router_client_connections_closed_total``).
+``on_closed`` (``vllm_disagg_router_client_connections_closed_total``), and
+uvicorn's own warning per broken request is rate-limited (a stranger sending
+junk would otherwise write one log line per connection).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -37,6 +40,9 @@ from http import HTTPStatus
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from vllm_disagg.router.proxy import error_json
+from vllm_disagg.wire.logs import RateLimitedLog
+
+logger = logging.getLogger(__name__)
 
 # Reasons a connection is closed (label values of the metric).
 TOO_MANY_CONNECTIONS = "too_many_connections"
@@ -77,8 +83,39 @@ _TOO_LARGE = _plain_response(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
                              "request headers too large")  # fmt: skip
 
 
+# What uvicorn logs once per broken request, at WARNING, on "uvicorn.error".
+UVICORN_PER_REQUEST_WARNINGS = frozenset({
+    "Invalid HTTP request received.", "Unsupported upgrade request.",
+})  # fmt: skip
+
+
+class _RateLimitUvicornWarnings(logging.Filter):
+    """Holds back uvicorn's per-request warnings; at most one line per
+    interval says how many there were (each is counted on /metrics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._log = RateLimitedLog(logger)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message not in UVICORN_PER_REQUEST_WARNINGS:
+            return True
+        self._log.warning(message, "uvicorn: %s (every one is counted in "
+                          "client_connections_closed_total)", message)  # fmt: skip
+        return False
+
+
+def rate_limit_uvicorn_warnings() -> None:
+    """Install the filter on uvicorn's error logger, once per process."""
+    uvicorn_logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _RateLimitUvicornWarnings) for f in uvicorn_logger.filters):
+        uvicorn_logger.addFilter(_RateLimitUvicornWarnings())
+
+
 def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with ``limits`` applied."""
+    rate_limit_uvicorn_warnings()
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         def __init__(self, *args, **kwargs) -> None:

@@ -54,6 +54,7 @@ JSON = "application/json"
 UPSTREAM_KEEPALIVE_S = 4.0
 MODELS_CACHE_S = 10.0
 MODELS_CACHE_ENTRIES = 256
+EXPIRY_SWEEP_S = 1.0  # how often silent instances are looked for without traffic
 # Headers of the client's request that are not passed on: hop-by-hop ones,
 # those the router sets itself, and Quart's Remote-Addr.
 _NOT_FORWARDED = frozenset({
@@ -248,6 +249,14 @@ class _PrefillResult:
     outcome: str = ""
 
 
+@dataclass(eq=False)
+class _PrefillLeg:
+    """A prefill request in flight, which ``_instance_removed`` can end."""
+
+    timeout: asyncio.Timeout
+    lost: bool = False  # ended because its instance was removed
+
+
 class RequestProxy:
     def __init__(
         self,
@@ -267,9 +276,15 @@ class RequestProxy:
         # as its decodes list it
         self._models_cache: dict[tuple, tuple[float, tuple[str, ...], list[dict]]] = {}
         self._probes: set[asyncio.Task] = set()
+        # instance id -> the prefill legs in flight there (see _instance_removed)
+        self._prefill_legs: dict[str, set[_PrefillLeg]] = {}
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """One client session for every upstream call, pooled connections."""
+        """One client session for every upstream call, pooled connections;
+        heartbeat expiry checked every second even while no request comes."""
+        self.registry.on_removed.append(self._instance_removed)
+        self._sweeper = asyncio.create_task(self._sweep_expired())
         self._session = aiohttp.ClientSession(
             # An idle connection is dropped before vLLM's (uvicorn's 5 s) keep-alive
             # ends: reusing one the server is closing would fail a request.
@@ -278,7 +293,9 @@ class RequestProxy:
         )
 
     async def close(self) -> None:
-        for task in list(self._probes):
+        if self._instance_removed in self.registry.on_removed:
+            self.registry.on_removed.remove(self._instance_removed)
+        for task in [*self._probes, *([self._sweeper] if self._sweeper else [])]:
             task.cancel()
         if self._session is not None:
             await self._session.close()
@@ -623,19 +640,42 @@ class RequestProxy:
                                      instance.http_addr)  # fmt: skip
             self.registry.report(instance, False)
 
+    async def _sweep_expired(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_SWEEP_S)
+            self.registry.expire()
+
+    def _instance_removed(self, instance: Instance, reason: str) -> None:
+        """An instance whose heartbeats stopped (stopped, hung, or cut off)
+        will not answer its prefill legs either: end them now, and each is
+        retried on another prefill, instead of waiting out
+        ``--prefill-timeout-s``. Other removals end nothing: a deregistered
+        instance finishes what it has, a refused connection fails by itself."""
+        if reason != "expired":
+            return
+        for leg in self._prefill_legs.pop(instance.instance_id, ()):
+            leg.lost = True
+            leg.timeout.reschedule(asyncio.get_running_loop().time())
+
     async def _prefill(self, ex: _Exchange, prefill: Instance, decode: Instance) -> _PrefillResult:
         request_id, peers = ex.name_peers(prefill, decode, self.config.token)
         started = time.monotonic()
         ok: bool | None = None
+        leg: _PrefillLeg | None = None
         self.registry.begin(prefill)
         try:
-            async with asyncio.timeout(min(self.config.prefill_timeout_s, ex.remaining())):
+            async with asyncio.timeout(min(self.config.prefill_timeout_s, ex.remaining())) as t:
+                leg = _PrefillLeg(t)
+                self._prefill_legs.setdefault(prefill.instance_id, set()).add(leg)
                 body = prefill_body(ex.body, peers)
                 async with self._post(ex, prefill, body, request_id) as resp:
                     data = await resp.read()
             ok = resp.status < 500
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            reason, ok = self._failed(prefill, e)
+            if leg is not None and leg.lost:
+                reason, ok = "instance_removed", None  # already out of the registry
+            else:
+                reason, ok = self._failed(prefill, e)
             self.metrics.prefill_failures.labels(reason).inc()
             elapsed = time.monotonic() - started
             if reason == "timeout" and ex.remaining() <= 0:
@@ -644,6 +684,11 @@ class RequestProxy:
             return _PrefillResult(False, elapsed, reason)
         finally:
             self.registry.finish(prefill, ok)
+            legs = self._prefill_legs.get(prefill.instance_id)
+            if legs is not None:
+                legs.discard(leg)  # type: ignore[arg-type]
+                if not legs:
+                    del self._prefill_legs[prefill.instance_id]
         elapsed = time.monotonic() - started
         if resp.status >= 500:
             self.metrics.prefill_failures.labels("status").inc()

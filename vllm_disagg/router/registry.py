@@ -120,6 +120,9 @@ class InstanceRegistry:
     # What happened to instances, for /metrics: removals by reason, breaker opens.
     removals: Counter[str] = field(default_factory=Counter, init=False)
     breaker_opens: int = field(default=0, init=False)
+    # Called with (instance, reason) after an instance is removed (the proxy
+    # ends its legs to an instance whose heartbeats stopped).
+    on_removed: list[Callable[[Instance, str], None]] = field(default_factory=list, init=False)
 
     # --- membership ------------------------------------------------------
 
@@ -263,6 +266,8 @@ class InstanceRegistry:
         self.removals[reason] += 1
         logger.info("instance %s (%s %s) removed: %s", instance.instance_id,
                     instance.role.value, instance.http_addr, reason)  # fmt: skip
+        for callback in self.on_removed:
+            callback(instance, reason)
 
     # --- selection support -----------------------------------------------
 

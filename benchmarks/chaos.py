@@ -12,7 +12,7 @@ started, and writes benchmarks/results/chaos/<scenario>.{json,md,png}.
 The logic lives in vllm_disagg/testing/{fleet,traffic,chaos}.py, which
 tests/chaos/test_chaos.py runs in a bounded version on every commit.
 
-Scenarios: steady, stop-peer, kill-prefill, kill-router, kill-decode-rank,
+Scenarios: steady, hostile, stop-peer, kill-prefill, kill-router, kill-decode-rank,
 kill-decode (see vllm_disagg/testing/chaos.py). ``all`` runs each in turn.
 
     flock /tmp/vllm-e2e.lock timeout 3600 .venv/bin/python benchmarks/chaos.py all --requests 300
@@ -44,6 +44,7 @@ SEED = 20261125
 # What each fault costs, said once for the tables.
 FAULT_WORDS = {
     "steady": "no fault",
+    "hostile": "strangers flood every port with {hostile_per_port} hostile messages each",
     "stop-peer": "SIGSTOP prefill p1 for {stop_s:.0f} s, then SIGCONT",
     "kill-prefill": "kill -9 prefill p1 (process group), restarted {restart_after_s:.0f} s later",
     "kill-router": "kill -9 the router, restarted on the same ports {router_restart_delay_s:.0f} s later",
@@ -60,8 +61,13 @@ def run_one(name: str, args: argparse.Namespace, models: dict, out: Path) -> dic
         for old in log_dir.glob("*.log"):
             old.unlink()
     config = FleetConfig(model=str(models["tiny-mixtral"]), log_dir=log_dir)
+    if args.prefill_timeout_s is not None:
+        router_args = list(config.router_args)
+        router_args[router_args.index("--prefill-timeout-s") + 1] = str(args.prefill_timeout_s)
+        config.router_args = tuple(router_args)
     opts = Options(requests=args.requests, duration_s=args.duration_s,
-                   concurrency=args.concurrency, fault_after=args.fault_after)  # fmt: skip
+                   concurrency=args.concurrency, fault_after=args.fault_after,
+                   hostile_per_port=args.hostile_per_port)  # fmt: skip
     print(f"[{name}] starting the fleet", flush=True)
     with Fleet(config) as fleet:
         print(f"[{name}] fleet up in {fleet.startup_s:.0f}s", flush=True)
@@ -133,6 +139,28 @@ def scenario_row(result: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _hostile_lines(result: dict[str, Any]) -> list[str]:
+    """The hostile scenario's table: per port, what was sent and what was counted."""
+    fault = result["fault"]
+    if "ports" not in fault:
+        return []
+    lines = [f"Hostile input: {fault['messages_sent']} messages or connections on "
+             f"{len(fault['ports'])} ports at once; processes gone: "
+             f"{fault['processes_gone'] or 'none'}.", "",
+             "| port | kind | sent | by kind | seconds | counted by |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for port in fault["ports"]:
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(port["by_kind"].items()) if v)
+        lines.append(f"| {port['target']} | {port['kind']} | {port['sent']} | {kinds} | "
+                     f"{port['seconds']} | {port['counted_by']} |")  # fmt: skip
+    lines += ["", "Rejections counted on /metrics (bounds: what reached the application; "
+              "libzmq drops a frame over the socket's size limit before it does, and a client "
+              "that abandons a truncated request is not refused):", "",
+              "| counted by | counted | at least | at most |", "|---|---|---|---|"]  # fmt: skip
+    for name, c in fault["counted"].items():
+        lines.append(f"| {name} | {c['counted']:.0f} | {c['at_least']} | {c['at_most']} |")
+    return [*lines, ""]
+
+
 def render(result: dict[str, Any], out: Path) -> None:
     name = result["scenario"]
     row = scenario_row(result)
@@ -153,10 +181,12 @@ def render(result: dict[str, Any], out: Path) -> None:
         f"{row['retried']:.0f} | {row['recomputed']:.0f} | {row['recovered_s']} | "
         f"{row['errors_until_s']} | {'yes' if result['quiet'] else 'NO'} |",
         "",
+        *_hostile_lines(result),
         "Fault timings (seconds; `*_at` from the start of the scenario's traffic):",
         "",
         "```json",
-        json.dumps(result["fault"], indent=1),
+        json.dumps({k: v for k, v in result["fault"].items() if k not in ("ports", "counted")},
+                   indent=1),
         "```",
         "",
         f"Router: {json.dumps(result['router'])}",
@@ -305,6 +335,11 @@ def main() -> int:
                         help="requests answered before the fault")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=40,
                         help="requests sent before the scenario's 'before' snapshot")  # fmt: skip
+    parser.add_argument("--hostile-per-port", type=int, default=10_000,
+                        help="hostile: messages (ZMQ) or connections (TCP) per port")  # fmt: skip
+    parser.add_argument("--prefill-timeout-s", type=float, default=None,
+                        help="the router's --prefill-timeout-s (default: the fleet's 10 s; "
+                        "the router's own default is 300 s)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--render", action="store_true",
                         help="only rewrite md, png and summary.md from the JSON files in --out")  # fmt: skip

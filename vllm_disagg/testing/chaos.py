@@ -23,22 +23,32 @@ Scenarios:
 * ``kill-router``: ``kill -9`` the router, restarted on the same ports.
 * ``stop-peer``: ``SIGSTOP`` one prefill past the router's heartbeat and
   prefill timeouts and the decode's KV load timeout, then ``SIGCONT``.
+* ``hostile``: strangers flood every port the project opens (the router's
+  HTTP and discovery ports, each instance's P2P control port and tcp data
+  ports, the decode's step sync coordinator) with malformed, truncated,
+  oversized, forged and type-confused messages (vllm_disagg/testing/
+  hostile.py), all at once, while the traffic runs; per port, what was sent
+  and what the target counted on /metrics.
 """
 
 from __future__ import annotations
 
+import random
+import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import requests
 
+from vllm_disagg.testing import hostile
 from vllm_disagg.testing.fleet import Fleet, FleetError, ProcStat, instance_summary
 from vllm_disagg.testing.traffic import Record, Spec, TrafficRun, recovery, summarize
 
-SCENARIOS = ("steady", "stop-peer", "kill-prefill", "kill-router", "kill-decode-rank",
+SCENARIOS = ("steady", "hostile", "stop-peer", "kill-prefill", "kill-router", "kill-decode-rank",
              "kill-decode")  # fmt: skip
 
 # Counters sampled on every vLLM member (summed over labels) ...
@@ -74,6 +84,10 @@ class Options:
     router_restart_delay_s: float = 1.0
     quiet_timeout_s: float = 60.0
     sample_interval_s: float = 2.0
+    # hostile: messages (ZMQ) or connections (TCP) per port, and a time bound per port.
+    hostile_per_port: int = 10_000
+    hostile_time_s: float = 300.0
+    hostile_seed: int = 0
 
 
 # --- sampling --------------------------------------------------------------------
@@ -331,8 +345,181 @@ def _fault_stop_peer(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[s
     return out
 
 
+# --- hostile input ----------------------------------------------------------------
+
+_DATA_PORT_LINE = re.compile(r"P2P tcp data port listening on (\S+)")
+_COORDINATOR_LINE = re.compile(r"step sync DP engine core .* coordinator=tcp://(\S+)")
+# Where each target's rejections are counted: (member, metric names summed over labels).
+_ROUTER_HTTP_COUNTERS = ("vllm_disagg_router_client_connections_closed_total",)
+# Requests refused: by the router (bad body, unknown model) or relayed from a decode (4xx).
+_REFUSED_OUTCOMES = ("bad_request", "no_instance", "upstream_client_error")
+_STEP_SYNC_COUNTERS = tuple(f"vllm_disagg:step_sync_coordinator_{k}_messages"
+                            for k in ("malformed", "unauthenticated", "stale"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Target:
+    """One port of the fleet and where its rejections show on /metrics."""
+
+    label: str  # "router http", "p1 p2p data 127.0.0.1:4242", ...
+    service: str  # "http", "discovery", "p2p control", "p2p data" or "step sync"
+    kind: str  # "http", "zmq" or "stream"
+    address: str  # host:port
+    counter: str  # what counts its rejections: "router http", "router discovery",
+    #               "<member> p2p", "<member> step sync"
+    protocol: hostile.ZmqProtocol | None = None
+
+
+def _log_addresses(fleet: Fleet, name: str, pattern: re.Pattern) -> list[str]:
+    text = fleet.members[name].server.log_path.read_text(errors="replace")
+    return sorted(set(pattern.findall(text)))
+
+
+def hostile_targets(fleet: Fleet) -> list[Target]:
+    """Every port the project opens in ``fleet``: the router's HTTP and
+    discovery ports, each instance's P2P control port and the tcp data ports
+    its log names, and the step sync coordinator the decode's log names."""
+    router = fleet.router
+    assert router is not None
+    targets = [
+        Target("router http", "http", "http", f"127.0.0.1:{router.port}", "router http"),
+        Target("router discovery", "discovery", "zmq", f"127.0.0.1:{router.discovery_port}",
+               "router discovery", hostile.discovery_protocol()),
+    ]  # fmt: skip
+    control = hostile.p2p_control_protocol()
+    for m in fleet.serving():
+        if m.kv_addr is None:
+            continue
+        targets.append(Target(f"{m.name} p2p control", "p2p control", "zmq", m.kv_addr,
+                              f"{m.name} p2p", control))  # fmt: skip
+        for addr in _log_addresses(fleet, m.name, _DATA_PORT_LINE):
+            targets.append(Target(f"{m.name} p2p data {addr}", "p2p data", "stream", addr,
+                                  f"{m.name} p2p"))  # fmt: skip
+    step_sync = hostile.step_sync_protocol()
+    for m in fleet.decodes():
+        for addr in _log_addresses(fleet, m.name, _COORDINATOR_LINE):
+            if not any(t.address == addr for t in targets):
+                targets.append(Target(f"{m.name} step sync {addr}", "step sync", "zmq", addr,
+                                      f"{m.name} step sync", step_sync))  # fmt: skip
+    return targets
+
+
+def _counted(fleet: Fleet, counter: str) -> float:
+    """Rejections counted so far by ``counter`` (see :class:`Target`)."""
+    member, _, what = counter.partition(" ")
+    if member == "router":
+        values = fleet.metrics("router", prefix="vllm_disagg_router_")
+        if what == "discovery":
+            names: tuple[str, ...] = ("vllm_disagg_router_discovery_rejected_total",)
+        else:
+            names = _ROUTER_HTTP_COUNTERS
+        total = sum(v for n in names for v in values.get(n, {}).values())
+        if what == "http":  # requests answered with an error (the router's or a decode's)
+            total += sum(v for labels, v in values.get("vllm_disagg_router_requests_total",
+                                                       {}).items()
+                         if any(f'outcome="{o}"' in labels for o in _REFUSED_OUTCOMES))  # fmt: skip
+        return total
+    if what == "p2p":
+        return fleet.metric_sum(member, "vllm:p2p_rejected_messages")
+    values = fleet.metrics(member, prefix="vllm_disagg:step_sync_coordinator_")
+    return sum(v for n in _STEP_SYNC_COUNTERS for n2, labels in values.items()
+               if n2 in (n, f"{n}_total") for v in labels.values())  # fmt: skip
+
+
+def _flood(target: Target, opts: Options, seed: int) -> hostile.Sent:
+    if target.kind == "zmq":
+        assert target.protocol is not None
+        # Strangers: no key (a captured frame replayed is refused by the
+        # protocols' own replay rules, tested in their unit tests).
+        return hostile.flood_zmq(target.address, target.protocol, count=opts.hostile_per_port,
+                                 time_s=opts.hostile_time_s, seed=seed)  # fmt: skip
+    payloads = hostile.http_payloads if target.kind == "http" else hostile.stream_payloads
+    return _flood_tcp_parallel(target.address, payloads, opts, seed)
+
+
+def _flood_tcp_parallel(address: str, payloads, opts: Options, seed: int,
+                        parts: int = 8) -> hostile.Sent:  # fmt: skip
+    """``parts`` clients at a time. Each reads until the target closes the
+    connection (a request it answered: every request sent says ``Connection:
+    close``), except that a truncated message is abandoned after 0.2 s, as a
+    careless client does: a client that leaves is not refused, and not counted."""
+    host, _, port = address.rpartition(":")
+    count = opts.hostile_per_port
+
+    def one(i: int) -> hostile.Sent:
+        return hostile.flood_tcp(host.strip("[]"), int(port), payloads(random.Random(seed * 100 + i)),
+                                 count=count // parts + (i < count % parts),
+                                 time_s=opts.hostile_time_s, read_s=10.0,
+                                 read_s_by_kind={"truncated": 0.2})  # fmt: skip
+
+    with ThreadPoolExecutor(parts) as pool:
+        sent = list(pool.map(one, range(parts)))
+    by_kind: dict[str, int] = {}
+    for s in sent:
+        for k, v in s.by_kind.items():
+            by_kind[k] = by_kind.get(k, 0) + v
+    return hostile.Sent(by_kind, max(s.seconds for s in sent))
+
+
+def expected_rejections(target: Target, sent: hostile.Sent) -> tuple[int, int]:
+    """(at least, at most) rejections ``target`` must count for ``sent``.
+
+    ZMQ: everything but what libzmq may drop before the application sees
+    it (a frame over the socket's size limit, with its connection). HTTP:
+    everything but truncated requests the client abandoned (a client that
+    goes away is not refused). Data ports: every connection, once.
+    """
+    if target.kind == "zmq":
+        return sent.total - sent.alone, sent.total
+    if target.kind == "http":
+        return sent.total - sent.by_kind.get("truncated", 0), sent.total
+    return sent.total, sent.total
+
+
+def _fault_hostile(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str, Any]:
+    traffic.wait_for(opts.fault_after, timeout_s=opts.duration_s)
+    targets = hostile_targets(fleet)
+    counters = sorted({t.counter for t in targets})
+    before = {c: _counted(fleet, c) for c in counters}
+    pids_before = {name: sorted(s.pid for s in stats) for name, stats in fleet.probes().items()}
+    at = fleet.note(f"hostile floods on {len(targets)} ports")
+    with ThreadPoolExecutor(len(targets)) as pool:
+        sent = dict(zip(targets, pool.map(
+            lambda it: _flood(it[1], opts, opts.hostile_seed + it[0]), enumerate(targets))))  # fmt: skip
+    ended_at = fleet.note("hostile floods ended")
+    bounds: dict[str, list[int]] = {c: [0, 0] for c in counters}
+    for t, s in sent.items():
+        low, high = expected_rejections(t, s)
+        bounds[t.counter][0] += low
+        bounds[t.counter][1] += high
+
+    def counted() -> dict[str, float]:
+        return {c: _counted(fleet, c) - before[c] for c in counters}
+
+    # Counters reach /metrics with the next engine step or scrape: the traffic goes on.
+    now = counted()
+    deadline = time.monotonic() + 60.0
+    while any(now[c] < bounds[c][0] for c in counters) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = counted()
+    pids_after = {name: sorted(s.pid for s in stats) for name, stats in fleet.probes().items()}
+    return {
+        "at": at,
+        "ended_at": ended_at,
+        "ports": [{"target": t.label, "service": t.service, "kind": t.kind, "address": t.address,
+                   "counted_by": t.counter, "sent": s.total, "by_kind": s.by_kind,
+                   "seconds": round(s.seconds, 3)} for t, s in sent.items()],  # fmt: skip
+        "counted": {c: {"counted": now[c], "at_least": bounds[c][0], "at_most": bounds[c][1]}
+                    for c in counters},  # fmt: skip
+        "messages_sent": sum(s.total for s in sent.values()),
+        "processes_gone": sorted(f"{name} {pid}" for name, pids in pids_before.items()
+                                 for pid in pids if pid not in pids_after.get(name, ())),  # fmt: skip
+    }
+
+
 FAULTS: dict[str, Callable[[Fleet, TrafficRun, Options], dict[str, Any]]] = {
     "steady": _fault_steady,
+    "hostile": _fault_hostile,
     "kill-prefill": _fault_kill_prefill,
     "kill-decode": _fault_kill_decode,
     "kill-decode-rank": _fault_kill_decode_rank,

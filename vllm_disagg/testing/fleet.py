@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 import requests
 
+from vllm_disagg import envs
 from vllm_disagg.testing.p2p import free_kv_port, kv_transfer_config
 from vllm_disagg.testing.router import RouterProcess
 from vllm_disagg.testing.server import VllmServer, cpu_test_env, get_free_port
@@ -68,6 +69,9 @@ class FleetConfig:
     )  # fmt: skip
     server_args: tuple[str, ...] = SERVER_ARGS
     startup_timeout_s: float = 420.0
+    # The P2P plane's shared secret, as a production fleet sets it: frames
+    # from strangers (the hostile scenario) fail authentication.
+    p2p_secret: str = "chaos-fleet-p2p-secret"
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -192,7 +196,7 @@ class Fleet:
         self.log_dir = Path(config.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.model = str(config.model)
-        self.env = cpu_test_env()
+        self.env = cpu_test_env(**{envs.VLLM_DISAGG_P2P_SECRET: config.p2p_secret})
         self.router: RouterProcess | None = None
         self.old_routers: list[RouterProcess] = []
         self.members: dict[str, Member] = {}

@@ -140,7 +140,7 @@ def step_sync_protocol() -> ZmqProtocol:
             )  # fmt: skip
         else:
             msg = s.Abort(version=s.PROTOCOL_VERSION, seq=rng.randrange(1, 100), reason="fuzz")
-        return s._seal(key or b"\0" * 32, s._TO_COORDINATOR, msg)  # noqa: SLF001
+        return s.seal(key or b"\0" * 32, s.TO_COORDINATOR, msg)
 
     return ZmqProtocol("step_sync", s.MAX_MESSAGE_BYTES, sample)
 
@@ -174,6 +174,8 @@ def flood_zmq(
     waiting on the target."""
     rng = random.Random(seed)
     ctx = zmq.Context()
+    # Closed sockets count until their messages left (LINGER): room for many.
+    ctx.set(zmq.MAX_SOCKETS, 8192)
     by_kind = dict.fromkeys(KINDS, 0)
     started = time.monotonic()
     frames_of = hostile_frames(proto, rng, key)

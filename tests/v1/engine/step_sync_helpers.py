@@ -75,7 +75,7 @@ class SimEngine:
         """A real pass meets the peers in collectives, which they reach only
         once ``step`` is granted to them: wait for the grant as that would."""
         time.sleep(0.002)
-        while self.part._delivered < step and not self.stop.is_set():
+        while self.part.delivered < step and not self.stop.is_set():
             if self.part.failure is not None:
                 self.failures.append(self.part.failure)
                 self.stop.wait()

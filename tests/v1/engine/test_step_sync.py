@@ -9,12 +9,14 @@ import pytest
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.v1.engine.step_sync import (
+    TO_COORDINATOR,
     Coordinator,
     GroupPhase,
     Participant,
     RankState,
     StepSyncConfig,
     new_group_secret,
+    seal,
 )
 
 from step_sync_helpers import settled as _settled
@@ -58,9 +60,7 @@ def test_work_on_one_rank_wakes_the_others(group):
 
 
 def _seal(secret, msg):
-    from vllm_disagg.v1.engine import step_sync
-
-    return step_sync._seal(secret, step_sync._TO_COORDINATOR, msg)
+    return seal(secret, TO_COORDINATOR, msg)
 
 
 def _rank_state(rank, seq, requested=0, local_step=0, **overrides):
@@ -78,14 +78,14 @@ def test_out_of_range_step_request_is_rejected(group):
     wait_until(lambda: coord.registered == [0, 1], what="registration")
     part = engines[0].part
     # A registered rank asking far beyond its lease is a protocol violation.
-    part.requested = 10**9
+    part.core.requested = 10**9
     part._publish()
     wait_until(lambda: coord.counters.snapshot()["malformed_messages"] >= 1, what="rejection")
     assert coord.step == 0
     # Asking within the lease, then repeating or lowering the ask, moves
     # the coordinator step once.
     for step in (3, 3, 1, 2):
-        part.requested = step
+        part.core.requested = step
         part._publish()
         time.sleep(0.05)
     wait_until(lambda: coord.step == 3, what="grant")
@@ -111,8 +111,7 @@ def test_silent_coordinator_fails_participants_fast(group):
     started = time.monotonic()
     # Its thread stops answering and sends nothing, not even an Abort: what
     # a coordinator process that hangs or is SIGKILLed looks like.
-    coord._handle = lambda frames: None
-    coord._failed = "stopped silently"
+    coord._deliver = lambda sends: False
     coord._stop.set()
     wait_until(lambda: all(e.failures for e in engines), timeout_s=15, what="failure reports")
     assert time.monotonic() - started < 10
@@ -279,7 +278,7 @@ def test_only_an_ungranted_pass_waits_for_its_grant(recorders):
         r1.part.begin_forward(dummy=False)
         # A pass takes longer than a loopback round trip (made deterministic
         # here, so that a loaded machine cannot turn it around).
-        wait_until(lambda: r1.part._delivered >= r1.part.requested, what="renewal granted")
+        wait_until(lambda: r1.part.delivered >= r1.part.requested, what="renewal granted")
         r1.part.observe_grant(r1.grants[-1])
     assert r1.part.stats["grant_waits"] == 1
     wait_until(lambda: r0.grants and r0.grants[-1] == coord.step >= 21, what="peer grants")
@@ -310,7 +309,7 @@ def test_ipv6_loopback_group():
         for part in parts:
             part.wait_for_group(5)
         parts[1].begin_forward(dummy=False)
-        wait_until(lambda: parts[0]._delivered >= 1, what="grant over IPv6")
+        wait_until(lambda: parts[0].delivered >= 1, what="grant over IPv6")
     finally:
         coord.close(timeout_s=1)
         for part in parts:

@@ -55,7 +55,7 @@ def test_steady_work_through_a_lossy_link_keeps_every_rank_in_step(group):
         lambda: settled(coord, engines),
         timeout_s=10,
         what=lambda: f"all ranks at one step: coordinator {coord.step}, ranks "
-        f"{[(e.part.local_step, e.part._delivered, e.work_steps, e.failures) for e in engines]}",
+        f"{[(e.part.local_step, e.part.delivered, e.work_steps, e.failures) for e in engines]}",
     )
     time.sleep(0.3)
     assert relay.chunks_dropped > 0, "the relay lost nothing; the test proves nothing"
@@ -99,8 +99,7 @@ def test_a_pass_that_is_never_granted_is_reported(group):
     wait_until(lambda: coord.registered == [0, 1], what="registration")
     # The coordinator hangs (its process is stuck): it reads nothing, answers
     # nothing, and sends no Abort on its way out.
-    coord._handle = lambda frames: None
-    coord._failed = "hung"
+    coord._deliver = lambda sends: False
     coord._stop.set()
     engines[1].add_work(1)
     wait_until(lambda: engines[1].failures, timeout_s=5, what="a failure report")

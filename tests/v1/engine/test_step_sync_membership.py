@@ -11,9 +11,9 @@ import pytest
 import zmq
 from step_sync_helpers import settled, wait_until
 
-from vllm_disagg.v1.engine import step_sync
 from vllm_disagg.v1.engine.step_sync import (
-    MAC_BYTES,
+    TO_COORDINATOR,
+    TO_PARTICIPANT,
     Abort,
     Coordinator,
     Participant,
@@ -21,7 +21,9 @@ from vllm_disagg.v1.engine.step_sync import (
     StepSyncConfig,
     StepSyncGroupError,
     new_group_secret,
+    seal,
 )
+from vllm_disagg.wire.frames import MAC_BYTES
 
 
 def _participant(config, rank, address, secret, failures):
@@ -149,10 +151,10 @@ def _forged_frames(rng: random.Random, secret: bytes, real_incarnations: dict[in
     if kind == 6:  # signed with the right key but replayed (stale sequence number)
         rank = rng.randrange(2)
         state = _state(rank, 1, requested=1, incarnation=real_incarnations[rank])
-        return step_sync._seal(secret, step_sync._TO_COORDINATOR, state)
+        return seal(secret, TO_COORDINATOR, state)
     if kind == 7:  # signed for the other direction (reflection)
         state = _state(0, 10**6, incarnation=real_incarnations[0])
-        return step_sync._seal(secret, step_sync._TO_PARTICIPANT, state)
+        return seal(secret, TO_PARTICIPANT, state)
     return [rng.randbytes(8), rng.randbytes(8), rng.randbytes(8)]  # wrong frame count
 
 

@@ -21,7 +21,6 @@ import pytest
 import torch
 import zmq
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import engine as engine_mod
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     KVLayout,
@@ -29,6 +28,11 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     RecvSlot,
     SendTransfer,
     SlotState,
+    limits,
+    zmq_endpoint,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import (
+    logger as engine_logger,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.recv_state import RecvState
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
@@ -214,11 +218,11 @@ class WarningCounter(logging.Handler):
         self.records.append(record)
 
     def __enter__(self):
-        engine_mod.logger.addHandler(self)
+        engine_logger.addHandler(self)
         return self
 
     def __exit__(self, *exc):
-        engine_mod.logger.removeHandler(self)
+        engine_logger.removeHandler(self)
 
 
 # --- the three send modes ----------------------------------------------------
@@ -484,7 +488,7 @@ def test_get_for_a_key_never_held_fails_at_the_deadline(make_engine):
     assert slot.state is SlotState.FAILED
     # Asked until the deadline: the last Get's reply or the last retry ends it.
     assert ("no reply" in slot.reason or "in time" in slot.reason) and prefill.addr in slot.reason
-    assert time.monotonic() >= exp_deadline - engine_mod.GET_RETRY_INTERVAL_S - 0.01
+    assert time.monotonic() >= exp_deadline - limits.GET_RETRY_INTERVAL_S - 0.01
     decode.release(slot)
     assert_nothing_held(decode)
     assert prefill.take_finished_sends() == []
@@ -655,7 +659,7 @@ def test_a_flood_of_bad_frames_does_not_disturb_a_transfer(make_engine, secret):
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.setsockopt(zmq.SNDTIMEO, 5000)  # a blocked send fails instead of hanging
-    dealer.connect(engine_mod.zmq_endpoint(decode.addr))
+    dealer.connect(zmq_endpoint(decode.addr))
     flood_error: list[BaseException] = []
 
     def flood():
@@ -859,7 +863,7 @@ def test_a_get_accepted_without_an_offer_is_asked_again_until_settled(make_engin
                                                                   status=status))])
         (first_route, first_at), (route, second_at) = gets
         assert route == first_route  # the same socket: nothing was lost
-        assert second_at - first_at >= engine_mod.GET_CONFIRM_INTERVAL_S - 0.05
+        assert second_at - first_at >= limits.GET_CONFIRM_INTERVAL_S - 0.05
         slot = wait_slot(decode, "k", timeout=5.0)
         assert slot.state is SlotState.FAILED and Status.GONE in slot.reason
         assert time.monotonic() - start < 10.0

@@ -17,9 +17,8 @@ import pytest
 import torch
 import zmq
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import engine as engine_mod
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import SlotState
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import SlotState, limits
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Hello,
     Offer,
@@ -188,7 +187,7 @@ def test_a_hello_without_the_secret_gets_no_reply_and_no_thread(make_engine):
 
 
 def test_hello_flood_is_capped(make_engine, monkeypatch):
-    monkeypatch.setattr(engine_mod, "MAX_INBOUND_CHANNELS", 8)
+    monkeypatch.setattr(limits, "MAX_INBOUND_CHANNELS", 8)
     decode = make_engine("fake", "PUT_ASYNC")
     threads = threading.active_count()
     stranger = Stranger(decode.addr)
@@ -207,7 +206,7 @@ def test_replacing_channels_cannot_pile_up_threads(make_engine, monkeypatch):
     """One sender address, many Hellos that never join: each replaces the last,
     but the replaced ones' threads still wait for their set-up; the cap counts
     threads, so a flood under one address is bounded too."""
-    monkeypatch.setattr(engine_mod, "MAX_INBOUND_CHANNELS", 8)
+    monkeypatch.setattr(limits, "MAX_INBOUND_CHANNELS", 8)
     decode = make_engine("fake", "PUT_ASYNC")
     threads = threading.active_count()
     stranger = Stranger(decode.addr)
@@ -241,7 +240,7 @@ def test_a_replayed_or_stale_hello_is_refused(make_engine):
         first = hello(decode, channel_id="once")
         assert stranger.ask(first).status == Status.OK
         assert stranger.ask(first).reason == "duplicate"
-        old = hello(decode, channel_id="old", sent_at=time.time() - 2 * engine_mod.MAX_HELLO_AGE_S)
+        old = hello(decode, channel_id="old", sent_at=time.time() - 2 * limits.MAX_HELLO_AGE_S)
         assert stranger.ask(old).reason == "stale"
     finally:
         stranger.close()
@@ -276,14 +275,14 @@ def test_a_channel_whose_sender_died_is_reclaimed(make_engine):
         receive(decode, f"k{seed}", [10, 11], 0)
         prefill.engine.close()  # its sockets close, as when the process dies
     wait_for(lambda: not decode.engine._inbound, "inbound channels of dead senders closed",
-             timeout=3 * engine_mod.IDLE_CHECK_INTERVAL_S + 5)  # fmt: skip
+             timeout=3 * limits.IDLE_CHECK_INTERVAL_S + 5)  # fmt: skip
     alive = [t.name for t in threading.enumerate() if t.name in senders]
     assert not alive, alive
 
 
 def test_idle_peer_threads_retire(make_engine, monkeypatch):
     """50 decodes that died left 50 live sender threads on the prefill."""
-    monkeypatch.setattr(engine_mod, "PEER_IDLE_S", 0.3)
+    monkeypatch.setattr(limits, "PEER_IDLE_S", 0.3)
     prefill = make_engine("fake", "PUT", hold=0.3)
     dead = [f"127.0.0.{i + 1}:9" for i in range(50)]  # nothing listens on port 9
     xfers = [prefill.start_send(f"k{i}", f"r{i}", addr, [1], all_saved=True, prompt_digest=DIGEST)
@@ -364,7 +363,7 @@ def test_a_pulled_send_that_fails_before_its_offer_fails_the_load_now(make_engin
     start = time.monotonic()
     decode.expect("k", 0, deadline(30.0), get_from=prefill.addr, prompt_digest=DIGEST)
     assert not wait_done(xfer).ok
-    slot = wait_slot(decode, "k", timeout=3 * engine_mod.GET_CONFIRM_INTERVAL_S + 5)
+    slot = wait_slot(decode, "k", timeout=3 * limits.GET_CONFIRM_INTERVAL_S + 5)
     assert slot.state is SlotState.FAILED and Status.GONE in slot.reason
     assert time.monotonic() - start < 10.0
     decode.release(slot)
@@ -373,7 +372,7 @@ def test_a_pulled_send_that_fails_before_its_offer_fails_the_load_now(make_engin
 def test_a_silent_peer_costs_one_bounded_wait_and_stalls_no_other_peer(make_engine, monkeypatch):
     """A decode that died (its port open, nobody answering) held every send to
     it for kv_hold_timeout_s; sends to a live decode must not wait for it."""
-    monkeypatch.setattr(engine_mod, "CONTROL_REPLY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(limits, "CONTROL_REPLY_TIMEOUT_S", 0.5)
     prefill = make_engine("fake", "PUT_ASYNC", hold=30.0, seed=1)
     live = make_engine("fake", "PUT_ASYNC", seed=2)
     ctx = zmq.Context()

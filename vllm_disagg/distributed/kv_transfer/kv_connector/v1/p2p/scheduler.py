@@ -48,6 +48,11 @@ from vllm_disagg.wire.peers import (
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import (
     start_registration,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.roles import (
+    KV_BOTH,
+    KV_CONSUMER,
+    KV_PRODUCER,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
@@ -57,6 +62,7 @@ from vllm_disagg.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVRole
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -221,16 +227,16 @@ class P2pSchedulerConnector:
         return canonical_addr(addr) == self._canonical_addr
 
     def _is_decode(self, peer: PeerInfo) -> bool:
-        role = self.config.role
-        if role == "kv_consumer":
+        role: KVRole = self.config.role
+        if role == KV_CONSUMER:
             return True
-        return role == "kv_both" and self._is_me(peer.decode_addr)
+        return role == KV_BOTH and self._is_me(peer.decode_addr)
 
     def _is_prefill(self, peer: PeerInfo) -> bool:
-        role = self.config.role
-        if role == "kv_producer":
+        role: KVRole = self.config.role
+        if role == KV_PRODUCER:
             return True
-        return (role == "kv_both" and self._is_me(peer.prefill_addr)
+        return (role == KV_BOTH and self._is_me(peer.prefill_addr)
                 and not self._is_me(peer.decode_addr))  # fmt: skip
 
     # --- decode ---

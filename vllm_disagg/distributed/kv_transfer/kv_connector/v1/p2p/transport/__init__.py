@@ -6,13 +6,15 @@ import importlib
 
 import torch
 
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
+    TRANSPORTS as TRANSPORT_NAMES,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     Channel,
     Transport,
     TransportError,
 )
 
-TRANSPORT_NAMES = ("auto", "tcp", "gloo", "nccl", "fake")
 # name -> (submodule, class); imported on first use
 _CLASSES = {
     "tcp": ("tcp", "TcpTransport"),

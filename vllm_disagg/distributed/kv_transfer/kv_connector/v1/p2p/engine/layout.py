@@ -1,0 +1,83 @@
+"""The local KV cache as ``layers x blocks`` of bytes, and what a peer's must match."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import LayoutSpec
+
+
+class KVLayout:
+    """The registered KV cache tensors seen as ``layers x blocks`` of bytes.
+
+    vLLM 0.32 gives every attention layer a view whose dim 0 is the block
+    (logical ``[B, H, N, C]`` for every physical layout, see
+    ``vllm/v1/kv_cache_layout.py``); when each block is contiguous in memory
+    (the CPU backend's LBHNC, most GPU layouts) blocks are sent straight from
+    the cache as byte views, otherwise they are gathered first.
+    """
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], block_size: int):
+        if not kv_caches:
+            raise ValueError("P2pNcclConnector: no KV cache tensors were registered")
+        self.layer_names = list(kv_caches)
+        self.tensors = [kv_caches[name] for name in self.layer_names]
+        first = self.tensors[0]
+        for name, t in zip(self.layer_names, self.tensors):
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise ValueError(
+                    "P2pNcclConnector needs one KV cache shape for every layer; "
+                    f"{name} has {tuple(t.shape)} {t.dtype}, "
+                    f"{self.layer_names[0]} has {tuple(first.shape)} {first.dtype}"
+                )
+        self.num_blocks = first.shape[0]
+        self.block_size = block_size
+        self.dtype = first.dtype
+        self.device = first.device
+        self.page_bytes = first[0].numel() * first.element_size()
+        self.blocks_contiguous = all(t[0].is_contiguous() for t in self.tensors)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tensors)
+
+    @property
+    def spec(self) -> LayoutSpec:
+        return LayoutSpec(
+            num_layers=self.num_layers,
+            page_bytes=self.page_bytes,
+            block_size=self.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def read_blocks(self, layer: int, block_ids: list[int]) -> list[torch.Tensor]:
+        """The bytes of ``block_ids`` of one layer, in order, without a copy if possible."""
+        t = self.tensors[layer]
+        if self.blocks_contiguous:
+            return [t[b].reshape(-1).view(torch.uint8) for b in block_ids]
+        index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+        return [t.index_select(0, index).reshape(-1).view(torch.uint8)]
+
+    def write_blocks(self, layer: int, block_ids: list[int], src: torch.Tensor) -> bool:
+        """Copy ``len(block_ids)`` pages of bytes from ``src`` into the cache;
+        True when that was an asynchronous copy from another device (host
+        memory into a CUDA cache) that may still be reading ``src``."""
+        t = self.tensors[layer]
+        pages = src.view(t.dtype).view(len(block_ids), *t.shape[1:])
+        crossing = pages.device != t.device
+        if crossing:
+            pages = pages.to(t.device, non_blocking=True)
+        index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
+        t.index_copy_(0, index, pages)
+        return crossing and t.device.type == "cuda"
+
+
+def check_compatible(local: LayoutSpec, remote: LayoutSpec) -> str | None:
+    """Why KV from ``remote`` cannot be copied into ``local`` blocks, or None."""
+    for name in ("num_layers", "page_bytes", "block_size", "dtype"):
+        if getattr(local, name) != getattr(remote, name):
+            return (
+                f"KV layout mismatch: {name} is {getattr(remote, name)} on the peer and "
+                f"{getattr(local, name)} here (same model, dtype and --block-size needed)"
+            )
+    return None

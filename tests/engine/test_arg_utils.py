@@ -1,5 +1,5 @@
 """Start-up validation: upstream's options (an enabler) and this project's
-step-sync options (a feature) are separate registry entries in one module.
+step-sync options (a feature that adds its check through the enabler's hook).
 
 The end-to-end behaviour (`vllm serve` exits 2 naming the key) is in
 tests/entrypoints/test_cli.py.
@@ -17,7 +17,7 @@ import pytest
 from vllm_disagg import envs
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.patches import PATCHES
-from vllm_disagg.patches.engine import arg_utils
+from vllm_disagg.patches.engine import arg_utils, arg_utils_step_sync
 
 BY_NAME = {p.name: p for p in PATCHES}
 
@@ -35,9 +35,21 @@ def _config(additional_config, dp_size=2, *, moe=True, fault_tolerance=False):
 def test_step_sync_options_are_a_feature_next_to_the_enabler():
     enabler, feature = BY_NAME["startup-validation"], BY_NAME["step-sync-options"]
     assert (enabler.kind, feature.kind) == ("enabler", "feature")
-    assert enabler.module == feature.module == arg_utils.__name__
-    # apply_all goes in registry order: the feature hooks into the enabler's wrapper.
+    assert (enabler.module, feature.module) == (arg_utils.__name__, arg_utils_step_sync.__name__)
     assert PATCHES.index(enabler) < PATCHES.index(feature)
+
+
+def test_the_always_on_enabler_imports_no_feature():
+    """Features add their checks through the enabler's hooks; the enabler
+    module, loaded alone, pulls in neither the P2P config nor step sync."""
+    code = (
+        "import sys\n"
+        "import vllm_disagg.patches.engine.arg_utils\n"
+        "print(sorted(m for m in sys.modules if 'p2p' in m or 'step_sync' in m))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize(
@@ -50,12 +62,12 @@ def test_step_sync_options_are_a_feature_next_to_the_enabler():
 )
 def test_bad_step_sync_options_name_the_key(options, key):
     with pytest.raises(ConfigError, match=key):
-        arg_utils.check_step_sync_options(_config(options))
+        arg_utils_step_sync.check_step_sync_options(_config(options))
 
 
 def test_good_or_absent_step_sync_options_pass():
-    arg_utils.check_step_sync_options(_config({"step_sync_lookahead": 4}))
-    arg_utils.check_step_sync_options(_config(None, dp_size=1))
+    arg_utils_step_sync.check_step_sync_options(_config({"step_sync_lookahead": 4}))
+    arg_utils_step_sync.check_step_sync_options(_config(None, dp_size=1))
 
 
 def test_fault_tolerance_is_refused_for_moe_dp():
@@ -65,7 +77,7 @@ def test_fault_tolerance_is_refused_for_moe_dp():
         ConfigError,
         match=r"step sync does not support --enable-fault-tolerance.*VLLM_DISAGG_DISABLE=1",
     ):
-        arg_utils.check_step_sync_options(_config(None, fault_tolerance=True))
+        arg_utils_step_sync.check_step_sync_options(_config(None, fault_tolerance=True))
 
 
 @pytest.mark.parametrize(
@@ -74,7 +86,8 @@ def test_fault_tolerance_is_refused_for_moe_dp():
 def test_fault_tolerance_without_step_sync_passes(dp_size, moe):
     """Step sync runs only for MoE models with DP > 1; elsewhere fault
     tolerance is upstream's business."""
-    arg_utils.check_step_sync_options(_config(None, dp_size, moe=moe, fault_tolerance=True))
+    config = _config(None, dp_size, moe=moe, fault_tolerance=True)
+    arg_utils_step_sync.check_step_sync_options(config)
 
 
 _APPLY = (

@@ -21,7 +21,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
 )
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.patches import PATCHES
-from vllm_disagg.patches.engine import arg_utils
+from vllm_disagg.patches.engine import arg_utils, arg_utils_p2p
 
 BY_NAME = {p.name: p for p in PATCHES}
 PATCH = BY_NAME["p2p-kv-transfer-json"]
@@ -67,8 +67,7 @@ def parser():
 
 def test_registry_entry():
     assert PATCH.kind == "feature"
-    assert PATCH.module == arg_utils.__name__
-    assert PATCH.apply_fn == "apply_p2p_kv_transfer_json"
+    assert PATCH.module == arg_utils_p2p.__name__
     assert "Unexpected keyword argument" in PATCH.why
     # It hooks into the enabler's wrappers, so it comes after it.
     assert PATCHES.index(BY_NAME["startup-validation"]) < PATCHES.index(PATCH)
@@ -151,7 +150,7 @@ def test_post_init_normalises_a_dict_before_upstream(monkeypatch):
         arg_utils, "_upstream_post_init", lambda self: seen.append(self.kv_transfer_config)
     )
     monkeypatch.setattr(
-        arg_utils, "_feature_args_fixups", [arg_utils.normalize_engine_args_kv_transfer]
+        arg_utils, "_feature_args_fixups", [arg_utils_p2p.normalize_engine_args_kv_transfer]
     )
     config = json.loads(seed_json("kv_consumer", "8e9", "22001"))
     arg_utils.__post_init__(SimpleNamespace(model="org/model", kv_transfer_config=config))
@@ -181,7 +180,7 @@ def test_create_engine_config_normalises_and_checks(monkeypatch):
     monkeypatch.setattr(arg_utils, "_feature_args_fixups", [])
     monkeypatch.setattr(arg_utils, "_feature_config_checks", [])
     monkeypatch.setattr(EngineArgs, "add_cli_args", EngineArgs.__dict__["add_cli_args"])
-    arg_utils.apply_p2p_kv_transfer_json()
+    arg_utils_p2p.apply()
     args = SimpleNamespace(
         distributed_executor_backend=None,
         data_parallel_backend="mp",

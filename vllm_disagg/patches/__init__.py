@@ -2,7 +2,10 @@
 
 Each entry names one module of ours that changes one upstream module. The
 module mirrors the upstream path (``patches/v1/engine/core.py`` changes
-``vllm/v1/engine/core.py``) and exposes ``apply()`` and ``is_applied()``.
+``vllm/v1/engine/core.py``) and exposes ``apply()`` and ``is_applied()``. A
+feature that adds its checks through an enabler's hooks has its own module
+beside the enabler's (``engine/arg_utils_p2p.py``), so an enabler, which is
+always on, imports no feature.
 
 Three kinds of patch:
 
@@ -365,9 +368,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="step-sync-options",
-        module="vllm_disagg.patches.engine.arg_utils",
-        apply_fn="apply_step_sync_options",
-        check_fn="is_step_sync_options_applied",
+        module="vllm_disagg.patches.engine.arg_utils_step_sync",
         upstream="vllm.engine.arg_utils.EngineArgs.create_engine_config",
         kind="feature",
         why=(
@@ -392,9 +393,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         name="p2p-kv-transfer-json",
-        module="vllm_disagg.patches.engine.arg_utils",
-        apply_fn="apply_p2p_kv_transfer_json",
-        check_fn="is_p2p_kv_transfer_json_applied",
+        module="vllm_disagg.patches.engine.arg_utils_p2p",
         upstream=(
             "vllm.engine.arg_utils.EngineArgs.add_cli_args / __post_init__ / "
             "create_engine_config"

@@ -89,9 +89,11 @@ def test_actor_init_runs_step_sync_init_on_itself(monkeypatch, ray_actor_patch):
     recorders: step sync's __init__ must run on the instance and reach the
     upstream base through super() (upstream's actor class gets TypeError)."""
     calls = []
-    monkeypatch.setattr(
-        core_actor, "load_patch_set", lambda config, dp_rank: calls.append(("patches", dp_rank))
-    )
+
+    def load_patch_set(config, dp_rank, process):
+        calls.append(("patches", dp_rank))
+
+    monkeypatch.setattr(core_actor, "load_patch_set", load_patch_set)
 
     def mixin_init(self, vllm_config, addresses, dp_rank, local_dp_rank):
         calls.append(("mixin", addresses, dp_rank, local_dp_rank))
@@ -125,7 +127,7 @@ def test_actor_init_runs_step_sync_init_on_itself(monkeypatch, ray_actor_patch):
 
 
 def test_actor_init_refuses_elastic_ep_with_a_message(monkeypatch):
-    monkeypatch.setattr(core_actor, "load_patch_set", lambda config, dp_rank: None)
+    monkeypatch.setattr(core_actor, "load_patch_set", lambda config, dp_rank, **_: None)
     monkeypatch.setattr(EngineCoreActorMixin, "__init__", lambda self, *a: None)
     config = _vllm_config()
     config.parallel_config.enable_elastic_ep = True
@@ -214,7 +216,7 @@ def test_fresh_worker_process_loads_the_actor_and_the_patch_set():
         "cls = pickle.loads(sys.stdin.buffer.read())\n"
         "import vllm.v1.engine.core as core\n"
         "assert core.DPMoEEngineCoreActor is not cls  # nothing applied yet\n"
-        "from vllm_disagg.v1.engine.core_actor import load_patch_set\n"
+        "from vllm_disagg.plugin import load_patch_set\n"
         "load_patch_set(None, dp_rank=1)\n"
         "from vllm_disagg.v1.engine.core import StepSyncDPEngineCoreProc\n"
         "assert core.DPMoEEngineCoreActor is cls, core.DPMoEEngineCoreActor\n"

@@ -24,17 +24,8 @@ from __future__ import annotations
 
 from vllm.v1.engine.core import EngineCoreActorMixin
 
-from vllm_disagg.logger import init_logger
+from vllm_disagg.plugin import load_patch_set
 from vllm_disagg.v1.engine.core import StepSyncDPEngineCoreProc
-
-logger = init_logger(__name__)
-
-
-def load_patch_set(vllm_config, dp_rank: int) -> None:
-    """Apply the patch set in this (Ray worker) process and verify it."""
-    from vllm_disagg.patches.v1.engine.core import load_patch_set as load
-
-    load(vllm_config, dp_rank, process="Ray engine actor")
 
 
 class StepSyncDPMoEEngineCoreActor(EngineCoreActorMixin, StepSyncDPEngineCoreProc):
@@ -54,7 +45,7 @@ class StepSyncDPMoEEngineCoreActor(EngineCoreActorMixin, StepSyncDPEngineCorePro
         dp_rank: int = 0,
         local_dp_rank: int = 0,
     ):
-        load_patch_set(vllm_config, dp_rank)
+        load_patch_set(vllm_config, dp_rank, process="Ray engine actor")
         vllm_config.parallel_config.data_parallel_rank = dp_rank
         EngineCoreActorMixin.__init__(self, vllm_config, addresses, dp_rank, local_dp_rank)
         # Named explicitly (upstream resolves the module global at call time).
@@ -63,4 +54,4 @@ class StepSyncDPMoEEngineCoreActor(EngineCoreActorMixin, StepSyncDPEngineCorePro
         )
 
 
-__all__ = ["StepSyncDPMoEEngineCoreActor", "load_patch_set"]
+__all__ = ["StepSyncDPMoEEngineCoreActor"]

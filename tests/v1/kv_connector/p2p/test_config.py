@@ -4,7 +4,9 @@ name the key, and the per-worker port plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -579,3 +581,49 @@ def test_registering_beyond_loopback_needs_the_router_token(monkeypatch):
     message = _error(config.check_security)
     assert message.startswith("kv_connector_extra_config.proxy_ip: registrations")
     assert envs.VLLM_DISAGG_ROUTER_TOKEN in message
+
+
+# --- the option table: one source for parsing, defaults and the docs ------------
+
+
+def test_both_ways_in_share_the_cross_field_rules():
+    """The JSON and direct construction run one check; only the key labels differ."""
+    assert _error(_config, {"proxy_port": 30001}).startswith(
+        "kv_connector_extra_config.proxy_ip, kv_connector_extra_config.proxy_port: give both"
+    )
+    assert _error(P2pConfig, role="kv_both", base_port=1, proxy_port=30001).startswith(
+        "proxy_ip, proxy_port: give both"
+    )
+    assert _error(P2pConfig, role="kv_both", base_port=1, proxy_ip="r", proxy_port=1) == (
+        "http_port: required with proxy_ip/proxy_port (the port of this instance's API "
+        "server that the router forwards requests to)"
+    )
+
+
+def test_every_option_is_a_field_with_the_tables_default():
+    fields = {f.name: f for f in dataclasses.fields(P2pConfig)}
+    assert EXTRA_CONFIG_KEYS == tuple(o.key for o in p2p_config.OPTIONS)
+    for option in p2p_config.OPTIONS:
+        assert fields[option.name].default == option.default, option.key
+        assert option.help and option.refused and option.type, option.key
+
+
+DOC = Path(__file__).resolve().parents[4] / "docs" / "p2p_connector.md"
+
+
+def test_docs_key_table_is_the_option_table():
+    """docs/p2p_connector.md's table of kv_connector_extra_config keys is
+    rendered from OPTIONS; after a change run
+    `.venv/bin/python -m vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config`."""
+    assert p2p_config.doc_table(DOC.read_text()) == p2p_config.markdown_table()
+
+
+def test_update_doc_rewrites_only_the_table(tmp_path):
+    path = tmp_path / "doc.md"
+    stale = f"intro\n\n{p2p_config.DOC_BEGIN}\n| old |\n{p2p_config.DOC_END}\n\nafter\n"
+    path.write_text(stale)
+    assert p2p_config.update_doc(path) is True
+    text = path.read_text()
+    assert text.startswith("intro\n\n") and text.endswith(f"{p2p_config.DOC_END}\n\nafter\n")
+    assert p2p_config.doc_table(text) == p2p_config.markdown_table()
+    assert p2p_config.update_doc(path) is False

@@ -18,46 +18,18 @@ start method the child is a fresh interpreter; it only loads general plugins
 inside ``EngineCore.__init__``, after ``run_engine_core`` has already picked
 the engine class (``DPEngineCoreProc`` or ``EngineCoreProc``). Replacing the
 target with a function of this package means unpickling the target imports
-``vllm_disagg`` in the child, and the wrapper applies every patch before the
-upstream body runs.
+``vllm_disagg`` in the child, and the wrapper applies every patch
+(:func:`vllm_disagg.plugin.load_patch_set`) before the upstream body runs.
 """
 
 from __future__ import annotations
 
-import os
-
-from vllm.logger import configure_logging_if_needed
 from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
-from vllm_disagg.logger import init_logger
+from vllm_disagg.plugin import load_patch_set
 from vllm_disagg.v1.metrics.probe import PROBE
 
-logger = init_logger(__name__)
-
 _upstream_run_engine_core = EngineCoreProc.__dict__["run_engine_core"].__func__
-
-
-def load_patch_set(vllm_config, dp_rank: int, process: str = "engine core") -> None:
-    """Apply the patch set in a fresh engine process (spawned or a Ray actor)
-    and verify it, before anything picks an engine class."""
-    import vllm_disagg
-    from vllm_disagg.patches import verify_applied
-
-    # Upstream configures logging first thing too; do it before our own line.
-    if logging_config := getattr(vllm_config, "logging_config", None):
-        configure_logging_if_needed(logging_config)
-    vllm_disagg.register()
-    status = verify_applied()
-    missing = [name for name, ok in status.items() if not ok]
-    if missing:
-        raise RuntimeError(f"vllm_disagg patches not in place in {process}: {missing}")
-    logger.info(
-        "vllm_disagg: %s dp_rank=%d pid=%d verified patches: %s",
-        process,
-        dp_rank,
-        os.getpid(),
-        ", ".join(status),
-    )
 
 
 def run_engine_core(*args, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs):

@@ -1,6 +1,11 @@
 """The P2pNcclConnector's options: one frozen dataclass parsed from
 ``--kv-transfer-config``, with one-line errors that name the key.
 
+Every key of ``kv_connector_extra_config`` is one row of :data:`OPTIONS` (type,
+default, parser, help); the rules between keys are one function, ``_check_cross_fields``.
+Direct construction and the JSON go through both, and docs/p2p_connector.md's
+key table is rendered from the rows (``python -m`` this module rewrites it).
+
 Users select the connector with the seed design document's JSON::
 
     --kv-transfer-config '{"kv_connector":"P2pNcclConnector","kv_role":"kv_producer",
@@ -53,14 +58,22 @@ import ipaddress
 import json
 import math
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm_disagg import envs
-from vllm_disagg.wire.peers import canonical_host, format_addr, is_loopback
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.roles import (
+    KV_BOTH,
+    KV_CONSUMER,
+    KV_PRODUCER,
+    KV_ROLES,
+)
+from vllm_disagg.wire.peers import canonical_host, format_addr, is_loopback
 
 logger = init_logger(__name__)
 
@@ -75,7 +88,9 @@ class SendType(str, enum.Enum):
     PUT_ASYNC = "PUT_ASYNC"  # prefill sends layer by layer during the pass
 
 
-ROLES = ("kv_producer", "kv_consumer", "kv_both")
+ROLES = KV_ROLES
+# The transport names (transport/ imports them from here: reading options
+# must not import torch).
 TRANSPORTS = ("auto", "tcp", "gloo", "nccl", "fake")
 
 # Keys the seed document puts at the top level of the JSON that 0.32's
@@ -85,29 +100,6 @@ MOVED_TOP_LEVEL_KEYS = ("kv_buffer_size", "kv_ip")
 IGNORED_TOP_LEVEL_KEYS = ("kv_rank", "kv_parallel_size")
 LEGACY_TOP_LEVEL_KEYS = MOVED_TOP_LEVEL_KEYS + IGNORED_TOP_LEVEL_KEYS
 
-# Every key kv_connector_extra_config may hold; anything else is an error,
-# so a typo is never silently ignored.
-EXTRA_CONFIG_KEYS = (
-    "send_type",
-    "kv_buffer_size",
-    "mem_pool_size_gb",
-    "kv_ip",
-    "transport",
-    "kv_load_timeout_s",
-    "kv_hold_timeout_s",
-    "skip_cached_blocks",
-    "proxy_ip",
-    "proxy_port",
-    "http_port",
-    "http_ip",
-    "allowed_peers",
-    "allow_unauthenticated",
-)
-
-DEFAULT_KV_BUFFER_SIZE = 10**9
-DEFAULT_MEM_POOL_SIZE_GB = 1.0
-DEFAULT_KV_LOAD_TIMEOUT_S = 30.0
-DEFAULT_KV_HOLD_TIMEOUT_S = 60.0
 DEFAULT_KV_LOAD_FAILURE_POLICY = "recompute"
 
 MAX_PORT = 65535
@@ -244,6 +236,17 @@ def parse_advertised_host(key: str, value: Any) -> str:
     return host
 
 
+def parse_bool(key: str, value: Any) -> bool:
+    """A JSON ``true``/``false``; ``"yes"`` or ``1`` is a typo, not a choice."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: {_show(value)} is not true or false")
+    return value
+
+
+def parse_send_type(key: str, value: Any) -> SendType:
+    return SendType(parse_choice(key, value, tuple(t.value for t in SendType)))
+
+
 _ROUTERS_WHAT = (
     "a router address: host or host:port ([IPv6]:port), or a comma-separated "
     "string or JSON list of them"
@@ -269,12 +272,9 @@ def _parse_router(key: str, item: Any) -> tuple[str, int | None]:
     return parse_advertised_host(key, host), port
 
 
-def parse_routers(
-    key: str, value: Any, default_port: int | None, port_key: str = "proxy_port"
-) -> tuple[str, tuple[tuple[str, int], ...]]:
-    """``proxy_ip``: one router or several. Returns its canonical text (a
-    single host stays that host) and the ``(host, port)`` of every router;
-    items without a port use ``default_port``."""
+def parse_routers(key: str, value: Any) -> tuple[tuple[str, int | None], ...]:
+    """``proxy_ip``: one router or several, each ``(host, port or None)``; a
+    missing port is ``proxy_port``'s (:func:`_check_cross_fields`)."""
     items = value
     if isinstance(value, str):
         text = value.strip()
@@ -289,21 +289,7 @@ def parse_routers(
         raise ConfigError(f"{key}: {_show(value)} is not {_ROUTERS_WHAT}")
     if len(items) > MAX_ROUTERS:
         raise ConfigError(f"{key}: {len(items)} routers; at most {MAX_ROUTERS}")
-    canonical: list[str] = []
-    routers: list[tuple[str, int]] = []
-    for item in items:
-        host, port = _parse_router(key, item)
-        if port is None and default_port is None:
-            raise ConfigError(
-                f"{key}, {port_key}: give both (register with a router) or neither; "
-                f"without {port_key} every router needs its port (host:port)"
-            )
-        router = (host, default_port if port is None else port)
-        if router in routers:
-            raise ConfigError(f"{key}: router {format_addr(*router)} is listed twice")
-        routers.append(router)
-        canonical.append(host if port is None else format_addr(host, port))
-    return ",".join(canonical), tuple(routers)
+    return tuple(_parse_router(key, item) for item in items)
 
 
 def _default_host() -> str:
@@ -353,6 +339,8 @@ class AllowedPeers:
 
 
 def parse_allowed_peers(key: str, value: Any) -> AllowedPeers:
+    if isinstance(value, AllowedPeers):
+        return value
     items = value
     if isinstance(value, str):
         items = [i for i in value.split(",") if i.strip()]
@@ -373,6 +361,148 @@ def parse_allowed_peers(key: str, value: Any) -> AllowedPeers:
             raise ConfigError(f"{key}: {_show(item)} is not {_ALLOWED_WHAT}") from None
         hosts.append((canonical_host(host), port))
     return AllowedPeers(tuple(hosts), tuple(networks))
+
+
+# --- the options: one row per kv_connector_extra_config key ------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One key of ``kv_connector_extra_config``: how it is read, and its row in the docs."""
+
+    key: str
+    type: str  # docs: what the key accepts (Markdown)
+    default: Any  # the P2pConfig field's default
+    parse: Callable[[str, Any], Any]  # (key to name in errors, value) -> the field's value
+    help: str  # docs: what it does
+    refused: str  # docs: what start-up refuses
+    field: str = ""  # the P2pConfig field, when not ``key``
+    shown_default: str = ""  # docs: the default, when the value says too little
+    check: Callable[[str, Any], Any] | None = None  # a field value, when its unit is not the key's
+    absent: Callable[[], Any] | None = None  # a JSON without the key, when not ``default``
+
+    @property
+    def name(self) -> str:
+        return self.field or self.key
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("send_type", "`PUT_ASYNC`, `PUT`, `GET` (any case)", SendType.PUT_ASYNC,
+           parse_send_type, "send mode; must match the peers'", "other strings"),
+    Option("kv_buffer_size", 'bytes: int, float or numeric string (`"1e9"`)', 10**9,
+           parse_byte_size, "D's receive-buffer budget (unused on P)",
+           "negative, non-numeric, > 1 PiB", shown_default="1e9"),
+    Option("mem_pool_size_gb", "number (GiB)", GIB, parse_gib,
+           "host pool for what does not fit the buffer, created on first spill; 0 disables it",
+           f"< 0, > {MAX_MEM_POOL_SIZE_GB:.0f}", field="mem_pool_size_bytes",
+           shown_default="1.0", check=parse_byte_size),
+    Option("kv_ip", "IPv4, IPv6 (brackets optional), host name", "127.0.0.1", parse_host,
+           "address the workers bind and put in their messages; must be reachable by peers",
+           "wildcard, `_` in names, IPv6 zone ids, bad IPs", field="host",
+           shown_default="the address of `vllm serve --host` when it names one (not a "
+           "wildcard; the `vllm` command passes it on as `VLLM_DISAGG_SERVE_HOST`), else "
+           "vLLM's `get_ip()` (`VLLM_HOST_IP`, else the default route's address; 127.0.0.1 "
+           "without a route)", absent=_default_host),
+    Option("transport", ", ".join(f"`{t}`" for t in TRANSPORTS), "auto",
+           lambda key, value: parse_choice(key, value, TRANSPORTS),
+           "data plane; must match the peers'", "other strings",
+           shown_default="`auto` (nccl on CUDA, tcp otherwise)"),
+    Option("kv_load_timeout_s", "seconds", 30.0, parse_seconds,
+           "D: how long a request waits for its KV before it is recomputed",
+           f"≤ 0, > {MAX_TIMEOUT_S:.0f}"),
+    Option("kv_hold_timeout_s", "seconds", 60.0, parse_seconds,
+           "P: how long a send may take / held blocks wait for a pull; D: how long unclaimed "
+           "KV is kept; channel set-up on D", f"≤ 0, > {MAX_TIMEOUT_S:.0f}"),
+    Option("skip_cached_blocks", "JSON `true`/`false`", True, parse_bool,
+           "D receives only blocks after its prefix hit (when it knows the request first)",
+           "anything but a boolean"),
+    Option("proxy_ip", "one router or several: a host or `host:port` (`[IPv6]:port`), or a "
+           'comma-separated string (`"10.0.0.1,10.0.0.2:30002"`) or JSON list of them; at '
+           f"most {MAX_ROUTERS}", None, parse_routers,
+           'routers this instance registers with (see "Registering with a router")',
+           "wildcard addresses, a router listed twice, an item without a port when "
+           "`proxy_port` is unset"),
+    Option("proxy_port", "port", None, parse_port,
+           "discovery port of every `proxy_ip` item that has none; needed unless every item "
+           "has its port", "given without `proxy_ip`"),
+    Option("http_port", "port", None, parse_port,
+           "this instance's API server port, which the routers forward to; required with "
+           "`proxy_ip`; must not be one of the KV ports; a port other than `vllm serve "
+           "--port` is reported at start (a warning: a port mapping may be in between)",
+           "missing with `proxy_ip`, inside the KV port range"),
+    Option("http_ip", "host (as `kv_ip`)", None, parse_advertised_host,
+           "the host of this instance's API server as the routers must reach it; one that is "
+           "not where `vllm serve --host` listens (or, with a wildcard `--host`, not an "
+           "address of this machine, or not resolvable) is reported at start",
+           "wildcard (`0.0.0.0`, `::`) and what `kv_ip` refuses",
+           shown_default="`kv_ip` (or its default)"),
+    Option("allowed_peers", "`host`, `host:port`, IP network; comma-separated string or "
+           "JSON list", None, parse_allowed_peers,
+           'peers a request may name without a router grant (see "Security")',
+           "anything else: `kv_connector_extra_config.allowed_peers: \'x\' is not peers: ...`",
+           shown_default="none"),
+    Option("allow_unauthenticated", "JSON `true`/`false`", False, parse_bool,
+           "start with a non-loopback `kv_ip` and no P2P secret (warned at start)",
+           "anything but a boolean"),
+)  # fmt: skip
+OPTION = {option.key: option for option in OPTIONS}
+# Every key kv_connector_extra_config may hold; anything else is an error,
+# so a typo is never silently ignored.
+EXTRA_CONFIG_KEYS = tuple(OPTION)
+
+
+def _check_cross_fields(fields: dict[str, Any], label: Callable[[str], str]) -> dict[str, Any]:
+    """The rules between options, for both ways in: ``proxy_ip`` needs its
+    ports and ``http_port``. ``fields``: parsed, by field name; ``label``
+    names a key in errors. Returns them with ``proxy_ip`` canonical and
+    ``routers`` resolved."""
+    items, port = fields["proxy_ip"], fields["proxy_port"]
+    ip_key, port_key = label("proxy_ip"), label("proxy_port")
+    if items is None:
+        if port is not None:
+            raise ConfigError(f"{ip_key}, {port_key}: give both (register with a router) "
+                              "or neither")  # fmt: skip
+        return {**fields, "routers": ()}
+    routers: list[tuple[str, int]] = []
+    for host, own_port in items:
+        if own_port is None and port is None:
+            raise ConfigError(
+                f"{ip_key}, {port_key}: give both (register with a router) or neither; "
+                f"without {port_key} every router needs its port (host:port)"
+            )
+        router = (host, port if own_port is None else own_port)
+        if router in routers:
+            raise ConfigError(f"{ip_key}: router {format_addr(*router)} is listed twice")
+        routers.append(router)
+    if fields["http_port"] is None:
+        raise ConfigError(
+            f"{label('http_port')}: required with proxy_ip/proxy_port (the port of this "
+            "instance's API server that the router forwards requests to)"
+        )
+    text = ",".join(host if p is None else format_addr(host, p) for host, p in items)
+    return {**fields, "proxy_ip": text, "routers": tuple(routers)}
+
+
+def _parse_options(
+    given: Mapping[str, Any], label: Callable[[str], str], *, fields: bool
+) -> dict[str, Any]:
+    """Every option, parsed by its row, then :func:`_check_cross_fields`.
+
+    ``given``: values by key (the JSON) or, with ``fields``, by P2pConfig
+    field (direct construction, where a field's own unit is checked and
+    ``None`` is the unset default). Absent keys take their defaults.
+    """
+    out: dict[str, Any] = {}
+    for option in OPTIONS:
+        name = option.name if fields else option.key
+        if name not in given:
+            out[option.name] = option.absent() if option.absent else option.default
+        elif fields and given[name] is None and option.default is None:
+            out[option.name] = None
+        else:
+            parse = (option.check if fields else None) or option.parse
+            out[option.name] = parse(label(option.key), given[name])
+    return _check_cross_fields(out, label)
 
 
 # --- normalising the JSON ---------------------------------------------------
@@ -428,34 +558,26 @@ def normalize_kv_transfer_json(obj: dict) -> dict:
     return out
 
 
-# --- the options ------------------------------------------------------------
+# --- the dataclass -------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class P2pConfig:
     """Everything the connector reads from ``--kv-transfer-config``, typed
-    and checked. Build it with :meth:`from_vllm_config`."""
+    and checked. Build it with :meth:`from_vllm_config`. The fields of the
+    extra-config keys take their defaults (and their help) from :data:`OPTIONS`."""
 
-    role: str
-    base_port: int
-    host: str = "127.0.0.1"
-    send_type: SendType = SendType.PUT_ASYNC
-    # Receive buffer (bytes) for pushed KV before it spills to the host pool.
-    kv_buffer_size: int = DEFAULT_KV_BUFFER_SIZE
-    # Host tensor memory pool; 0 disables it.
-    mem_pool_size_bytes: int = int(DEFAULT_MEM_POOL_SIZE_GB * GIB)
-    transport: str = "auto"
-    # Decode: how long a request waits for its KV before it is recomputed.
-    kv_load_timeout_s: float = DEFAULT_KV_LOAD_TIMEOUT_S
-    # Prefill: how long a finished request's blocks wait for a peer to take them.
-    kv_hold_timeout_s: float = DEFAULT_KV_HOLD_TIMEOUT_S
-    # Decode: receive only the blocks its own prefix cache lacks (false: the
-    # whole prompt, as the old connector did; kept for measurement).
-    skip_cached_blocks: bool = True
-    # Service discovery (the routers): where to register (proxy_ip: one host
-    # or several, see parse_routers), and this instance's API server address
-    # the routers forward to (http_ip defaults to host).
-    proxy_ip: str | list[str] | tuple[str, ...] | None = None
+    role: str  # kv_role
+    base_port: int  # kv_port
+    host: str = OPTION["kv_ip"].default
+    send_type: SendType = OPTION["send_type"].default
+    kv_buffer_size: int = OPTION["kv_buffer_size"].default
+    mem_pool_size_bytes: int = OPTION["mem_pool_size_gb"].default
+    transport: str = OPTION["transport"].default
+    kv_load_timeout_s: float = OPTION["kv_load_timeout_s"].default
+    kv_hold_timeout_s: float = OPTION["kv_hold_timeout_s"].default
+    skip_cached_blocks: bool = OPTION["skip_cached_blocks"].default
+    proxy_ip: str | None = None  # canonical text; a list is accepted too
     proxy_port: int | None = None
     http_port: int | None = None
     http_ip: str | None = None
@@ -463,57 +585,23 @@ class P2pConfig:
     secret: bytes | None = field(default=None, repr=False)
     # The router's token (VLLM_DISAGG_ROUTER_TOKEN): checks the peer grants.
     grant_token: bytes | None = field(default=None, repr=False)
-    # Peers an operator vouches for without a grant (see parse_allowed_peers).
     allowed_peers: AllowedPeers | None = None
-    # Run beyond loopback without a secret (logged as a warning at start).
-    allow_unauthenticated: bool = False
+    allow_unauthenticated: bool = OPTION["allow_unauthenticated"].default
     # Derived from proxy_ip and proxy_port: (host, port) of every router.
     routers: tuple[tuple[str, int], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
-        # Direct construction gets the same checks as the JSON (field names).
+        # Direct construction gets the same rows and rules as the JSON; errors name the field.
         set_ = object.__setattr__
         set_(self, "role", parse_choice("role", self.role, ROLES))
         set_(self, "base_port", parse_port("base_port", self.base_port))
-        set_(self, "host", parse_host("host", self.host))
-        send_type = self.send_type.value if isinstance(self.send_type, SendType) else self.send_type
-        send_type = parse_choice("send_type", send_type, tuple(t.value for t in SendType))
-        set_(self, "send_type", SendType(send_type))
-        for name in ("kv_buffer_size", "mem_pool_size_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name}: {_show(value)} is not an integer >= 0")
-        set_(self, "transport", parse_choice("transport", self.transport, TRANSPORTS))
-        for name in ("kv_load_timeout_s", "kv_hold_timeout_s"):
-            set_(self, name, parse_seconds(name, getattr(self, name)))
-        for name in ("proxy_port", "http_port"):
-            if getattr(self, name) is not None:
-                set_(self, name, parse_port(name, getattr(self, name)))
-        if self.proxy_ip is not None:
-            proxy_ip, routers = parse_routers("proxy_ip", self.proxy_ip, self.proxy_port)
-            set_(self, "proxy_ip", proxy_ip)
-            set_(self, "routers", routers)
-        elif self.proxy_port is not None:
-            raise ConfigError(
-                "proxy_ip, proxy_port: give both (register with a router) or neither"
-            )
-        if self.http_ip is not None:
-            set_(self, "http_ip", parse_advertised_host("http_ip", self.http_ip))
-        if self.proxy_ip is not None and self.http_port is None:
-            raise ConfigError(
-                "http_port: required with proxy_ip/proxy_port (the port of this "
-                "instance's API server that the router forwards requests to)"
-            )
+        given = {option.name: getattr(self, option.name) for option in OPTIONS}
+        for name, value in _parse_options(given, lambda key: OPTION[key].name, fields=True).items():
+            set_(self, name, value)
         for name in ("secret", "grant_token"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bytes):
                 raise ConfigError(f"{name}: must be bytes or None")
             set_(self, name, getattr(self, name) or None)
-        if self.allowed_peers is not None and not isinstance(self.allowed_peers, AllowedPeers):
-            set_(self, "allowed_peers", parse_allowed_peers("allowed_peers", self.allowed_peers))
-        if not isinstance(self.allow_unauthenticated, bool):
-            raise ConfigError(
-                f"allow_unauthenticated: {_show(self.allow_unauthenticated)} is not true or false"
-            )
 
     @property
     def binds_beyond_loopback(self) -> bool:
@@ -576,7 +664,7 @@ class P2pConfig:
             extra = {}
         if not isinstance(extra, Mapping):
             raise ConfigError(f"{_EXTRA}: {_show(extra)} is not a JSON object")
-        unknown = sorted(str(k) for k in extra if k not in EXTRA_CONFIG_KEYS)
+        unknown = sorted(str(k) for k in extra if k not in OPTION)
         if unknown:
             close = difflib.get_close_matches(unknown[0], EXTRA_CONFIG_KEYS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -584,71 +672,13 @@ class P2pConfig:
                 f"{_EXTRA}.{unknown[0]}: unknown key{hint}; allowed keys are "
                 f"{', '.join(EXTRA_CONFIG_KEYS)}"
             )
-
-        def key(name: str) -> str:
-            return f"{_EXTRA}.{name}"
-
-        kwargs: dict[str, Any] = {
-            "role": parse_choice("kv_role", kv_transfer_config.kv_role, ROLES),
-            "base_port": parse_port("kv_port", kv_transfer_config.kv_port),
-            "secret": envs.p2p_secret(),
-            "grant_token": envs.router_token(),
-        }
-        if "allowed_peers" in extra:
-            kwargs["allowed_peers"] = parse_allowed_peers(
-                key("allowed_peers"), extra["allowed_peers"]
-            )
-        if "allow_unauthenticated" in extra:
-            value = extra["allow_unauthenticated"]
-            if not isinstance(value, bool):
-                raise ConfigError(
-                    f"{key('allow_unauthenticated')}: {_show(value)} is not true or false"
-                )
-            kwargs["allow_unauthenticated"] = value
-        if "send_type" in extra:
-            choices = tuple(t.value for t in SendType)
-            kwargs["send_type"] = parse_choice(key("send_type"), extra["send_type"], choices)
-        if "kv_buffer_size" in extra:
-            kwargs["kv_buffer_size"] = parse_byte_size(
-                key("kv_buffer_size"), extra["kv_buffer_size"]
-            )
-        if "mem_pool_size_gb" in extra:
-            kwargs["mem_pool_size_bytes"] = parse_gib(
-                key("mem_pool_size_gb"), extra["mem_pool_size_gb"]
-            )
-        kwargs["host"] = (
-            parse_host(key("kv_ip"), extra["kv_ip"]) if "kv_ip" in extra else _default_host()
-        )
-        if "transport" in extra:
-            kwargs["transport"] = parse_choice(key("transport"), extra["transport"], TRANSPORTS)
-        for name in ("kv_load_timeout_s", "kv_hold_timeout_s"):
-            if name in extra:
-                kwargs[name] = parse_seconds(key(name), extra[name])
-        if "skip_cached_blocks" in extra:
-            value = extra["skip_cached_blocks"]
-            if not isinstance(value, bool):
-                raise ConfigError(f"{key('skip_cached_blocks')}: {_show(value)} is not true or false")
-            kwargs["skip_cached_blocks"] = value
-        for name in ("proxy_port", "http_port"):
-            if name in extra:
-                kwargs[name] = parse_port(key(name), extra[name])
-        if "proxy_ip" in extra:
-            kwargs["proxy_ip"], _ = parse_routers(
-                key("proxy_ip"), extra["proxy_ip"], kwargs.get("proxy_port"), key("proxy_port")
-            )
-        elif "proxy_port" in kwargs:
-            raise ConfigError(
-                f"{key('proxy_ip')}, {key('proxy_port')}: give both (register with "
-                "a router) or neither"
-            )
-        if "http_ip" in extra:
-            kwargs["http_ip"] = parse_advertised_host(key("http_ip"), extra["http_ip"])
-        if "proxy_ip" in kwargs and "http_port" not in kwargs:
-            raise ConfigError(
-                f"{key('http_port')}: required with proxy_ip/proxy_port (the port of "
-                "this instance's API server that the router forwards requests to)"
-            )
-        return cls(**kwargs)
+        role = parse_choice("kv_role", kv_transfer_config.kv_role, ROLES)
+        base_port = parse_port("kv_port", kv_transfer_config.kv_port)
+        secret, grant_token = envs.p2p_secret(), envs.router_token()
+        fields = _parse_options(extra, lambda key: f"{_EXTRA}.{key}", fields=False)
+        del fields["routers"]
+        return cls(role=role, base_port=base_port, secret=secret, grant_token=grant_token,
+                   **fields)  # fmt: skip
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> P2pConfig:
@@ -729,13 +759,13 @@ class P2pConfig:
         if dp <= 1 or parallel_config.data_parallel_external_lb:
             return
         push = self.send_type is not SendType.GET
-        if self.role == "kv_consumer" and push:
+        if self.role == KV_CONSUMER and push:
             why = ("prefill pushes the KV to the decode rank the request names, but the "
                    "API server may hand the request to another rank")  # fmt: skip
-        elif self.role == "kv_producer" and not push:
+        elif self.role == KV_PRODUCER and not push:
             why = ("decode pulls the KV from the prefill rank the request names, but the "
                    "API server may have run the prefill on another rank")  # fmt: skip
-        elif self.role == "kv_both":
+        elif self.role == KV_BOTH:
             why = ("kv_both picks its side by comparing the request's addresses with its "
                    "own rank's, and the API server may hand the request to another rank")
         else:
@@ -770,3 +800,57 @@ def dp_rank_of(parallel_config) -> int:
     index = getattr(parallel_config, "data_parallel_index", None)
     return parallel_config.data_parallel_rank if index is None else index
 
+
+
+# --- docs/p2p_connector.md's key table, rendered from OPTIONS ---------------------
+
+DOC_BEGIN = (
+    "<!-- BEGIN kv_connector_extra_config table: generated from OPTIONS in "
+    "vllm_disagg/distributed/kv_transfer/kv_connector/v1/p2p/config.py by "
+    "`python -m vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config`; "
+    "do not edit by hand -->"
+)
+DOC_END = "<!-- END kv_connector_extra_config table -->"
+
+
+def _shown_default(option: Option) -> str:
+    if option.shown_default:
+        return option.shown_default
+    value = option.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, SendType):
+        return f"`{value.value}`"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(options: tuple[Option, ...] = OPTIONS) -> str:
+    """The docs' table of ``kv_connector_extra_config`` keys, one row per option."""
+    rows = ["| key | type | default | meaning | refused |", "| --- | --- | --- | --- | --- |"]
+    for o in options:
+        rows.append(f"| `{o.key}` | {o.type} | {_shown_default(o)} | {o.help} | {o.refused} |")
+    return "\n".join(rows)
+
+
+def doc_table(text: str) -> str:
+    """The generated part of the docs, between the markers."""
+    begin, end = text.index(DOC_BEGIN) + len(DOC_BEGIN), text.index(DOC_END)
+    return text[begin:end].strip("\n")
+
+
+def update_doc(path: str | Path) -> bool:
+    """Rewrite the table between the markers; returns whether it changed."""
+    path = Path(path)
+    text = path.read_text()
+    begin, end = text.index(DOC_BEGIN) + len(DOC_BEGIN), text.index(DOC_END)
+    new = f"{text[:begin]}\n{markdown_table()}\n{text[end:]}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":  # rewrite the docs' table (run from the repository's root)
+    path = sys.argv[1] if len(sys.argv) > 1 else "docs/p2p_connector.md"
+    print(f"{path}: {'updated' if update_doc(path) else 'up to date'}")

@@ -3,9 +3,9 @@
 Two parts, each with its configurations side by side in one run.
 
 1. **Router overhead against fake backends**, so that the router alone is
-   timed. Fake prefill and decode instances (each a small aiohttp server
-   process of its own, this script with ``--fake-backend``) answer
-   ``/v1/completions`` at once: a JSON completion, or SSE chunks like vLLM's
+   timed. Fake prefill and decode instances (each a process of its own:
+   ``python -m vllm_disagg.testing.fake_instance --tokens``, the router tests'
+   fake) answer ``/v1/completions`` at once: a JSON completion, or SSE chunks like vLLM's
    (one per token, ``max_tokens`` of them, then ``[DONE]``), optionally
    paced by a delay between chunks that the request names. Two routers run
    as subprocesses (``python -m vllm_disagg.router --static-prefill ...
@@ -38,7 +38,7 @@ Two parts, each with its configurations side by side in one run.
    per run: no prefix-cache hit on any server, the same token counts).
 
 Writes benchmarks/results/router.{json,md,png} (``--part overhead``: router-overhead.*;
-``--quick``: *-quick.*).
+``--quick``: *-quick.*; ``--out DIR``: elsewhere).
 Part 1 takes about 3 minutes, part 2 about 10 (3 ``vllm serve`` at once, each
 ``vllm bench serve`` spends ~25 s importing vLLM). ``--render JSON`` rewrites
 the md and png of a result file from its raw numbers.
@@ -52,30 +52,26 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import os
 import random
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
+from vllm_disagg.testing.fake_instance import DELAY_KEY
 from vllm_disagg.testing.p2p import free_kv_port, kv_transfer_config
 from vllm_disagg.testing.router import RouterProcess
 from vllm_disagg.testing.server import VllmServer, cpu_test_env, get_free_port, vllm_executable
 
 from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
+from common import report
+from common.procs import Child, cpu_seconds, http, label, load_snapshot, run_logged, scrape, uptime
+from common.report import fmt, load_line, ms, percent, table
+from common.stats import diff, hist_quantile, pct, pcts, ratio
 
-RESULTS = Path(__file__).parent / "results"
-LOGS = RESULTS / "logs"
 STEM = "router"
 
 # --- part 1 settings -----------------------------------------------------------
@@ -103,6 +99,9 @@ SCENARIOS = {
     "decode": (True, 48, 25.0, (32,)),
 }
 STAGGERED = frozenset({"decode"})
+# Router-added latency: (through a router, baseline) pairs of targets.
+ADDED = (("router_seq", "direct_pd"), ("router_seq", "direct"), ("router_conc", "direct"),
+         ("router_hyper", "direct_pd"))  # fmt: skip
 GOAL_SCENARIO, GOAL_CONCURRENCY, GOAL_P50_S = "stream", 32, 0.002
 CEILING_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128)
 CEILING_TARGETS = ("direct", "router_seq", "router_conc", "router_hyper")
@@ -111,7 +110,6 @@ PROMPT_WORDS = 200  # ~1.2 KB of prompt in every request body
 REQUEST_TIMEOUT_S = 30.0
 BATCH_TIMEOUT_S = 300.0
 FAKE_START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 15.0
 HIST = "vllm_disagg_router_added_latency_seconds"
 
 # --- part 2 settings -----------------------------------------------------------
@@ -132,139 +130,24 @@ BENCH_PERCENTILES = (50, 90, 99)
 BENCH_METRICS = ("ttft", "tpot", "itl", "e2el")
 GREEDY_PROMPT = "Prefill instances compute the key value cache and send it to decode instances"
 
-def http(url: str, body: dict | None = None, timeout_s: float = 10.0) -> tuple[int, bytes]:
-    """GET (or POST a JSON ``body``): (status, body). Raises OSError when unreachable."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+
+def start_fake(role: str, log_path: Path) -> Child:
+    """A fake instance in a process of its own, answering ``max_tokens`` tokens."""
+    port = get_free_port()
+    command = [sys.executable, "-m", "vllm_disagg.testing.fake_instance", "--name", role,
+               "--port", str(port), "--model", FAKE_MODEL, "--tokens"]  # fmt: skip
+    return Child(f"fake {role}", command, log_path, port).start(FAKE_START_TIMEOUT_S)
 
 
-def up(url: str) -> bool:
-    try:
-        return http(url, timeout_s=2)[0] == 200
-    except OSError:
-        return False
-
-
-# =============================================================================
-# Fake backends (``--fake-backend ROLE --fake-port PORT``: a process of its own)
-# =============================================================================
-
-
-def _chunk(i: int) -> bytes:
-    payload = {
-        "id": "cmpl-fake", "object": "text_completion", "created": 0, "model": FAKE_MODEL,
-        "choices": [{"index": 0, "text": f" t{i}", "logprobs": None, "finish_reason": None,
-                     "stop_reason": None}],
-    }  # fmt: skip
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _usage(n: int) -> bytes:
-    payload = {
-        "id": "cmpl-fake", "object": "text_completion", "created": 0, "model": FAKE_MODEL,
-        "choices": [],
-        "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
-    }  # fmt: skip
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _answer(n: int) -> bytes:
-    payload = {
-        "id": "cmpl-fake", "object": "text_completion", "created": 0, "model": FAKE_MODEL,
-        "choices": [{"index": 0, "text": "".join(f" t{i}" for i in range(n)), "logprobs": None,
-                     "finish_reason": "length", "stop_reason": None}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
-    }  # fmt: skip
-    return json.dumps(payload, separators=(",", ":")).encode()
-
-
-def serve_fake(role: str, port: int) -> int:
-    """Answer completions at once (or paced by the body's ``fake_chunk_delay_ms``)."""
-    from aiohttp import web
-
-    chunks = [_chunk(i) for i in range(256)]
-    answers: dict[int, bytes] = {}
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        n = max(1, min(int(body.get("max_tokens") or 1), len(chunks)))
-        if not body.get("stream"):
-            if n not in answers:
-                answers[n] = _answer(n)
-            return web.Response(body=answers[n], content_type="application/json")
-        delay = float(body.get("fake_chunk_delay_ms") or 0) / 1000
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-        for i in range(n):
-            if i and delay:
-                await asyncio.sleep(delay)
-            await resp.write(chunks[i])
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await resp.write(_usage(n))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text=role)
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": FAKE_MODEL}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
-    return 0
-
-
-class FakeProcess:
-    def __init__(self, role: str, log_path: Path):
-        self.role = role
-        self.port = get_free_port()
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def http_addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> FakeProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--fake-backend", self.role,
-                 "--fake-port", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + FAKE_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"fake {self.role} exited with {self.proc.returncode}")
-            if up(f"{self.url}/health"):
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"fake {self.role} not up after {FAKE_START_TIMEOUT_S:.0f}s")
-
-    def stop(self) -> None:
-        stop_process(self.proc)
+def scrape_hist(url: str) -> dict[float, float]:
+    """le -> cumulative count of the router's added-latency histogram."""
+    samples = scrape(f"{url}/metrics", f"{HIST}_bucket")
+    return {float(label(name, "le")): n for name, n in samples.items()}
 
 
 def start_routers_over_fakes(
-    stack: contextlib.ExitStack, fakes: dict[str, FakeProcess], tag: str,
-    targets: dict[str, list[str]],
+    stack: contextlib.ExitStack, fakes: dict[str, Child], tag: str,
+    targets: dict[str, list[str]], logs: Path,
 ) -> dict[str, RouterProcess]:
     """One router per target (its flags in ``targets``), its instances the fake
     prefill and decode (static: the fakes do not register); stopped by ``stack``."""
@@ -274,115 +157,11 @@ def start_routers_over_fakes(
             ["--static-prefill", f"{fakes['prefill'].http_addr},127.0.0.1:1",
              "--static-decode", f"{fakes['decode'].http_addr},127.0.0.1:2",
              *flags, "--log-level", "warning"],
-            log_path=LOGS / f"{STEM}-{tag}-{target}.log",
+            log_path=logs / f"{STEM}-{tag}-{target}.log",
         )  # fmt: skip
         stack.callback(router.stop)
         routers[target] = router.start()
     return routers
-
-
-def stop_process(proc: subprocess.Popen | None) -> None:
-    """SIGTERM a process this script started (its own session), then SIGKILL its group."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=STOP_TIMEOUT_S)
-
-
-# =============================================================================
-# Numbers
-# =============================================================================
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """The q-th percentile, linear between closest ranks (numpy's default)."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    f = math.floor(k)
-    c = min(f + 1, len(s) - 1)
-    return s[f] + (s[c] - s[f]) * (k - f)
-
-
-def pcts(values: list[float]) -> dict[str, float | None]:
-    """p10 (the least disturbed requests on a shared machine), p50, p90, p99."""
-    return {f"p{q}": pct(values, q) for q in (10, 50, 90, 99)}
-
-
-def hist_quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
-    """Prometheus' histogram_quantile over cumulative (le, count) buckets."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q / 100 * buckets[-1][1]
-    prev_le, prev_count = 0.0, 0.0
-    for le, count in buckets:
-        if count >= rank:
-            if math.isinf(le):
-                return prev_le  # above the last finite bucket: its bound, a lower bound
-            if count == prev_count:
-                return le
-            return prev_le + (le - prev_le) * (rank - prev_count) / (count - prev_count)
-        prev_le, prev_count = le, count
-    return None
-
-
-def scrape_hist(url: str) -> dict[float, float]:
-    """le -> cumulative count of the router's added-latency histogram."""
-    text = http(f"{url}/metrics")[1].decode()
-    found = {}
-    for line in text.splitlines():
-        if line.startswith(f"{HIST}_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            found[float(le)] = float(line.rsplit(" ", 1)[1])
-    return found
-
-
-def scrape_counters(url: str, prefix: str) -> dict[str, float]:
-    """Every sample starting with ``prefix`` (name{labels} -> value), no comments."""
-    text = http(f"{url}/metrics")[1].decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(prefix) and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    import psutil
-
-    try:
-        t = psutil.Process(pid).cpu_times()
-        return t.user + t.system
-    except psutil.Error:
-        return float("nan")
-
-
-def load_snapshot(mine: set[int] = frozenset()) -> dict[str, Any]:
-    """Load average, and the vLLM processes on the machine that are not ours."""
-    import psutil
-
-    others = 0
-    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
-        try:
-            if proc.pid == os.getpid() or os.getpgid(proc.pid) in mine:
-                continue
-            text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
-            if "vllm serve" in text or "EngineCore" in text or "vllm bench" in text:
-                others += 1
-        except (psutil.Error, ProcessLookupError, OSError):
-            continue
-    return {
-        "at": time.strftime("%H:%M:%S"),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
-        "other_vllm_processes": others,
-    }
 
 
 # =============================================================================
@@ -403,7 +182,7 @@ class LoadGenerator:
             body = {"model": FAKE_MODEL, "prompt": self.prompt, "max_tokens": chunks,
                     "temperature": 0.0, "stream": stream}  # fmt: skip
             if delay_ms:
-                body["fake_chunk_delay_ms"] = delay_ms
+                body[DELAY_KEY] = delay_ms
             prefill = {**body, "max_tokens": 1, "stream": False}
             self.bodies[name] = (json.dumps(body).encode(), json.dumps(prefill).encode())
         self.session: aiohttp.ClientSession | None = None
@@ -580,14 +359,13 @@ async def measure_ceiling(
 
 
 def run_overhead(args) -> dict:
-    fakes = {role: FakeProcess(role, LOGS / f"{STEM}-fake-{role}.log")
-             for role in ("prefill", "decode")}  # fmt: skip
     began = time.monotonic()
     with contextlib.ExitStack() as stack:
-        for fake in fakes.values():
-            stack.callback(fake.stop)
-            fake.start()
-        routers = start_routers_over_fakes(stack, fakes, "fakes", OVERHEAD_ROUTERS)
+        fakes = {}
+        for role in ("prefill", "decode"):
+            fakes[role] = start_fake(role, args.logs / f"{STEM}-fake-{role}.log")
+            stack.callback(fakes[role].stop)
+        routers = start_routers_over_fakes(stack, fakes, "fakes", OVERHEAD_ROUTERS, args.logs)
         pids = {
             **{target: router.proc.pid for target, router in routers.items()},
             "fake_prefill": fakes["prefill"].proc.pid,
@@ -609,7 +387,7 @@ def run_overhead(args) -> dict:
                 return raw, ceiling
 
         raw, ceiling = asyncio.run(go())
-        outcomes = {t: scrape_counters(r.url, "vllm_disagg_router_requests_total")
+        outcomes = {t: scrape(f"{r.url}/metrics", "vllm_disagg_router_requests_total")
                     for t, r in routers.items()}  # fmt: skip
         load_after = load_snapshot(mine)
     return {
@@ -656,21 +434,13 @@ def summarize_overhead(part: dict) -> dict:
             }  # fmt: skip
             lat = latency[key]
 
-            def diff(a: str, b: str, what: str) -> dict:
-                return {q: (lat[a][what][q] - lat[b][what][q])
-                        if lat[a][what][q] is not None and lat[b][what][q] is not None else None
-                        for q in ("p10", "p50", "p90", "p99")}  # fmt: skip
-
             added[key] = {
-                "router_seq - direct_pd": {"total": diff("router_seq", "direct_pd", "total"),
-                                           "ttfb": diff("router_seq", "direct_pd", "ttfb")},
-                "router_seq - direct": {"total": diff("router_seq", "direct", "total"),
-                                        "ttfb": diff("router_seq", "direct", "ttfb")},
-                "router_conc - direct": {"total": diff("router_conc", "direct", "total"),
-                                         "ttfb": diff("router_conc", "direct", "ttfb")},
-                "router_hyper - direct_pd": {"total": diff("router_hyper", "direct_pd", "total"),
-                                             "ttfb": diff("router_hyper", "direct_pd", "ttfb")},
-            }  # fmt: skip
+                f"{a} - {b}": {
+                    what: {q: diff(x, lat[b][what][q]) for q, x in lat[a][what].items()}
+                    for what in ("total", "ttfb")
+                }
+                for a, b in ADDED
+            }
             router_hist[key] = {}
             for target in OVERHEAD_ROUTERS:
                 h = by_target[target]["router_hist"]
@@ -693,6 +463,8 @@ def summarize_overhead(part: dict) -> dict:
         knee = min((k for k, v in rates.items() if v >= 0.95 * best), default=None)
         ceiling[target] = {"max_rps": best, "at_concurrency": max(rates, key=rates.get),
                            "knee_concurrency": knee}  # fmt: skip
+    for row in ceiling.values():
+        row["vs_direct"] = ratio(row["max_rps"], ceiling.get("direct", {}).get("max_rps"))
     goal_key = f"{GOAL_SCENARIO}/{GOAL_CONCURRENCY}"
 
     def alone(key: str, what: str, q: str) -> float | None:
@@ -747,23 +519,6 @@ def bench_command(url: str, model: Path, args, concurrency: int, seed: int, out:
     ]  # fmt: skip
 
 
-def run_logged(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> int:
-    """Run ``cmd`` in a session of its own, its output appended to ``log``;
-    its process group killed after ``timeout_s``."""
-    with open(log, "ab") as f:
-        f.write(f"\n$ {' '.join(cmd)}\n".encode())
-        f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)  # fmt: skip
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=STOP_TIMEOUT_S)
-            return -9
-
-
 BENCH_KEEP = (
     "completed", "failed", "duration", "request_throughput", "output_throughput",
     "total_input_tokens", "total_output_tokens",
@@ -811,68 +566,105 @@ async def warm_up(url: str, model: str, n: int, concurrency: int) -> int:
     return ok
 
 
+def start_dry_fleet(stack: contextlib.ExitStack, args) -> tuple[dict, dict[str, Child]]:
+    """Part 2 on fake instances (no vLLM servers): a dry run of the pipeline."""
+    fakes = {}
+    for role in ("prefill", "decode", "colocated"):
+        fakes[role] = start_fake(role, args.logs / f"{STEM}-dry-fake-{role}.log")
+        stack.callback(fakes[role].stop)
+    routers = start_routers_over_fakes(stack, fakes, "dry", ROUTER_FLAGS, args.logs)
+    return routers, fakes
+
+
+def start_vllm_fleet(
+    stack: contextlib.ExitStack, args, model: Path, began: float
+) -> tuple[dict, dict[str, VllmServer]]:
+    """One router per hand-off style; a colocated server, and a prefill and a decode
+    instance registered with both routers. All stopped by ``stack``."""
+    routers = {}
+    for target, flags in ROUTER_FLAGS.items():
+        router = RouterProcess([*flags, "--log-level", "warning"],
+                               log_path=args.logs / f"{STEM}-{target}.log")  # fmt: skip
+        stack.callback(router.stop)
+        routers[target] = router.start()
+    proxy_ip = ",".join(f"127.0.0.1:{r.discovery_port}" for r in routers.values())
+    env = cpu_test_env(**SERVER_ENV)
+
+    def server(name: str, extra: list[str], port: int | None = None) -> VllmServer:
+        return VllmServer(
+            model, [*SERVER_ARGS, *extra], log_path=args.logs / f"{STEM}-{name}.log",
+            env=env, port=port, startup_timeout_s=args.startup_timeout_s,
+        )  # fmt: skip
+
+    servers = {"colocated": server("colocated", [])}
+    for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        port = get_free_port()
+        config = kv_transfer_config(
+            role, free_kv_port(), send_type="PUT_ASYNC",
+            kv_load_timeout_s=KV_LOAD_TIMEOUT_S, proxy_ip=proxy_ip, http_port=str(port),
+        )  # fmt: skip
+        servers[name] = server(name, ["--kv-transfer-config", config], port)
+    for s in servers.values():  # all at once: start-up is mostly waiting
+        stack.callback(s.stop)
+        s.launch()
+    for name, s in servers.items():
+        s.wait_ready()
+        print(f"  {name} ready ({time.monotonic() - began:.0f}s)", flush=True)
+    for target, router in routers.items():
+        router.wait_for_instances(
+            lambda found: {i["role"] for i in found} >= {"prefill", "decode"},
+            timeout_s=120, what="a prefill and a decode instance",
+        )
+        if not router.healthy():
+            raise RuntimeError(f"{target} not healthy: {router.instances()}")
+    return routers, servers
+
+
+def bench_rounds(args, urls: dict[str, str], model: Path, tmp: Path, log: Path) -> list[dict]:
+    """``vllm bench serve`` against every configuration, rounds x concurrencies, in
+    a random order within each."""
+    runs: list[dict] = []
+    rng = random.Random(args.seed + 11)
+    for r in range(args.serving_rounds):
+        for conc in args.concurrency:
+            order = list(CONFIGS)
+            rng.shuffle(order)
+            for position, config in enumerate(order):
+                out = tmp / f"r{r}-c{conc}-{config}.json"
+                # A seed per run: fresh random prompts of the same lengths, so
+                # no server (P serves both routers) ever hits its prefix cache.
+                seed = args.seed + 1000 * r + 10 * conc + CONFIGS.index(config)
+                cmd = bench_command(urls[config], model, args, conc, seed, out)
+                t0 = time.monotonic()
+                rc = run_logged(cmd, log, args.bench_timeout_s, cpu_test_env())
+                took = time.monotonic() - t0
+                result = json.loads(out.read_text()) if out.exists() else {}
+                runs.append({"round": r, "concurrency": conc, "config": config,
+                             "position": position, "seed": seed, "rc": rc, "took_s": took,
+                             **keep_bench(result)})  # fmt: skip
+                print(f"  round {r + 1} c={conc} {config}: rc {rc}, "
+                      f"{result.get('completed')}/{args.num_prompts} in {took:.0f}s, "
+                      f"TTFT p50 {result.get('p50_ttft_ms') or float('nan'):.0f} ms",
+                      flush=True)  # fmt: skip
+    return runs
+
+
 def run_serving(args) -> dict:
     began = time.monotonic()
-    env = cpu_test_env(**SERVER_ENV)
-    bench_log = LOGS / f"{STEM}-bench.log"
+    bench_log = args.logs / f"{STEM}-bench.log"
     bench_log.parent.mkdir(parents=True, exist_ok=True)
     bench_log.write_text("")
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-router-")))
-        routers: dict[str, RouterProcess] = {}
-        fakes: dict[str, FakeProcess] = {}
-        servers: dict[str, Any] = {}
         model = ensure_model(Path(args.model))  # the tokenizer of vllm bench serve
-        if args.serving_fakes:  # a dry run of this part: fake instances, no vLLM servers
-            for role in ("prefill", "decode", "colocated"):
-                fakes[role] = FakeProcess(role, LOGS / f"{STEM}-dry-fake-{role}.log")
-                stack.callback(fakes[role].stop)
-                fakes[role].start()
-            routers.update(start_routers_over_fakes(
-                stack, fakes, "dry", ROUTER_FLAGS))
-            urls = {"colocated": fakes["colocated"].url,
-                    **{t: r.url for t, r in routers.items()}}  # fmt: skip
-            startup_s = time.monotonic() - began
+        if args.serving_fakes:
+            routers, servers = start_dry_fleet(stack, args)
         else:
-            for target, flags in ROUTER_FLAGS.items():
-                router = RouterProcess([*flags, "--log-level", "warning"],
-                                       log_path=LOGS / f"{STEM}-{target}.log")  # fmt: skip
-                stack.callback(router.stop)
-                routers[target] = router.start()
-            proxy_ip = ",".join(f"127.0.0.1:{r.discovery_port}" for r in routers.values())
-
-            def server(name: str, extra: list[str], port: int | None = None) -> VllmServer:
-                return VllmServer(
-                    model, [*SERVER_ARGS, *extra], log_path=LOGS / f"{STEM}-{name}.log",
-                    env=env, port=port, startup_timeout_s=args.startup_timeout_s,
-                )  # fmt: skip
-
-            servers["colocated"] = server("colocated", [])
-            for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-                port = get_free_port()
-                config = kv_transfer_config(
-                    role, free_kv_port(), send_type="PUT_ASYNC",
-                    kv_load_timeout_s=KV_LOAD_TIMEOUT_S, proxy_ip=proxy_ip, http_port=str(port),
-                )  # fmt: skip
-                servers[name] = server(name, ["--kv-transfer-config", config], port)
-            for s in servers.values():  # all at once: start-up is mostly waiting
-                stack.callback(s.stop)
-                s.launch()
-            for name, s in servers.items():
-                s.wait_ready()
-                print(f"  {name} ready ({time.monotonic() - began:.0f}s)", flush=True)
-            for target, router in routers.items():
-                router.wait_for_instances(
-                    lambda found: {i["role"] for i in found} >= {"prefill", "decode"},
-                    timeout_s=120, what="a prefill and a decode instance",
-                )
-                if not router.healthy():
-                    raise RuntimeError(f"{target} not healthy: {router.instances()}")
-            urls = {"colocated": servers["colocated"].url,
-                    **{t: r.url for t, r in routers.items()}}  # fmt: skip
-            startup_s = time.monotonic() - began
-            print(f"servers and routers ready after {startup_s:.0f}s", flush=True)
-        mine = {p.proc.pid for p in [*routers.values(), *fakes.values(), *servers.values()]}
+            routers, servers = start_vllm_fleet(stack, args, model, began)
+        urls = {"colocated": servers["colocated"].url, **{t: r.url for t, r in routers.items()}}
+        startup_s = time.monotonic() - began
+        print(f"servers and routers ready after {startup_s:.0f}s", flush=True)
+        mine = {p.proc.pid for p in [*routers.values(), *servers.values()]}
         load_before = load_snapshot(mine)
         model_name = str(model)
         greedy = {c: greedy_text(urls[c], model_name) for c in CONFIGS}
@@ -881,40 +673,18 @@ def run_serving(args) -> dict:
         warm_s = time.monotonic() - t
         print(f"warm-up done in {warm_s:.0f}s: {warm}; greedy same as colocated: "
               f"{ {c: greedy[c] == greedy['colocated'] for c in CONFIGS} }", flush=True)
-        runs: list[dict] = []
-        rng = random.Random(args.seed + 11)
         t = time.monotonic()
-        for r in range(args.serving_rounds):
-            for conc in args.concurrency:
-                order = list(CONFIGS)
-                rng.shuffle(order)
-                for position, config in enumerate(order):
-                    out = tmp / f"r{r}-c{conc}-{config}.json"
-                    # A seed per run: fresh random prompts of the same lengths, so
-                    # no server (P serves both routers) ever hits its prefix cache.
-                    seed = args.seed + 1000 * r + 10 * conc + CONFIGS.index(config)
-                    cmd = bench_command(urls[config], model, args, conc, seed, out)
-                    t0 = time.monotonic()
-                    rc = run_logged(cmd, bench_log, args.bench_timeout_s, cpu_test_env())
-                    took = time.monotonic() - t0
-                    result = json.loads(out.read_text()) if out.exists() else {}
-                    runs.append({"round": r, "concurrency": conc, "config": config,
-                                 "position": position, "seed": seed, "rc": rc, "took_s": took,
-                                 **keep_bench(result)})  # fmt: skip
-                    print(f"  round {r + 1} c={conc} {config}: rc {rc}, "
-                          f"{result.get('completed')}/{args.num_prompts} in {took:.0f}s, "
-                          f"TTFT p50 {result.get('p50_ttft_ms') or float('nan'):.0f} ms",
-                          flush=True)  # fmt: skip
+        runs = bench_rounds(args, urls, model, tmp, bench_log)
         measure_s = time.monotonic() - t
         router_metrics = {
-            t: scrape_counters(r.url, "vllm_disagg_router_") for t, r in routers.items()
+            t: scrape(f"{r.url}/metrics", "vllm_disagg_router_") for t, r in routers.items()
         }
         router_metrics = {
             t: {k: v for k, v in m.items() if not k.startswith(HIST) and v and "_created" not in k}
             for t, m in router_metrics.items()
         }
         decode_p2p = {}
-        if "decode" in servers:
+        if not args.serving_fakes:
             with contextlib.suppress(Exception):  # requests' errors, via VllmServer
                 decode_p2p = {
                     name: sum(values.values())
@@ -970,14 +740,14 @@ def summarize_serving(part: dict) -> dict:
         base = table[conc].get("colocated", {})
         for config, row in table[conc].items():
             row["vs_colocated"] = {
-                key: (row[key] / base[key]) if row.get(key) and base.get(key) else None
+                key: ratio(row.get(key) or None, base.get(key))
                 for key in ("p50_ttft_ms", "p50_tpot_ms", "p50_e2el_ms", "p90_ttft_ms",
                             "p99_ttft_ms", "request_throughput")
             }
         seq, conc_row = table[conc].get("router_seq"), table[conc].get("router_conc")
         if seq and conc_row:
             table[conc]["concurrent_vs_sequential"] = {
-                key: (conc_row[key] / seq[key]) if conc_row.get(key) and seq.get(key) else None
+                key: ratio(conc_row.get(key) or None, seq.get(key))
                 for key in ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p50_e2el_ms",
                             "request_throughput")
             }
@@ -985,167 +755,156 @@ def summarize_serving(part: dict) -> dict:
 
 
 # =============================================================================
-# Output
+# Output: tables and figures; what they mean is for docs/router.md to say
 # =============================================================================
 
 
-def ms(x: float | None, digits: int = 2) -> str:
-    return "" if x is None else f"{x * 1000:.{digits}f}"
-
-
-def f_(x: float | None, fmt: str = ".0f") -> str:
-    return "" if x is None else format(x, fmt)
-
-
-def load_line(snap: dict | None) -> str:
-    if not snap:
-        return "?"
-    la = ", ".join(f"{x:.2f}" for x in snap["loadavg"])
-    return f"{la} at {snap['at']} ({snap['other_vllm_processes']} other vLLM processes)"
-
-
-def write_markdown(result: dict, path: Path) -> None:
+def write_markdown(result: dict) -> list[str]:
     meta = result["meta"]
     lines = [
-        "# The xPyD router: overhead, ceiling, and end-to-end cost on CPU",
+        "# The xPyD router: overhead, ceiling, and end-to-end cost",
         "",
-        f"Generated by `benchmarks/router.py` on {meta['date']}"
-        f"{' (--quick)' if meta.get('quick') else ''}. Machine: {meta['machine']}. "
-        "Every process below (load generator, fake instances, routers, vLLM servers, "
-        "`vllm bench serve`) shares the same cores, with whatever else runs on the machine "
-        "(here: other people's tests that start vLLM servers, counted below as vLLM processes "
-        "this run did not start). Load average (1, 5, 15 min) "
-        + "; ".join(f"{k.replace('_', ' ')} {load_line(v)}" for k, v in meta["load"].items())
-        + ".",
+        report.generated(
+            "router.py", "A `--quick` run." if meta.get("quick") else "",
+            "Every process below (load generator, fake instances, routers, vLLM servers, "
+            "`vllm bench serve`) shares the machine's cores with whatever else runs on it "
+            "(counted as vLLM processes this run did not start). Load average (1, 5, 15 min) "
+            + "; ".join(f"{k.replace('_', ' ')} {load_line(v)}" for k, v in meta["load"].items())
+            + ".",
+            date=meta["date"], on=meta["machine"],
+        ),
         "",
-    ]
+    ]  # fmt: skip
     if "overhead" in result:
         lines += overhead_markdown(result["overhead"])
     if "serving" in result:
         lines += serving_markdown(result["serving"])
-    lines += ["## Interpretation", "", *interpretation(result), ""]
-    path.write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def scenario_text(name: str, v: dict) -> str:
+    pace = f" {v['chunk_delay_ms']:g} ms apart" if v["chunk_delay_ms"] else (
+        " sent at once" if v["stream"] else "")  # fmt: skip
+    stagger = ", each client's first request at a random point of one stream's length"
+    return (f"`{name}`: {'SSE' if v['stream'] else 'JSON'}, {v['chunks']} tokens{pace}, "
+            f"concurrency {', '.join(map(str, v['concurrency']))}"
+            + (stagger if name in STAGGERED else ""))  # fmt: skip
 
 
 def overhead_markdown(part: dict) -> list[str]:
-    s, meta = part["summary"], part["meta"]
-    sc = meta["scenarios"]
-    lines = [
+    s = part["summary"]
+    return [*overhead_setup(part["meta"]), *added_tables(s), *latency_tables(s),
+            *ceiling_tables(part)]  # fmt: skip
+
+
+def overhead_setup(meta: dict) -> list[str]:
+    batches = "; ".join(f"{k} " + ", ".join(f"{n} at {c}" for c, n in v.items())
+                        for k, v in meta["batch_sizes"].items())  # fmt: skip
+    return [
         "## 1. Router overhead against fake backends",
         "",
-        "Fake prefill and decode instances (one aiohttp process each) answer at once; the "
-        "router (`python -m vllm_disagg.router --static-prefill ... --static-decode ...`, "
-        f"{meta['router_event_loop']} event loop, one process per hand-off style) and the load "
-        "generator (this script: asyncio + aiohttp, keep-alive connections) are processes of "
-        f"their own. Request: a completion with a {meta['prompt_chars']}-character prompt; "
-        + "; ".join(f"`{k}`: {'SSE, ' if v['stream'] else 'JSON, '}{v['chunks']} tokens"
-                    + (f" {v['chunk_delay_ms']:g} ms apart" if v["chunk_delay_ms"] else
-                       (" sent at once" if v["stream"] else ""))
-                    + f", concurrency {', '.join(map(str, v['concurrency']))}"
-                    + (", each client's first request at a random point of one stream's "
-                       "length" if k in STAGGERED else "")
-                    for k, v in sc.items())
+        "Fake prefill and decode instances (`vllm_disagg.testing.fake_instance`, one process "
+        "each) answer at once; the router (`python -m vllm_disagg.router --static-prefill ... "
+        f"--static-decode ...`, {meta['router_event_loop']} event loop, one process per "
+        "hand-off style) and the load generator (this script: asyncio + aiohttp, keep-alive "
+        "connections) are processes of their own. Request: a completion with a "
+        f"{meta['prompt_chars']}-character prompt; "
+        + "; ".join(scenario_text(k, v) for k, v in meta["scenarios"].items())
         + f". {meta['rounds']} interleaved rounds (every target once per scenario and "
-        "concurrency per round, in a random order); closed-loop batches of "
-        + "; ".join(f"{k} " + ", ".join(f"{n} at {c}" for c, n in v.items())
-                    for k, v in meta["batch_sizes"].items())
-        + " requests per round.",
+        f"concurrency per round, in a random order); closed-loop batches of {batches} "
+        "requests per round.",
         "",
         "Targets: `direct` = the fake decode instance alone; `direct_pd` = the client does the "
-        "hand-off itself (fake prefill with `max_tokens` 1, then fake decode): the same "
-        "backend work as through the router, without the router; `router_seq` / "
+        "hand-off itself (fake prefill with `max_tokens` 1, then fake decode); `router_seq` / "
         "`router_conc` = through the router, `--handoff sequential` / `concurrent`, on "
-        "uvicorn (the default); `router_hyper` = `--handoff sequential` on hypercorn "
-        "(`--http-server hypercorn`). "
-        "Latency: the client's, request sent .. last byte (`total`) and .. first byte "
-        "(`ttfb`). Added latency at a percentile = that percentile through the router minus "
-        "the same percentile of the baseline (not a per-request difference).",
+        "uvicorn (the default); `router_hyper` = `--handoff sequential --http-server "
+        "hypercorn`. Latency: the client's, request sent .. last byte (`total`) and .. first "
+        "byte (`ttfb`). Added latency at a percentile = that percentile through the router "
+        "minus the same percentile of the baseline (not a per-request difference).",
         "",
         "### Router-added latency (ms)",
         "",
-        "`router alone` = router_seq - direct_pd (the goal's measure: the router is the only "
-        "difference); `vs direct` = router_seq - direct (includes the prefill leg's round trip "
-        "to the fake); `concurrent vs direct` = router_conc - direct; `hypercorn alone` = "
-        "router_hyper - direct_pd. `router histogram` = the "
-        "router's own `vllm_disagg_router_added_latency_seconds` over the same requests "
-        "(time to the client's first byte minus time waiting on instances, measured inside "
-        "the handler; quantiles interpolated in buckets 0.5/1/2/5/10/25 ms, so coarse), and "
-        "the share of its requests at or under 2 ms (exact: a bucket bound).",
+        "`router alone` = router_seq - direct_pd; `vs direct` = router_seq - direct; "
+        "`concurrent vs direct` = router_conc - direct; `hypercorn alone` = router_hyper - "
+        "direct_pd. `histogram` = the router's own `vllm_disagg_router_added_latency_seconds` "
+        "over the same requests (time to the client's first byte minus time waiting on "
+        "instances, inside the handler; quantiles interpolated in buckets 0.5/1/2/5/10/25 ms), "
+        "and the share of its requests at or under 2 ms (a bucket bound: exact).",
         "",
-        "| scenario | concurrency | router alone p10 | p50 | p90 | p99 | vs direct p50 | p99 "
-        "| concurrent vs direct p50 | p99 | hypercorn alone p50 | p99 | histogram p50 seq "
-        "| conc | <= 2 ms seq | conc |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+
+def added_tables(s: dict) -> list[str]:
+    rows = []
     for key, a in s["added"].items():
-        scenario, conc = key.split("/")
-        alone = a["router_seq - direct_pd"]["total"]
-        vs = a["router_seq - direct"]["total"]
-        cc = a["router_conc - direct"]["total"]
-        hy = a["router_hyper - direct_pd"]["total"]
+        alone, vs = a["router_seq - direct_pd"]["total"], a["router_seq - direct"]["total"]
+        cc, hy = a["router_conc - direct"]["total"], a["router_hyper - direct_pd"]["total"]
         h = s["router_hist"][key]
-        lines.append(
-            f"| {scenario} | {conc} | {ms(alone['p10'])} | **{ms(alone['p50'])}** "
-            f"| {ms(alone['p90'])} | {ms(alone['p99'])} | {ms(vs['p50'])} | {ms(vs['p99'])} "
-            f"| {ms(cc['p50'])} | {ms(cc['p99'])} | {ms(hy['p50'])} | {ms(hy['p99'])} "
-            f"| {ms(h['router_seq']['p50'])} | {ms(h['router_conc']['p50'])} "
-            f"| {pct_str(h['router_seq']['share_le_2ms'])} "
-            f"| {pct_str(h['router_conc']['share_le_2ms'])} |"
-        )
+        rows.append([
+            *key.split("/"), ms(alone["p10"]), f"**{ms(alone['p50'])}**", ms(alone["p90"]),
+            ms(alone["p99"]), ms(vs["p50"]), ms(vs["p99"]), ms(cc["p50"]), ms(cc["p99"]),
+            ms(hy["p50"]), ms(hy["p99"]), ms(h["router_seq"]["p50"]), ms(h["router_conc"]["p50"]),
+            percent(h["router_seq"]["share_le_2ms"]), percent(h["router_conc"]["share_le_2ms"]),
+        ])  # fmt: skip
+    lines = table(
+        ["scenario", "concurrency", "router alone p10", "p50", "p90", "p99", "vs direct p50",
+         "p99", "concurrent vs direct p50", "p99", "hypercorn alone p50", "p99",
+         "histogram p50 seq", "conc", "<= 2 ms seq", "conc"], rows)  # fmt: skip
     g = s["goal"]
+
+    def met(x: float | None) -> str:
+        return "" if x is None else ("yes" if x < GOAL_P50_S else "no")
+
+    goal_rows = [
+        (f"router alone, client side ({g['key']})", g["client_p50_s"]),
+        (f"router's own histogram ({g['key']})", g["router_hist_p50_s"]),
+        (f"router alone on hypercorn ({g['key']})", g["client_p50_hypercorn_s"]),
+        ("router alone, paced/32", g.get("paced_p50_s")),
+        ("router alone, time to first byte, decode/32", g.get("decode_ttfb_p50_s")),
+    ]
     lines += [
         "",
-        f"**Goal (issue 10): router-added p50 under 2 ms at 32 concurrent streams.** Measured "
-        f"({g['key']}, router alone): p50 {ms(g['client_p50_s'])} ms from the client "
-        f"-> **{'met' if g['met_client'] else 'NOT met'}**; the router's own histogram p50 "
-        f"{ms(g['router_hist_p50_s'])} ms -> {'met' if g['met_router_hist'] else 'not met'} "
-        f"inside the handler. The same router on hypercorn: p50 "
-        f"{ms(g['client_p50_hypercorn_s'])} ms. "
-        + (f"With 32 streams that stay open like a decode's (`paced`, 16 tokens 10 ms apart): "
-           f"router alone p50 {ms(g['paced_p50_s'])} ms. " if g.get("paced_p50_s") is not None
-           else "")
-        + (f"With 32 streams arriving one by one as a decode serves them (`decode`, 48 tokens "
-           f"25 ms apart, starts spread): the router adds {ms(g['decode_ttfb_p50_s'])} ms "
-           f"to the first byte at p50 (p90 {ms(g['decode_ttfb_p90_s'])} ms) -> "
-           f"**{'within' if g['decode_ttfb_p50_s'] < GOAL_P50_S else 'above'} 2 ms**, and "
-           f"{ms(g['decode_p50_s'])} ms to the whole stream."
-           if g.get("decode_ttfb_p50_s") is not None else ""),
+        f"Goal (issue 10): router-added p50 under {GOAL_P50_S * 1000:g} ms at "
+        f"{GOAL_CONCURRENCY} concurrent streams.",
         "",
-        "### Latency per target (ms, client side)",
+        *table(["measure", "p50 ms", f"< {GOAL_P50_S * 1000:g} ms"],
+               [(what, ms(x), met(x)) for what, x in goal_rows]),  # fmt: skip
         "",
-        "| scenario | concurrency | target | requests | errors | total p10 | p50 | p90 | p99 "
-        "| ttfb p50 | p90 | p99 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    return lines
+
+
+def latency_tables(s: dict) -> list[str]:
+    rows = []
     for key, by_target in s["latency"].items():
-        scenario, conc = key.split("/")
         for target, row in by_target.items():
             t, b = row["total"], row["ttfb"]
-            lines.append(
-                f"| {scenario} | {conc} | {target} | {row['n']} | {row['errors']} "
-                f"| {ms(t['p10'])} | {ms(t['p50'])} | {ms(t['p90'])} | {ms(t['p99'])} "
-                f"| {ms(b['p50'])} | {ms(b['p90'])} | {ms(b['p99'])} |"
-            )
+            rows.append([*key.split("/"), target, row["n"], row["errors"],
+                         *(ms(t[q]) for q in ("p10", "p50", "p90", "p99")),
+                         *(ms(b[q]) for q in ("p50", "p90", "p99"))])  # fmt: skip
+    lines = ["### Latency per target (ms, client side)", ""]
+    lines += table(["scenario", "concurrency", "target", "requests", "errors", "total p10",
+                    "p50", "p90", "p99", "ttfb p50", "p90", "p99"], rows)  # fmt: skip
     lines += [
         "",
         "### CPU time per request (microseconds, all cores)",
         "",
         "CPU time (user + system, psutil) each process spent over a target's batches, "
-        "divided by the requests of those batches. A router that is not in use costs ~0.",
+        "divided by the requests of those batches.",
         "",
-        "| scenario | concurrency | target | router_seq | router_conc | router_hyper "
-        "| fake_prefill | fake_decode | client |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for key, by_target in s["cpu"].items():
-        scenario, conc = key.split("/")
-        for target, row in by_target.items():
-            cells = " | ".join(f_(None if v is None else v * 1e6) for v in
-                               (row.get(n) for n in ("router_seq", "router_conc", "router_hyper",
-                                                     "fake_prefill", "fake_decode", "client")))  # fmt: skip
-            lines.append(f"| {scenario} | {conc} | {target} | {cells} |")
-    lines += [
-        "",
+    procs = ("router_seq", "router_conc", "router_hyper", "fake_prefill", "fake_decode", "client")
+    rows = [
+        [*key.split("/"), target, *(fmt(row.get(n), ".0f", 1e6) for n in procs)]
+        for key, by_target in s["cpu"].items()
+        for target, row in by_target.items()
+    ]
+    return [*lines, *table(["scenario", "concurrency", "target", *procs], rows), ""]
+
+
+def ceiling_tables(part: dict) -> list[str]:
+    meta, c = part["meta"], part["summary"]["ceiling"]
+    lines = [
         "### Request-rate ceiling",
         "",
         f"Streaming (`stream` scenario), closed loop at each concurrency for "
@@ -1153,33 +912,29 @@ def overhead_markdown(part: dict) -> list[str]:
         "requests/s completed in the window, and the CPU share (1.0 = one core busy) of the "
         "router in use and of the client over the level.",
         "",
-        "| concurrency | " + " | ".join(f"{t} req/s" for t in CEILING_TARGETS)
-        + " | router_seq CPU | router_conc CPU | client CPU (router_seq) | fakes CPU (router_seq) "
-        "| router_seq p50 ms |",
-        "|---|" + "---|" * (len(CEILING_TARGETS) + 5),
     ]
     ceiling = part["ceiling"]
+    rows = []
     for level in meta["ceiling_levels"]:
-        k = str(level)
-        rs = ceiling["router_seq"][k]
-        rc = ceiling["router_conc"][k]
-        lines.append(
-            f"| {level} | " + " | ".join(f"{ceiling[t][k]['rps']:.0f}" for t in CEILING_TARGETS)
-            + f" | {rs['cpu_share']['router_seq']:.2f} | {rc['cpu_share']['router_conc']:.2f} "
-            f"| {rs['cpu_share']['client']:.2f} "
-            f"| {rs['cpu_share']['fake_prefill'] + rs['cpu_share']['fake_decode']:.2f} "
-            f"| {ms(rs['latency']['p50'], 1)} |"
-        )
-    c = s["ceiling"]
+        rs, rc = ceiling["router_seq"][str(level)], ceiling["router_conc"][str(level)]
+        share = rs["cpu_share"]
+        fakes = share["fake_prefill"] + share["fake_decode"]
+        rows.append([level, *(f"{ceiling[t][str(level)]['rps']:.0f}" for t in CEILING_TARGETS),
+                     f"{share['router_seq']:.2f}", f"{rc['cpu_share']['router_conc']:.2f}",
+                     f"{share['client']:.2f}", f"{fakes:.2f}",
+                     ms(rs["latency"]["p50"], 1)])  # fmt: skip
+    lines += table(["concurrency", *(f"{t} req/s" for t in CEILING_TARGETS), "router_seq CPU",
+                    "router_conc CPU", "client CPU (router_seq)", "fakes CPU (router_seq)",
+                    "router_seq p50 ms"], rows)  # fmt: skip
     lines += [
         "",
-        "Ceiling (highest rate; knee = lowest concurrency within 5 % of it): "
-        + "; ".join(f"{t} {c[t]['max_rps']:.0f} req/s (knee at {c[t]['knee_concurrency']})"
-                    for t in CEILING_TARGETS)
-        + f". Through the router: x{c['router_seq']['max_rps'] / c['direct']['max_rps']:.2f} "
-        f"(sequential), x{c['router_conc']['max_rps'] / c['direct']['max_rps']:.2f} "
-        f"(concurrent) and x{c['router_hyper']['max_rps'] / c['direct']['max_rps']:.2f} "
-        "(sequential on hypercorn) of the rate the same client gets from the fake decode instance alone.",
+        "Highest rate per target; knee = the lowest concurrency within 5 % of it; x direct = "
+        "its ratio to the highest rate of `direct`.",
+        "",
+        *table(["target", "max req/s", "knee concurrency", "x direct"],
+               [(t, f"{c[t]['max_rps']:.0f}", c[t]["knee_concurrency"],
+                 fmt(c[t]["vs_direct"], ".2f"))
+                for t in CEILING_TARGETS]),  # fmt: skip
         "",
         f"Part 1 took {meta['took_s']:.0f} s; load average before "
         f"{load_line(meta['load_before'])}, after {load_line(meta['load_after'])}. Router "
@@ -1189,17 +944,8 @@ def overhead_markdown(part: dict) -> list[str]:
                     for t, o in part["router_outcomes"].items())
         + ".",
         "",
-    ]
+    ]  # fmt: skip
     return lines
-
-
-def label(sample: str, name: str) -> str:
-    """The value of label ``name`` in a Prometheus sample name."""
-    return sample.split(f'{name}="', 1)[1].split('"', 1)[0]
-
-
-def pct_str(x: float | None) -> str:
-    return "" if x is None else f"{x * 100:.0f} %"
 
 
 def serving_markdown(part: dict) -> list[str]:
@@ -1214,234 +960,80 @@ def serving_markdown(part: dict) -> list[str]:
         f"`{' '.join(f'{k}={v}' for k, v in meta['server_env'].items())}`. `colocated` = one "
         "plain `vllm serve`, requests sent to it directly; `router_seq` / `router_conc` = one "
         f"prefill and one decode `vllm serve` ({meta['kv_transfer']}) behind the router, "
-        "`--handoff sequential` / `concurrent`. `vllm bench serve --backend vllm "
-        f"--dataset-name random --random-input-len {b['input_len']} --random-output-len "
-        f"{b['output_len']} --num-prompts {b['num_prompts']} --ignore-eos --max-concurrency C`, "
-        f"C in {', '.join(map(str, b['concurrency']))}; {b['rounds']} round(s), the "
-        "configurations of a round in a random order; a seed per run, so fresh random prompts "
-        "of the same token counts (no prefix-cache hit on any server). "
-        "Figures: the median over rounds of each run's percentile. Note that the colocated "
-        "configuration runs one server where the disaggregated ones run two, on the same 2 "
-        "cores.",
+        "`--handoff sequential` / `concurrent`; all on the same machine. `vllm bench serve "
+        f"--backend vllm --dataset-name random --random-input-len {b['input_len']} "
+        f"--random-output-len {b['output_len']} --num-prompts {b['num_prompts']} --ignore-eos "
+        f"--max-concurrency C`, C in {', '.join(map(str, b['concurrency']))}; {b['rounds']} "
+        "round(s), the configurations of a round in a random order; a seed per run, so fresh "
+        "random prompts of the same token counts (no prefix-cache hit on any server). "
+        "Figures: the median over rounds of each run's percentile (ms).",
         "",
-        "| concurrency | config | completed | failed | req/s | TTFT p50 | p90 | p99 | TPOT p50 "
-        "| p90 | p99 | ITL p50 | E2E p50 | p90 | p99 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for conc, rows in s.items():
+    ]  # fmt: skip
+    cols = [(m, p) for m, ps in (("ttft", (50, 90, 99)), ("tpot", (50, 90, 99)), ("itl", (50,)),
+                                 ("e2el", (50, 90, 99))) for p in ps]  # fmt: skip
+    rows = []
+    for conc, by_config in s.items():
         for config in CONFIGS:
-            r = rows.get(config)
-            if not r:
-                continue
-            lines.append(
-                f"| {conc} | {config} | {r['completed']} | {r['failed']} "
-                f"| {f_(r['request_throughput'], '.2f')} | "
-                + " | ".join(f_(r.get(f"p{p}_{m}_ms"), ".1f" if m in ("tpot", "itl") else ".0f")
-                             for m, ps in (("ttft", (50, 90, 99)), ("tpot", (50, 90, 99)),
-                                           ("itl", (50,)), ("e2el", (50, 90, 99))) for p in ps)
-                + " |"
-            )
-    lines += [
-        "",
-        "Ratios (x colocated; last row: concurrent / sequential):",
-        "",
-        "| concurrency | config | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50 | E2E p50 | req/s |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for conc, rows in s.items():
+            if r := by_config.get(config):
+                figures = (fmt(r.get(f"p{p}_{m}_ms"), ".1f" if m in ("tpot", "itl") else ".0f")
+                           for m, p in cols)  # fmt: skip
+                rows.append([conc, config, r["completed"], r["failed"],
+                             fmt(r["request_throughput"], ".2f"), *figures])  # fmt: skip
+    header = ["concurrency", "config", "completed", "failed", "req/s", "TTFT p50", "p90", "p99",
+              "TPOT p50", "p90", "p99", "ITL p50", "E2E p50", "p90", "p99"]  # fmt: skip
+    lines += table(header, rows)
+    keys = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p50_e2el_ms",
+            "request_throughput")  # fmt: skip
+    rows = []
+    for conc, by_config in s.items():
         for config in ("router_seq", "router_conc"):
-            v = rows.get(config, {}).get("vs_colocated")
-            if v:
-                lines.append(
-                    f"| {conc} | {config} | {f_(v['p50_ttft_ms'], '.2f')} "
-                    f"| {f_(v['p90_ttft_ms'], '.2f')} | {f_(v['p99_ttft_ms'], '.2f')} "
-                    f"| {f_(v['p50_tpot_ms'], '.2f')} "
-                    f"| {f_(v['p50_e2el_ms'], '.2f')} | {f_(v['request_throughput'], '.2f')} |"
-                )
-        cs = rows.get("concurrent_vs_sequential")
-        if cs:
-            lines.append(
-                f"| {conc} | concurrent / sequential | {f_(cs['p50_ttft_ms'], '.2f')} "
-                f"| {f_(cs['p90_ttft_ms'], '.2f')} | | {f_(cs['p50_tpot_ms'], '.2f')} "
-                f"| {f_(cs['p50_e2el_ms'], '.2f')} | {f_(cs['request_throughput'], '.2f')} |"
-            )
-    by_round = round_values(part, "p50_ttft_ms")
-    rounds = meta["bench"]["rounds"]
+            if v := by_config.get(config, {}).get("vs_colocated"):
+                rows.append([conc, config, *(fmt(v.get(k), ".2f") for k in keys)])
+        if cs := by_config.get("concurrent_vs_sequential"):
+            rows.append([conc, "concurrent / sequential", *(fmt(cs.get(k), ".2f") for k in keys)])
     lines += [
+        "",
+        "Ratios (x colocated; concurrent / sequential: router_conc over router_seq):",
+        "",
+        *table(["concurrency", "config", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50",
+                "E2E p50", "req/s"], rows),  # fmt: skip
         "",
         "TTFT p50 of each run (ms), by round:",
         "",
-        "| concurrency | config | " + " | ".join(f"round {r + 1}" for r in range(rounds)) + " |",
-        "|---|---|" + "---|" * rounds,
+        *table(["concurrency", "config", *(f"round {r + 1}" for r in range(b["rounds"]))],
+               [[*key, *(fmt(v, ".0f") for v in values)]
+                for key, values in round_values(part, "p50_ttft_ms").items()]),  # fmt: skip
     ]
-    for (conc, config), values in by_round.items():
-        lines.append(f"| {conc} | {config} | " + " | ".join(f_(v) for v in values) + " |")
     greedy = part["greedy"]
-    same = {c: greedy[c] == greedy["colocated"] for c in CONFIGS}
-    per_run = [f"r{r['round'] + 1} c{r['concurrency']} {r['config']} {r['took_s']:.0f}s "
-               f"(rc {r['rc']}, {r.get('total_input_tokens')} prompt tokens, TTFT p50 "
-               f"{f_(r.get('p50_ttft_ms'))} ms)" for r in part["runs"]]
+    decode = sorted(part["decode_p2p_totals"].items())
     rm = part["router_metrics"]
     lines += [
         "",
         "Checks: greedy 16-token completion of one prompt equal to the colocated server's: "
-        + ", ".join(f"{c} {'yes' if same[c] else 'NO'}" for c in CONFIGS if c != "colocated")
+        + ", ".join(f"{c} {'yes' if greedy[c] == greedy['colocated'] else 'NO'}"
+                    for c in CONFIGS if c != "colocated")
         + f"; warm-up requests answered: {part['warm_up_ok']}. Decode instance's connector "
         "counters at the end: "
         + (", ".join(f"{k.removeprefix('vllm:p2p_').removesuffix('_total')} {v:.0f}"
-                     for k, v in sorted(part["decode_p2p_totals"].items())) or "n/a")
+                     for k, v in decode) or "n/a")
         + ". Router counters at the end: "
         + "; ".join(f"{t}: " + ", ".join(f"{k.removeprefix('vllm_disagg_router_')} {v:.0f}"
                                         for k, v in sorted(m.items())) for t, m in rm.items())
         + ".",
         "",
-        f"Runs in order: {'; '.join(per_run)}.",
+        "Runs in order: "
+        + "; ".join(f"r{r['round'] + 1} c{r['concurrency']} {r['config']} {r['took_s']:.0f}s "
+                    f"(rc {r['rc']}, {r.get('total_input_tokens')} prompt tokens, TTFT p50 "
+                    f"{fmt(r.get('p50_ttft_ms'), '.0f')} ms)" for r in part["runs"])
+        + ".",
         "",
         f"Part 2 took {meta['took_s']:.0f} s (start-up {meta['startup_s']:.0f} s, warm-up "
-        f"{meta['warm_up_s']:.0f} s, benchmark runs {meta['measure_s']:.0f} s, each paying "
-        "~25 s for `vllm bench serve` to import vLLM); load average before "
+        f"{meta['warm_up_s']:.0f} s, benchmark runs {meta['measure_s']:.0f} s, each including "
+        "`vllm bench serve`'s import of vLLM); load average before "
         f"{load_line(meta['load_before'])}, after {load_line(meta['load_after'])}.",
         "",
-    ]
+    ]  # fmt: skip
     return lines
-
-
-def interpretation(result: dict) -> list[str]:
-    """What the numbers say, and what was not met, said plainly."""
-    out = []
-    if "overhead" in result:
-        out += overhead_interpretation(result["overhead"])
-    if "serving" in result:
-        out += serving_interpretation(result["serving"])
-    return out
-
-
-def overhead_interpretation(part: dict) -> list[str]:
-    s = part["summary"]
-    g, c = s["goal"], s["ceiling"]
-    one = s["added"]["stream/1"]["router_seq - direct_pd"]["total"]
-    hist = s["router_hist"]
-    cpu = s["cpu"][f"{GOAL_SCENARIO}/{GOAL_CONCURRENCY}"]
-    router_cpu = cpu["router_seq"].get("router_seq")
-    fake_cpu = cpu["direct"].get("fake_decode")
-    shares = [v["share_le_2ms"] for k in hist for v in hist[k].values() if v["share_le_2ms"]]
-    best = c["router_seq"]["at_concurrency"]
-    at_best = part["ceiling"]["router_seq"][str(best)]["cpu_share"]
-    paced = g.get("paced_p50_s")
-    decode = g.get("decode_ttfb_p50_s")
-    return [
-        f"* **What one request costs.** One request at a time (stream/1) the router adds "
-        f"{ms(one['p50'])} ms at the median over the client doing the same two legs itself "
-        f"(p10 {ms(one['p10'])} ms, the least disturbed requests). Its own histogram, which "
-        "times only the handler (from the parsed request to the first byte, upstream waits "
-        f"excluded), says {ms(hist['stream/1']['router_seq']['p50'])} ms, and "
-        f"{min(shares) * 100:.0f}-{max(shares) * 100:.0f} % of requests within 2 ms in every "
-        "scenario. The difference is what the handler does not see: the HTTP server (uvicorn) "
-        "and Quart parsing the request and writing the response, the aiohttp client's two upstream "
-        "requests, and a third process to wake on every hop on 2 busy cores. In CPU: "
-        f"{f_(None if router_cpu is None else router_cpu * 1e6)} us of router CPU per streamed "
-        f"request at concurrency {GOAL_CONCURRENCY}, against "
-        f"{f_(None if fake_cpu is None else fake_cpu * 1e6)} us for the bare aiohttp fake "
-        "decode answering the same request.",
-        f"* **Goal {'met' if g['met_client'] else 'NOT met'}: router-added p50 under 2 ms at 32 "
-        "concurrent streams.** From the "
-        f"client it is {ms(g['client_p50_s'])} ms at stream/32 (router alone; "
-        f"{ms(g['client_p50_vs_direct_s'])} ms over the fake decode alone, "
-        f"{ms(g['client_p50_conc_s'])} ms with the concurrent hand-off)"
-        + (f", {ms(paced)} ms with 32 open streams paced like a decode's (paced/32)"
-           if paced is not None else "")
-        + (f"; one request at a time it is {ms(one['p50'])} ms, "
-           + ("within" if one["p50"] is not None and one["p50"] < GOAL_P50_S else "above")
-           + " 2 ms")
-        + f". The same router on hypercorn: {ms(g['client_p50_hypercorn_s'])} ms at stream/32. "
-        "With 32 closed-loop clients and instant backends, 32 requests queue for one single-threaded "
-        f"router that needs ~{f_(None if router_cpu is None else router_cpu * 1e3, '.1f')} ms "
-        "of CPU each, so the added latency is mostly queueing (Little's law: 32 / "
-        f"{c['router_seq']['max_rps']:.0f} req/s = "
-        f"{32 / c['router_seq']['max_rps'] * 1000:.0f} ms through the router at its ceiling). "
-        "Only the router's own histogram meets it (p50 "
-        f"{ms(g['router_hist_p50_s'])} ms at stream/32): the routing logic is cheap, the HTTP "
-        "stack around it is not, on this CPU."
-        + (f" When the 32 streams arrive one by one and last as a decode's do (decode/32), "
-           f"the router adds {ms(decode)} ms to the first byte at p50: "
-           + ("within" if decode < GOAL_P50_S else "above")
-           + " 2 ms, because requests no longer queue behind each other."
-           if decode is not None else ""),
-        f"* **Ceiling.** Through the router {c['router_seq']['max_rps']:.0f} req/s "
-        f"(sequential, reached at concurrency {c['router_seq']['knee_concurrency']}) and "
-        f"{c['router_conc']['max_rps']:.0f} req/s (concurrent), x"
-        f"{c['router_seq']['max_rps'] / c['direct']['max_rps']:.2f} of the "
-        f"{c['direct']['max_rps']:.0f} req/s the same client gets from the fake decode alone. "
-        f"At the sequential ceiling the router process used {at_best['router_seq']:.2f} of a "
-        f"core, the client {at_best['client']:.2f} and the fakes "
-        f"{at_best['fake_prefill'] + at_best['fake_decode']:.2f}: the router is the "
-        "bottleneck of this set-up (one event loop, one thread); that it stayed below one "
-        "full core points to the other tenants of the 2 cores (load average "
-        f"{part['meta']['load_after']['loadavg'][0]:.0f} at the end of part 1). A real fleet "
-        "on this machine stays far below the ceiling: vLLM instances of the tiny model serve "
-        "tens of requests/s (part 2).",
-    ]
-
-
-def serving_interpretation(part: dict) -> list[str]:
-    s, meta = part["summary"], part["meta"]
-    if meta["dry_run_on_fakes"]:
-        return ["* **End to end**: dry run on fakes, no conclusion."]
-    bits = []
-    for conc, rows in s.items():
-        seq = rows.get("router_seq", {}).get("vs_colocated", {})
-        cc = rows.get("router_conc", {}).get("vs_colocated", {})
-        bits.append(
-            f"at concurrency {conc}, TTFT p50 x{f_(seq.get('p50_ttft_ms'), '.1f')} (sequential) "
-            f"and x{f_(cc.get('p50_ttft_ms'), '.1f')} (concurrent), TPOT p50 "
-            f"x{f_(seq.get('p50_tpot_ms'), '.1f')} / x{f_(cc.get('p50_tpot_ms'), '.1f')}, E2E "
-            f"p50 x{f_(seq.get('p50_e2el_ms'), '.1f')} / x{f_(cc.get('p50_e2el_ms'), '.1f')}, "
-            f"requests/s x{f_(seq.get('request_throughput'), '.2f')} / "
-            f"x{f_(cc.get('request_throughput'), '.2f')}"
-        )
-    spread = []
-    for (conc, config), values in sorted(round_values(part, "p50_ttft_ms").items()):
-        values = [v for v in values if v]
-        if len(values) > 1:
-            spread.append(max(values) / min(values))
-    loads = [meta["load_before"]["loadavg"][0], meta["load_after"]["loadavg"][1]]
-    cs = {conc: rows.get("concurrent_vs_sequential", {}) for conc, rows in s.items()}
-    total = sum(r.get("completed") or 0 for r in part["runs"])
-    expected = meta["bench"]["num_prompts"] * len(part["runs"])
-    greedy = part["greedy"]
-    same = all(greedy[c] == greedy["colocated"] for c in CONFIGS)
-    failed = part["decode_p2p_totals"].get("vllm:p2p_failed_loads_total")
-    return [
-        "* **End to end, 1P1D behind the router vs one colocated server (x colocated):** "
-        + "; ".join(bits) + ". Disaggregation cannot win here: the prefill and the decode "
-        "instance share the same 2 cores that the colocated server has alone, every request "
-        "pays a second HTTP request, the KV transfer and at least one more engine step on "
-        "the decode instance, and the tiny model's prefill (256 tokens) is too cheap to "
-        "disturb decoding when colocated. The router's own share is a few milliseconds "
-        "(part 1) of TTFTs in the hundreds.",
-        f"* **Measured under heavy load, read as orders of magnitude only.** Load average "
-        f"{loads[0]:.0f} (1 min) when the runs began and {loads[1]:.0f} (5 min) at the end: "
-        "another person's end-to-end tests started vLLM servers during this part. The same "
-        "configuration's TTFT p50 differed by up to "
-        f"x{max(spread) if spread else float('nan'):.1f} between its two rounds (list of runs "
-        "above). Configurations were interleaved in a random order, which spreads the load "
-        "over all of them but cannot remove it.",
-        "* **Concurrent vs sequential hand-off: the saved round trip does not show.** "
-        "Concurrent / sequential TTFT p50 "
-        + ", ".join(f"x{f_(v.get('p50_ttft_ms'), '.2f')} at concurrency {k}"
-                    for k, v in cs.items())
-        + "; TPOT p50 "
-        + ", ".join(f"x{f_(v.get('p50_tpot_ms'), '.2f')}" for v in cs.values())
-        + ". The round trip it saves (the prefill's answer back to the router, a few ms) is "
-        "far below the noise, and with the concurrent hand-off the decode instance holds the "
-        "request while it waits for the KV, its engine stepping on the cores the prefill "
-        "needs (see benchmarks/results/p2p_send_modes.md on waiting for remote KV on CPU). "
-        "Not demonstrated on this machine.",
-        f"* **Correctness held throughout:** {total}/{expected} requests completed, greedy "
-        f"output through both routers {'equal to' if same else 'DIFFERENT from'} the "
-        f"colocated server's, {f_(failed)} failed KV loads on the decode instance, every "
-        "request counted `ok` by the routers.",
-    ]
 
 
 def round_values(part: dict, key: str) -> dict[tuple[str, str], list]:
@@ -1452,11 +1044,7 @@ def round_values(part: dict, key: str) -> dict[tuple[str, str], list]:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     panels = []
     if "overhead" in result:
         panels += ["added", "ceiling"]
@@ -1467,7 +1055,8 @@ def plot(result: dict, path: Path) -> None:
     fig, grid = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
     axes = dict(zip(panels, grid.flat))
     colors = {"direct": "#999999", "direct_pd": "#666666", "router_seq": "#2a7ab9",
-              "router_conc": "#e08a2c", "router_hyper": "#8a5fb0", "colocated": "#999999"}  # fmt: skip
+              "router_conc": "#e08a2c", "router_hyper": "#8a5fb0",
+              "colocated": "#999999"}  # fmt: skip
     if "overhead" in result:
         s = result["overhead"]["summary"]
         ax = axes["added"]
@@ -1501,12 +1090,12 @@ def plot(result: dict, path: Path) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("concurrent clients (closed loop)")
         ax.set_ylabel("requests/s (streamed, instant fakes)")
-        ax.set_title("Request-rate ceiling (2 shared cores)", fontsize=10)
+        ax.set_title("Request-rate ceiling", fontsize=10)
         ax.legend(fontsize=8)
     if "serving" in result:
         s = result["serving"]["summary"]
         concs = list(s)
-        for panel, metric, label in (("ttft", "ttft", "TTFT"), ("e2e", "e2el", "E2E latency")):
+        for panel, metric, name in (("ttft", "ttft", "TTFT"), ("e2e", "e2el", "E2E latency")):
             ax = axes[panel]
             width = 0.27
             for j, config in enumerate(CONFIGS):
@@ -1518,10 +1107,10 @@ def plot(result: dict, path: Path) -> None:
                 for x, v in zip(xs, p50):
                     ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
             ax.set_xticks(range(len(concs)), [f"concurrency {c}" for c in concs])
-            ax.set_ylabel(f"{label} (ms)")
-            ax.set_title(f"vllm bench serve: {label}", fontsize=10)
+            ax.set_ylabel(f"{name} (ms)")
+            ax.set_title(f"vllm bench serve: {name}", fontsize=10)
             ax.legend(fontsize=7)
-    fig.suptitle("xPyD router on a 2-core CPU machine")
+    fig.suptitle(f"xPyD router ({result['meta']['machine'].split(' (')[0]})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -1542,26 +1131,15 @@ def round_raw(result: dict) -> None:
                     cell[key] = [round(x, 6) for x in cell[key]]
 
 
-def to_json(result: dict) -> str:
-    """Indented, each list of numbers on one line."""
-    text = json.dumps(result, indent=1)
-    return re.sub(r"\[[-0-9.eE,\s]+\]",
-                  lambda m: "[" + ", ".join(m.group(0)[1:-1].split()).replace(",,", ",") + "]",
-                  text)  # fmt: skip
-
-
 def write_outputs(result: dict, stem: Path) -> None:
     round_raw(result)
     summarize(result)
-    stem.with_suffix(".json").write_text(to_json(result) + "\n")
-    write_markdown(result, stem.with_suffix(".md"))
-    plot(result, stem.with_suffix(".png"))
-    print(stem.with_suffix(".md").read_text())
+    report.write(stem, result, write_markdown(result), lambda png: plot(result, png), compact=True)
 
 
-def render(path: Path) -> int:
+def render(path: Path, out: Path) -> int:
     result = json.loads(path.read_text())
-    write_outputs(result, path.with_suffix(""))
+    write_outputs(result, out / path.stem)
     return 0
 
 
@@ -1592,30 +1170,28 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=20261123)
     parser.add_argument("--render", metavar="JSON",
                         help="no run: summarize the raw numbers of a result file again and "
-                        "write its md and png next to it")  # fmt: skip
+                        "write its md and png next to it (or in --out)")  # fmt: skip
     parser.add_argument("--serving-fakes", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--fake-backend", help=argparse.SUPPRESS)
-    parser.add_argument("--fake-port", type=int, help=argparse.SUPPRESS)
+    report.add_out_argument(parser)
     args = parser.parse_args()
     require("aiohttp", "matplotlib", "psutil")  # before any process starts
-    if args.fake_backend:
-        return serve_fake(args.fake_backend, args.fake_port)
     if args.render:
-        return render(Path(args.render))
+        return render(Path(args.render), args.out or Path(args.render).parent)
     if args.quick:
         args.rounds = 1
         args.ceiling_levels = [1, 4, 16, 32]
         args.ceiling_s, args.ceiling_warm_s = 1.0, 0.3
         args.num_prompts, args.concurrency, args.serving_rounds = 16, [4], 1
-    RESULTS.mkdir(exist_ok=True)
-    LOGS.mkdir(parents=True, exist_ok=True)
+    args.out = args.out or report.RESULTS
+    args.logs = args.out / "logs"
+    args.logs.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
     result: dict = {"meta": {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine(),
         "quick": args.quick,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "uptime_at_start": _uptime(),
+        "uptime_at_start": uptime(),
         "load": {"at_start": load_snapshot()},
     }}  # fmt: skip
     if args.part in ("overhead", "both"):
@@ -1626,7 +1202,7 @@ def main() -> int:
         print("part 2: real servers, vllm bench serve", flush=True)
         result["serving"] = run_serving(args)
         result["meta"]["load"]["after_part_2"] = load_snapshot()
-    result["meta"]["uptime_at_end"] = _uptime()
+    result["meta"]["uptime_at_end"] = uptime()
     result["meta"]["total_s"] = time.monotonic() - began
     name = STEM
     if args.part != "both":
@@ -1635,15 +1211,8 @@ def main() -> int:
         name += "-quick"
     if args.serving_fakes:
         name += "-dry"
-    write_outputs(result, RESULTS / name)
+    write_outputs(result, args.out / name)
     return 0
-
-
-def _uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 BENCH_REQUIREMENTS = ROOT / "requirements" / "bench.txt"
 SCRIPTS = sorted(p for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
-# Imports that are no benchmark dependency: this package, the helper itself,
-# and what the target's requirements install (requirements/cpu.txt, cuda.txt).
-NOT_BENCH_DEPS = {"vllm_disagg", "_deps", "torch", "vllm"}
+COMMON = BENCHMARKS / "common"
+# Imports that are no benchmark dependency: this package, the helpers in
+# benchmarks/ (_deps.py, common/), and what the target's requirements install
+# (requirements/cpu.txt, cuda.txt).
+NOT_BENCH_DEPS = {"vllm_disagg", "_deps", "common", "torch", "vllm"}
 
 
 def _load_deps():
@@ -110,6 +112,20 @@ def test_benchmark_checks_every_module_it_imports_first(path):
         f"{path.name} imports {sorted(third_party - set(required))} without naming them "
         "in its require(...) call"
     )
+
+
+@pytest.mark.parametrize("path", sorted(COMMON.glob("*.py")), ids=lambda p: p.name)
+def test_common_imports_only_the_standard_library_at_module_level(path):
+    """benchmarks/common/ is imported before a script's require(...) runs: a
+    third-party module it needs is imported inside the function that uses it."""
+    tree = ast.parse(path.read_text())
+    top = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
+                     type_ignores=[])  # fmt: skip
+    third_party = {
+        name for name in _imported_modules(top)
+        if name not in sys.stdlib_module_names and name not in {"_deps", "common"}
+    }  # fmt: skip
+    assert not third_party, f"common/{path.name} imports {sorted(third_party)} at module level"
 
 
 def test_bench_requirements_list_every_required_module():

@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
+
 from vllm_disagg.testing.chaos import SCENARIOS, Options, run_scenario, warm_up
 from vllm_disagg.testing.fleet import Fleet, FleetConfig
 from vllm_disagg.testing.tiny_models import build_all
 from vllm_disagg.testing.traffic import compute_references, make_specs
-
-from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
 
 RESULTS = Path(__file__).parent / "results" / "chaos"
 LOGS = Path(__file__).parent / "results" / "logs" / "chaos"  # ignored by git
@@ -52,7 +52,7 @@ FAULT_WORDS = {
     "{restart_after_s:.0f} s later",
     "kill-decode": "kill -9 both DP ranks of the decode (every process), restarted "
     "{restart_after_s:.0f} s later",
-}  # fmt: skip
+}
 
 
 def run_one(name: str, args: argparse.Namespace, models: dict, out: Path) -> dict[str, Any]:
@@ -65,9 +65,13 @@ def run_one(name: str, args: argparse.Namespace, models: dict, out: Path) -> dic
         router_args = list(config.router_args)
         router_args[router_args.index("--prefill-timeout-s") + 1] = str(args.prefill_timeout_s)
         config.router_args = tuple(router_args)
-    opts = Options(requests=args.requests, duration_s=args.duration_s,
-                   concurrency=args.concurrency, fault_after=args.fault_after,
-                   hostile_per_port=args.hostile_per_port)  # fmt: skip
+    opts = Options(
+        requests=args.requests,
+        duration_s=args.duration_s,
+        concurrency=args.concurrency,
+        fault_after=args.fault_after,
+        hostile_per_port=args.hostile_per_port,
+    )
     print(f"[{name}] starting the fleet", flush=True)
     with Fleet(config) as fleet:
         print(f"[{name}] fleet up in {fleet.startup_s:.0f}s", flush=True)
@@ -80,8 +84,11 @@ def run_one(name: str, args: argparse.Namespace, models: dict, out: Path) -> dic
         ref_server.stop()  # its cores are the fleet's now
         warm = warm_up(fleet, list(warm_specs), references)
         warm_bad = [r.as_dict() for r in warm if r.outcome in ("failed", "wrong")]
-        print(f"[{name}] {len(references)} references, warm-up {len(warm)} requests, "
-              f"{len(warm_bad)} bad", flush=True)  # fmt: skip
+        print(
+            f"[{name}] {len(references)} references, warm-up {len(warm)} requests, "
+            f"{len(warm_bad)} bad",
+            flush=True,
+        )
         started = time.monotonic()
         result = run_scenario(name, fleet, specs, references, opts)
         result["wall_s"] = round(time.monotonic() - started, 1)
@@ -93,9 +100,12 @@ def run_one(name: str, args: argparse.Namespace, models: dict, out: Path) -> dic
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     render(result, out)
     r = result["requests"]
-    print(f"[{name}] {r['issued']} requests: ok {r['ok']}, failed {r['failed']}, "
-          f"wrong {r['wrong']}, cancelled {r['cancelled']}, hangs {r['hangs']}; "
-          f"recovery {result.get('recovery')}", flush=True)  # fmt: skip
+    print(
+        f"[{name}] {r['issued']} requests: ok {r['ok']}, failed {r['failed']}, "
+        f"wrong {r['wrong']}, cancelled {r['cancelled']}, hangs {r['hangs']}; "
+        f"recovery {result.get('recovery')}",
+        flush=True,
+    )
     return result
 
 
@@ -127,16 +137,26 @@ def scenario_row(result: dict[str, Any]) -> dict[str, Any]:
     g = _growth_figures(result)
     return {
         "scenario": result["scenario"],
-        "requests": r["issued"], "ok": r["ok"], "failed": r["failed"], "wrong": r["wrong"],
-        "cancelled": r["cancelled"], "hangs": r["hangs"],
-        "p50": r["latency_s"]["p50"], "p99": r["latency_s"]["p99"], "max": r["latency_s"]["max"],
+        "requests": r["issued"],
+        "ok": r["ok"],
+        "failed": r["failed"],
+        "wrong": r["wrong"],
+        "cancelled": r["cancelled"],
+        "hangs": r["hangs"],
+        "p50": r["latency_s"]["p50"],
+        "p99": r["latency_s"]["p99"],
+        "max": r["latency_s"]["max"],
         "retried": result["router"]["prefill_retries"] + result["router"]["decode_retries"],
         "recomputed": result["decode"]["failed_loads"],
-        "recovered_s": rec.get("recovered_s"), "errors_until_s": rec.get("errors_until_s"),
+        "recovered_s": rec.get("recovered_s"),
+        "errors_until_s": rec.get("errors_until_s"),
         "removed_s": fault.get("removed_after_s"),
-        "quiet": result["quiet"], "rss_pct": g["max_rss_pct"], "late_rss_pct": g["late_rss_pct"],
-        "threads": g["threads"], "fds": g["fds"],
-    }  # fmt: skip
+        "quiet": result["quiet"],
+        "rss_pct": g["max_rss_pct"],
+        "late_rss_pct": g["late_rss_pct"],
+        "threads": g["threads"],
+        "fds": g["fds"],
+    }
 
 
 def _hostile_lines(result: dict[str, Any]) -> list[str]:
@@ -144,18 +164,29 @@ def _hostile_lines(result: dict[str, Any]) -> list[str]:
     fault = result["fault"]
     if "ports" not in fault:
         return []
-    lines = [f"Hostile input: {fault['messages_sent']} messages or connections on "
-             f"{len(fault['ports'])} ports at once; processes gone: "
-             f"{fault['processes_gone'] or 'none'}.", "",
-             "| port | kind | sent | by kind | seconds | counted by |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"Hostile input: {fault['messages_sent']} messages or connections on "
+        f"{len(fault['ports'])} ports at once; processes gone: "
+        f"{fault['processes_gone'] or 'none'}.",
+        "",
+        "| port | kind | sent | by kind | seconds | counted by |",
+        "|---|---|---|---|---|---|",
+    ]
     for port in fault["ports"]:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(port["by_kind"].items()) if v)
-        lines.append(f"| {port['target']} | {port['kind']} | {port['sent']} | {kinds} | "
-                     f"{port['seconds']} | {port['counted_by']} |")  # fmt: skip
-    lines += ["", "Rejections counted on /metrics (bounds: what reached the application; "
-              "libzmq drops a frame over the socket's size limit before it does, and a client "
-              "that abandons a truncated request is not refused):", "",
-              "| counted by | counted | at least | at most |", "|---|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"| {port['target']} | {port['kind']} | {port['sent']} | {kinds} | "
+            f"{port['seconds']} | {port['counted_by']} |"
+        )
+    lines += [
+        "",
+        "Rejections counted on /metrics (bounds: what reached the application; "
+        "libzmq drops a frame over the socket's size limit before it does, and a client "
+        "that abandons a truncated request is not refused):",
+        "",
+        "| counted by | counted | at least | at most |",
+        "|---|---|---|---|",
+    ]
     for name, c in fault["counted"].items():
         lines.append(f"| {name} | {c['counted']:.0f} | {c['at_least']} | {c['at_most']} |")
     return [*lines, ""]
@@ -185,8 +216,9 @@ def render(result: dict[str, Any], out: Path) -> None:
         "Fault timings (seconds; `*_at` from the start of the scenario's traffic):",
         "",
         "```json",
-        json.dumps({k: v for k, v in result["fault"].items() if k not in ("ports", "counted")},
-                   indent=1),
+        json.dumps(
+            {k: v for k, v in result["fault"].items() if k not in ("ports", "counted")}, indent=1
+        ),
         "```",
         "",
         f"Router: {json.dumps(result['router'])}",
@@ -210,24 +242,39 @@ def render(result: dict[str, Any], out: Path) -> None:
         )
     late = result.get("growth_second_half") or []
     if late:
-        lines += ["", "RSS change over the second half of the traffic (a leak grows as much "
-                  "there as in the first half):", "",
-                  "| process | RSS MiB at the middle | at the end | change % |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "RSS change over the second half of the traffic (a leak grows as much "
+            "there as in the first half):",
+            "",
+            "| process | RSS MiB at the middle | at the end | change % |",
+            "|---|---|---|---|",
+        ]
         for g in late:
-            lines.append(f"| {g['process']} | {_mib(g['rss_middle'])} | {_mib(g['rss_end'])} | "
-                         f"{g['rss_change_pct']:+.2f} |")  # fmt: skip
+            lines.append(
+                f"| {g['process']} | {_mib(g['rss_middle'])} | {_mib(g['rss_end'])} | "
+                f"{g['rss_change_pct']:+.2f} |"
+            )
     flushes = result.get("gauge_flushes") or []
     if flushes:
-        lines += ["", f"P2P gauges read while idle that needed a step to be fresh: {len(flushes)} "
-                  "(see Fleet.wait_quiet); first readings: "
-                  + "; ".join(f"{f['member']} at {f['t']} s: buffer {f['before'].get('p2p_buffer_bytes')}"
-                              f" pool {f['before'].get('p2p_pool_bytes')}" for f in flushes[:4])]
+        lines += [
+            "",
+            f"P2P gauges read while idle that needed a step to be fresh: {len(flushes)} "
+            "(see Fleet.wait_quiet); first readings: "
+            + "; ".join(
+                f"{f['member']} at {f['t']} s: buffer {f['before'].get('p2p_buffer_bytes')}"
+                f" pool {f['before'].get('p2p_pool_bytes')}"
+                for f in flushes[:4]
+            ),
+        ]
     failed = [x for x in result["records"] if x["outcome"] in ("failed", "wrong")]
     if failed:
         lines += ["", f"## Failed and wrong requests ({len(failed)}; first 15)", ""]
         for x in failed[:15]:
-            lines.append(f"* #{x['index']} {x['shape']} at {x['start']:.1f}-{x['end']:.1f} s: "
-                         f"{x['outcome']}, {x['detail'][:200]}")  # fmt: skip
+            lines.append(
+                f"* #{x['index']} {x['shape']} at {x['start']:.1f}-{x['end']:.1f} s: "
+                f"{x['outcome']}, {x['detail'][:200]}"
+            )
     lines.append("")
     (out / f"{name}.md").write_text("\n".join(lines))
     plot(result, out / f"{name}.png")
@@ -241,9 +288,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = result["records"]
-    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(10, 9), sharex=True,
-                                        gridspec_kw={"height_ratios": [3, 1.3, 1.3]})  # fmt: skip
-    colors = {"ok": "tab:green", "cancelled": "tab:gray", "failed": "tab:red", "wrong": "tab:purple"}
+    fig, (ax1, ax2, ax3) = plt.subplots(
+        3, 1, figsize=(10, 9), sharex=True, gridspec_kw={"height_ratios": [3, 1.3, 1.3]}
+    )
+    colors = {
+        "ok": "tab:green",
+        "cancelled": "tab:gray",
+        "failed": "tab:red",
+        "wrong": "tab:purple",
+    }
     for outcome, color in colors.items():
         xs = [x["start"] for x in records if x["outcome"] == outcome]
         ys = [x["end"] - x["start"] for x in records if x["outcome"] == outcome]
@@ -263,8 +316,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax2.legend(loc="upper left", fontsize=8)
     members = sorted({m for p in result["series"] for m in p["members"]})
     for m in members:
-        pts = [(p["t"], p["members"][m]["rss"] / 2**20) for p in result["series"]
-               if m in p["members"]]  # fmt: skip
+        pts = [
+            (p["t"], p["members"][m]["rss"] / 2**20) for p in result["series"] if m in p["members"]
+        ]
         if pts:  # a restart starts a new process tree: its line jumps
             ax3.plot([t for t, _ in pts], [v - pts[0][1] for _, v in pts], label=m, lw=1)
     ax3.set_ylabel("RSS change, MiB\n(process tree)")
@@ -274,8 +328,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         for t, what in result["events"]:
             ax.axvline(t, color="black", ls="--", lw=0.8)
             if ax is ax1:
-                ax.annotate(what, (t, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                            va="top", ha="right", fontsize=7)  # fmt: skip
+                ax.annotate(
+                    what,
+                    (t, 1.0),
+                    xycoords=("data", "axes fraction"),
+                    rotation=90,
+                    va="top",
+                    ha="right",
+                    fontsize=7,
+                )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -325,24 +386,48 @@ def write_summary(out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("scenarios", nargs="*", default=["all"],
-                        help=f"one or more of {', '.join(SCENARIOS)}, or all")  # fmt: skip
+    parser.add_argument(
+        "scenarios",
+        nargs="*",
+        default=["all"],
+        help=f"one or more of {', '.join(SCENARIOS)}, or all",
+    )
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--duration-s", type=float, default=600.0,
-                        help="no request is sent after this many seconds of a scenario")  # fmt: skip
+    parser.add_argument(
+        "--duration-s",
+        type=float,
+        default=600.0,
+        help="no request is sent after this many seconds of a scenario",
+    )
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--fault-after", type=int, default=80,
-                        help="requests answered before the fault")  # fmt: skip
-    parser.add_argument("--warmup", type=int, default=40,
-                        help="requests sent before the scenario's 'before' snapshot")  # fmt: skip
-    parser.add_argument("--hostile-per-port", type=int, default=10_000,
-                        help="hostile: messages (ZMQ) or connections (TCP) per port")  # fmt: skip
-    parser.add_argument("--prefill-timeout-s", type=float, default=None,
-                        help="the router's --prefill-timeout-s (default: the fleet's 10 s; "
-                        "the router's own default is 300 s)")  # fmt: skip
+    parser.add_argument(
+        "--fault-after", type=int, default=80, help="requests answered before the fault"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=40,
+        help="requests sent before the scenario's 'before' snapshot",
+    )
+    parser.add_argument(
+        "--hostile-per-port",
+        type=int,
+        default=10_000,
+        help="hostile: messages (ZMQ) or connections (TCP) per port",
+    )
+    parser.add_argument(
+        "--prefill-timeout-s",
+        type=float,
+        default=None,
+        help="the router's --prefill-timeout-s (default: the fleet's 10 s; "
+        "the router's own default is 300 s)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--render", action="store_true",
-                        help="only rewrite md, png and summary.md from the JSON files in --out")  # fmt: skip
+    parser.add_argument(
+        "--render",
+        action="store_true",
+        help="only rewrite md, png and summary.md from the JSON files in --out",
+    )
     args = parser.parse_args()
     require("matplotlib", "psutil", "aiohttp")
     args.out.mkdir(parents=True, exist_ok=True)

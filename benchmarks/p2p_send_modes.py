@@ -45,15 +45,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_disagg.testing import openai_client
-from vllm_disagg.testing.p2p import P2pInstance, free_kv_port, kv_transfer_config, peer_naming
-from vllm_disagg.testing.server import VllmServer, cpu_test_env
-from vllm_disagg.testing.tiny_models import HEAD_DIM, build_model
-
 from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
 from common import report
 from common.report import spread, table
 from common.stats import med, ratio
+
+from vllm_disagg.testing import openai_client
+from vllm_disagg.testing.p2p import P2pInstance, free_kv_port, kv_transfer_config, peer_naming
+from vllm_disagg.testing.server import VllmServer, cpu_test_env
+from vllm_disagg.testing.tiny_models import HEAD_DIM, build_model
 
 STEM = "p2p_send_modes"
 
@@ -101,11 +101,20 @@ def kv_bytes_per_token() -> int:
 
 def server_args(args: argparse.Namespace) -> list[str]:
     return [
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--seed", "0",
-        "--dtype", DTYPE, "--block-size", str(BLOCK_SIZE),
-        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "8",
+        "--seed",
+        "0",
+        "--dtype",
+        DTYPE,
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
         *([] if args.compile else ["--enforce-eager"]),
-    ]  # fmt: skip
+    ]
 
 
 def make_servers(model: Path, args: argparse.Namespace) -> dict[str, VllmServer | P2pInstance]:
@@ -118,16 +127,23 @@ def make_servers(model: Path, args: argparse.Namespace) -> dict[str, VllmServer 
 
     def server(name: str, extra: list[str]) -> VllmServer:
         return VllmServer(
-            model, [*server_args(args), *extra], log_path=logs / f"{STEM}-{name}.log",
-            env=env, startup_timeout_s=args.startup_timeout_s,
-        )  # fmt: skip
+            model,
+            [*server_args(args), *extra],
+            log_path=logs / f"{STEM}-{name}.log",
+            env=env,
+            startup_timeout_s=args.startup_timeout_s,
+        )
 
     def p2p(name: str, role: str, mode: str, **extra) -> P2pInstance:
         port = free_kv_port()
         config = kv_transfer_config(
-            role, port, send_type=mode, kv_load_timeout_s=KV_LOAD_TIMEOUT_S,
-            mem_pool_size_gb=0.25, **extra,
-        )  # fmt: skip
+            role,
+            port,
+            send_type=mode,
+            kv_load_timeout_s=KV_LOAD_TIMEOUT_S,
+            mem_pool_size_gb=0.25,
+            **extra,
+        )
         return P2pInstance(server(name, ["--kv-transfer-config", config]), port)
 
     servers: dict = {"colocated": server("colocated", [])}
@@ -213,9 +229,16 @@ def stream_times(server, prompt, headers=None, **params) -> tuple[list[float], l
     start = time.perf_counter()
     times, ids = [], []
     chunks = openai_client.stream_completion(
-        server, prompt, headers=headers, timeout_s=REQUEST_TIMEOUT_S, max_tokens=2,
-        temperature=0.0, ignore_eos=True, return_token_ids=True, **params,
-    )  # fmt: skip
+        server,
+        prompt,
+        headers=headers,
+        timeout_s=REQUEST_TIMEOUT_S,
+        max_tokens=2,
+        temperature=0.0,
+        ignore_eos=True,
+        return_token_ids=True,
+        **params,
+    )
     for chunk in chunks:
         new = openai_client.token_ids(chunk)
         if new or chunk["choices"][0].get("text"):
@@ -239,9 +262,14 @@ def disagg_once(prefill: P2pInstance, decode: P2pInstance, prompt: list[int]) ->
     p_before, d_before = snapshot(prefill), snapshot(decode)
     start = time.perf_counter()
     openai_client.complete(
-        prefill, prompt, headers=headers, timeout_s=REQUEST_TIMEOUT_S, max_tokens=1,
-        temperature=0.0, **params,
-    )  # fmt: skip
+        prefill,
+        prompt,
+        headers=headers,
+        timeout_s=REQUEST_TIMEOUT_S,
+        max_tokens=1,
+        temperature=0.0,
+        **params,
+    )
     prefill_s = time.perf_counter() - start
     times, ids, decode_start = stream_times(decode, prompt, headers, **params)
     offset = decode_start - start
@@ -378,10 +406,17 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             row = {
                 key: med(o[key] for o in outs)
                 for key in (
-                    "ttft_s", "prefill_s", "decode_ttft_s", "decode_step_s", "send_s", "recv_s",
-                    "bytes_received", "blocks_received", "recv_mib_per_s",
+                    "ttft_s",
+                    "prefill_s",
+                    "decode_ttft_s",
+                    "decode_step_s",
+                    "send_s",
+                    "recv_s",
+                    "bytes_received",
+                    "blocks_received",
+                    "recv_mib_per_s",
                 )
-            }  # fmt: skip
+            }
             alone = raw.get("prefill_alone", {}).get(mode, {}).get(length)
             row["alone_ttft_s"] = med(o["ttft_s"] for o in alone) if alone else None
             baseline = row["alone_ttft_s"] or rows["colocated"]["ttft_s"]
@@ -390,9 +425,8 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             row["best_ttft_s"] = min(o["ttft_s"] for o in outs)
             row["best_alone_s"] = min(o["ttft_s"] for o in alone) if alone else None
             row["best_exposed_s"] = (
-                row["best_ttft_s"] - row["best_alone_s"] - row["decode_step_s"]
-                if alone else None
-            )  # fmt: skip
+                row["best_ttft_s"] - row["best_alone_s"] - row["decode_step_s"] if alone else None
+            )
             row["hidden_share"] = hidden(row["exposed_s"], row["send_s"])
             row["ttft_vs_colocated"] = row["ttft_s"] / rows["colocated"]["ttft_s"]
             row["metrics_missing"] = sum(o["send_s"] is None or o["recv_s"] is None for o in outs)
@@ -408,8 +442,9 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             rows[mode]["ttft_vs_put_async"] = rows[mode]["ttft_s"] / rows["PUT_ASYNC"]["ttft_s"]
             rows[mode]["ttft_vs_put_async_per_round"] = per_round
         orders = [" < ".join(sorted(MODES, key=t.get)) for t in rounds]
-        rows["round_orders"] = {o: orders.count(o) for o in sorted(set(orders), key=orders.count,
-                                                                    reverse=True)}  # fmt: skip
+        rows["round_orders"] = {
+            o: orders.count(o) for o in sorted(set(orders), key=orders.count, reverse=True)
+        }
         rows["order_fastest_first"] = sorted(MODES, key=lambda m: rows[m]["ttft_s"])
         if all(rows[m]["best_exposed_s"] is not None for m in MODES):
             rows["order_best_exposed"] = sorted(MODES, key=lambda m: rows[m]["best_exposed_s"])
@@ -419,9 +454,16 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
         outs = raw["prefix"][label]
         summary["prefix"][label] = {
             key: med(o[key] for o in outs)
-            for key in ("ttft_s", "prefill_s", "decode_ttft_s", "recv_s", "send_s",
-                        "bytes_received", "blocks_received")
-        }  # fmt: skip
+            for key in (
+                "ttft_s",
+                "prefill_s",
+                "decode_ttft_s",
+                "recv_s",
+                "send_s",
+                "bytes_received",
+                "blocks_received",
+            )
+        }
         summary["prefix"][label]["failed_loads"] = sum(o["failed_loads"] for o in outs)
     on, off = (summary["prefix"][label] for label, _, _ in PREFIX_CONFIGS[:2])
     summary["prefix_ratios"] = {
@@ -449,7 +491,6 @@ def hidden(exposed: float | None, transfer: float | None) -> float | None:
     return min(1.0, max(0.0, 1.0 - exposed / transfer))
 
 
-
 # --- output ------------------------------------------------------------------
 
 
@@ -467,18 +508,39 @@ def markdown(result: dict) -> list[str]:
     send_rows = []
     for length, rows in s["send_modes"].items():
         c = rows["colocated"]
-        send_rows.append([length, "colocated", ms(c["ttft_s"]), "1.00", *[""] * 4,
-                          ms(c["decode_step_s"]), *[""] * 7])  # fmt: skip
+        send_rows.append(
+            [
+                length,
+                "colocated",
+                ms(c["ttft_s"]),
+                "1.00",
+                *[""] * 4,
+                ms(c["decode_step_s"]),
+                *[""] * 7,
+            ]
+        )
         for mode in MODES:
             m = rows[mode]
-            send_rows.append([
-                length, mode, ms(m["ttft_s"]), fmt(m["ttft_vs_colocated"], ".2f"),
-                fmt(m["ttft_vs_put_async"], ".2f"), ms(m.get("alone_ttft_s")), ms(m["prefill_s"]),
-                ms(m["decode_ttft_s"]), ms(m["decode_step_s"]), ms(m["send_s"]), ms(m["recv_s"]),
-                ms(m["exposed_s"]), fmt(m["hidden_share"], ".0%", 1),
-                fmt(m["bytes_received"], ".1f", 1 / mib), fmt(m["recv_mib_per_s"], ".0f", 1),
-                f"{m['failed_loads']:.0f}",
-            ])  # fmt: skip
+            send_rows.append(
+                [
+                    length,
+                    mode,
+                    ms(m["ttft_s"]),
+                    fmt(m["ttft_vs_colocated"], ".2f"),
+                    fmt(m["ttft_vs_put_async"], ".2f"),
+                    ms(m.get("alone_ttft_s")),
+                    ms(m["prefill_s"]),
+                    ms(m["decode_ttft_s"]),
+                    ms(m["decode_step_s"]),
+                    ms(m["send_s"]),
+                    ms(m["recv_s"]),
+                    ms(m["exposed_s"]),
+                    fmt(m["hidden_share"], ".0%", 1),
+                    fmt(m["bytes_received"], ".1f", 1 / mib),
+                    fmt(m["recv_mib_per_s"], ".0f", 1),
+                    f"{m['failed_loads']:.0f}",
+                ]
+            )
     lines = [
         "# P2P KV transfer send modes on CPU (tiny Llama, 8 layers x 4 KV heads)",
         "",
@@ -490,7 +552,8 @@ def markdown(result: dict) -> list[str]:
             f"Servers: `{' '.join(meta['server_args'])}`, environment "
             f"`{' '.join(f'{k}={v}' for k, v in meta.get('server_env', {}).items())}`; "
             f"transport `{meta['transport']}`.",
-            date=meta["date"], on=meta["machine"],
+            date=meta["date"],
+            on=meta["machine"],
         ),
         "",
         "## Send modes: TTFT through the proxy flow",
@@ -506,37 +569,76 @@ def markdown(result: dict) -> list[str]:
         "offer .. last byte sent; decode worker: first .. last byte received); recv MiB/s = "
         "bytes received / recv time.",
         "",
-        *table(["prompt", "config", "TTFT ms", "x colocated", "x PUT_ASYNC", "alone ms",
-                "prefill req ms", "decode req ms", "decode step ms", "send ms", "recv ms",
-                "exposed ms", "hidden", "MiB received", "recv MiB/s", "failed loads"],
-               send_rows),
+        *table(
+            [
+                "prompt",
+                "config",
+                "TTFT ms",
+                "x colocated",
+                "x PUT_ASYNC",
+                "alone ms",
+                "prefill req ms",
+                "decode req ms",
+                "decode step ms",
+                "send ms",
+                "recv ms",
+                "exposed ms",
+                "hidden",
+                "MiB received",
+                "recv MiB/s",
+                "failed loads",
+            ],
+            send_rows,
+        ),
         "",
         "Order by median TTFT, fastest first: "
-        + "; ".join(f"{length} tokens: {' < '.join(rows['order_fastest_first'])}"
-                    for length, rows in s["send_modes"].items())
+        + "; ".join(
+            f"{length} tokens: {' < '.join(rows['order_fastest_first'])}"
+            for length, rows in s["send_modes"].items()
+        )
         + ". Order within each round (rounds with that order): "
-        + "; ".join(f"{length} tokens: "
-                    + ", ".join(f"{order} ({n})" for order, n in rows["round_orders"].items())
-                    for length, rows in s["send_modes"].items())
+        + "; ".join(
+            f"{length} tokens: "
+            + ", ".join(f"{order} ({n})" for order, n in rows["round_orders"].items())
+            for length, rows in s["send_modes"].items()
+        )
         + ".",
         "",
         "Per-round TTFT ratio to PUT_ASYNC (the modes of one round ran back to back), "
         "median [min-max]: "
-        + "; ".join(f"{length} tokens: "
-                    + ", ".join(f"{mode} {spread(rows[mode]['ttft_vs_put_async_per_round'])}"
-                                for mode in MODES[1:])
-                    for length, rows in s["send_modes"].items())
+        + "; ".join(
+            f"{length} tokens: "
+            + ", ".join(
+                f"{mode} {spread(rows[mode]['ttft_vs_put_async_per_round'])}" for mode in MODES[1:]
+            )
+            for length, rows in s["send_modes"].items()
+        )
         + ".",
         "",
         f"Best of the {meta['rounds']} rounds: TTFT, and the best-case exposed time "
         "`best TTFT - best prefill alone (same server) - median decode step`.",
         "",
-        *table(["prompt", "best TTFT colocated", "PUT_ASYNC", "GET", "PUT",
-                "best-case exposed PUT_ASYNC", "GET", "PUT"],
-               [[length, ms(rows["colocated"].get("best_ttft_s")),
-                 *(ms(rows[m].get("best_ttft_s")) for m in MODES),
-                 *(ms(rows[m].get("best_exposed_s")) for m in MODES)]
-                for length, rows in s["send_modes"].items()]),
+        *table(
+            [
+                "prompt",
+                "best TTFT colocated",
+                "PUT_ASYNC",
+                "GET",
+                "PUT",
+                "best-case exposed PUT_ASYNC",
+                "GET",
+                "PUT",
+            ],
+            [
+                [
+                    length,
+                    ms(rows["colocated"].get("best_ttft_s")),
+                    *(ms(rows[m].get("best_ttft_s")) for m in MODES),
+                    *(ms(rows[m].get("best_exposed_s")) for m in MODES),
+                ]
+                for length, rows in s["send_modes"].items()
+            ],
+        ),
         "",
         "### How the hidden share is computed",
         "",
@@ -568,12 +670,30 @@ def markdown(result: dict) -> list[str]:
         "PUT_ASYNC (and PUT) the prefill offers the KV before decode has seen the request, so "
         "decode cannot yet say which blocks it holds and takes all of them.",
         "",
-        *table(["config", "TTFT ms", "decode req ms", "recv ms", "blocks received",
-                "MiB received", "failed loads"],
-               [[label, ms(row["ttft_s"]), ms(row["decode_ttft_s"]), ms(row["recv_s"]),
-                 fmt(row["blocks_received"], ".0f", 1), fmt(row["bytes_received"], ".2f", 1 / mib),
-                 f"{row['failed_loads']:.0f}"] for label, row in s["prefix"].items()]),
-    ]  # fmt: skip
+        *table(
+            [
+                "config",
+                "TTFT ms",
+                "decode req ms",
+                "recv ms",
+                "blocks received",
+                "MiB received",
+                "failed loads",
+            ],
+            [
+                [
+                    label,
+                    ms(row["ttft_s"]),
+                    ms(row["decode_ttft_s"]),
+                    ms(row["recv_s"]),
+                    fmt(row["blocks_received"], ".0f", 1),
+                    fmt(row["bytes_received"], ".2f", 1 / mib),
+                    f"{row['failed_loads']:.0f}",
+                ]
+                for label, row in s["prefix"].items()
+            ],
+        ),
+    ]
     pr = s["prefix_ratios"]
     lines += [
         "",
@@ -607,13 +727,15 @@ def checks(result: dict) -> list[str]:
         "same prompt, every mode and length): "
         + ("all equal." if not bad else f"DIFFERENT for {', '.join(bad)}."),
         "* Connector errors during the run (failed loads or sends, dropped, spills): "
-        + ("; ".join(sorted(trouble)) if trouble else "none") + ".",
+        + ("; ".join(sorted(trouble)) if trouble else "none")
+        + ".",
         "* Load average at the end of the run: "
-        + ", ".join(f"{x:.1f}" for x in meta["load_average_at_end"]) + ".",
+        + ", ".join(f"{x:.1f}" for x in meta["load_average_at_end"])
+        + ".",
         f"* Run time: start-up {meta['startup_s']:.0f} s (all servers at once), warm-up "
         f"{meta['warm_up_s']:.0f} s, measurement "
         f"{meta['measure_s']:.0f} s, total {meta['total_s']:.0f} s.",
-    ]  # fmt: skip
+    ]
 
 
 def plot(result: dict, path: Path) -> None:
@@ -643,9 +765,13 @@ def plot(result: dict, path: Path) -> None:
         values = [(s["send_modes"][n][mode]["exposed_s"] or 0) * 1000 for n in lengths]
         ax.bar(xs, values, width, label=f"{mode} (median)", color=colors[mode])
         best = [s["send_modes"][n][mode].get("best_exposed_s") for n in lengths]
-        ax.plot([x for x, b in zip(xs, best) if b is not None],
-                [b * 1000 for b in best if b is not None], "kv", markersize=5,
-                label="best case" if j == 0 else None)  # fmt: skip
+        ax.plot(
+            [x for x, b in zip(xs, best) if b is not None],
+            [b * 1000 for b in best if b is not None],
+            "kv",
+            markersize=5,
+            label="best case" if j == 0 else None,
+        )
     wire = [(s["send_modes"][n]["put_wire_s"] or 0) * 1000 for n in lengths]
     ax.plot(range(len(lengths)), wire, "k_", markersize=30, mew=2, label="PUT send (bare wire)")
     ax.axhline(0, color="#999999", linewidth=0.8)
@@ -693,20 +819,33 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
-    parser.add_argument("--max-num-batched-tokens", type=int, default=MAX_MODEL_LEN,
-                        help="default: the whole prompt in one forward pass")  # fmt: skip
-    parser.add_argument("--compile", action="store_true",
-                        help="CPU torch.compile (default --enforce-eager: 8 servers compiling "
-                        "at once on 2 cores take over 10 minutes to start)")
-    parser.add_argument("--omp-bind", default="nobind",
-                        help="VLLM_CPU_OMP_THREADS_BIND of every server (nobind: one OpenMP "
-                        "thread each, placed by the OS; or e.g. 0: all on core 0; auto)")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=MAX_MODEL_LEN,
+        help="default: the whole prompt in one forward pass",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="CPU torch.compile (default --enforce-eager: 8 servers compiling "
+        "at once on 2 cores take over 10 minutes to start)",
+    )
+    parser.add_argument(
+        "--omp-bind",
+        default="nobind",
+        help="VLLM_CPU_OMP_THREADS_BIND of every server (nobind: one OpenMP "
+        "thread each, placed by the OS; or e.g. 0: all on core 0; auto)",
+    )
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
     parser.add_argument("--quick", action="store_true", help="2 rounds (smoke run)")
     parser.add_argument("--seed", type=int, default=20261122)
-    parser.add_argument("--render", metavar="JSON",
-                        help="no run: summarize the raw numbers of a result file again and "
-                        "write its md and png next to it (or in --out)")  # fmt: skip
+    parser.add_argument(
+        "--render",
+        metavar="JSON",
+        help="no run: summarize the raw numbers of a result file again and "
+        "write its md and png next to it (or in --out)",
+    )
     report.add_out_argument(parser)
     args = parser.parse_args()
     require("matplotlib", "psutil")  # before any server starts
@@ -739,8 +878,11 @@ def main() -> int:
             t = time.monotonic()
             raw = measure(servers, prompts, args)
             measure_s = time.monotonic() - t
-            totals = {name: snapshot(server) for name, server in servers.items()
-                      if isinstance(server, P2pInstance)}  # fmt: skip
+            totals = {
+                name: snapshot(server)
+                for name, server in servers.items()
+                if isinstance(server, P2pInstance)
+            }
     summary = summarize(raw, args)
     result = {
         "meta": {

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
 from common import report
 
@@ -233,7 +232,7 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
         "",
         report.generated(
             "p2p_transport.py",
-            "2 processes, loopback, one direction; a \"32 KiB blocks\" message is sent as every "
+            '2 processes, loopback, one direction; a "32 KiB blocks" message is sent as every '
             f"other block of a pool and received into one tensor. {args.rounds} rounds; in each, "
             "every transport sample runs between two raw-socket samples and is divided by their "
             "mean. GB/s is the median over rounds, the ratio (in brackets) the median of those "
@@ -241,9 +240,11 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
             f"the run: {args.load_average[0]:.1f}, {args.load_average[1]:.1f}.",
         ),
         "",
-        *report.table(["message", *labels],
-                      [[_size(size), *(cell(label, size) for label in labels)] for size in SIZES]),
-    ]  # fmt: skip
+        *report.table(
+            ["message", *labels],
+            [[_size(size), *(cell(label, size) for label in labels)] for size in SIZES],
+        ),
+    ]
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -286,8 +287,12 @@ def main() -> int:
     summary = summarize(gbps, ratios)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     result = {"args": settings, "summary": summary, "gbps": gbps, "ratios": ratios}
-    report.write((args.out or report.RESULTS) / "p2p_transport", result, markdown(summary, args),
-                 lambda png: plot(summary, png))  # fmt: skip
+    report.write(
+        (args.out or report.RESULTS) / "p2p_transport",
+        result,
+        markdown(summary, args),
+        lambda png: plot(summary, png),
+    )
     print(f"took {time.monotonic() - start:.0f} s")
     return 0
 

@@ -60,17 +60,16 @@ import time
 from pathlib import Path
 
 import aiohttp
-
-from vllm_disagg.testing.fake_instance import DELAY_KEY
-from vllm_disagg.testing.p2p import free_kv_port, kv_transfer_config
-from vllm_disagg.testing.router import RouterProcess
-from vllm_disagg.testing.server import VllmServer, cpu_test_env, get_free_port, vllm_executable
-
 from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
 from common import report
 from common.procs import Child, cpu_seconds, http, label, load_snapshot, run_logged, scrape, uptime
 from common.report import fmt, load_line, ms, percent, table
 from common.stats import diff, hist_quantile, pct, pcts, ratio
+
+from vllm_disagg.testing.fake_instance import DELAY_KEY
+from vllm_disagg.testing.p2p import free_kv_port, kv_transfer_config
+from vllm_disagg.testing.router import RouterProcess
+from vllm_disagg.testing.server import VllmServer, cpu_test_env, get_free_port, vllm_executable
 
 STEM = "router"
 
@@ -100,8 +99,12 @@ SCENARIOS = {
 }
 STAGGERED = frozenset({"decode"})
 # Router-added latency: (through a router, baseline) pairs of targets.
-ADDED = (("router_seq", "direct_pd"), ("router_seq", "direct"), ("router_conc", "direct"),
-         ("router_hyper", "direct_pd"))  # fmt: skip
+ADDED = (
+    ("router_seq", "direct_pd"),
+    ("router_seq", "direct"),
+    ("router_conc", "direct"),
+    ("router_hyper", "direct_pd"),
+)
 GOAL_SCENARIO, GOAL_CONCURRENCY, GOAL_P50_S = "stream", 32, 0.002
 CEILING_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128)
 CEILING_TARGETS = ("direct", "router_seq", "router_conc", "router_hyper")
@@ -118,9 +121,18 @@ CONFIGS = ("colocated", "router_seq", "router_conc")
 DTYPE = "float32"
 BLOCK_SIZE = 32
 SERVER_ARGS = [
-    "--max-model-len", "1024", "--max-num-seqs", "32", "--seed", "0", "--dtype", DTYPE,
-    "--block-size", str(BLOCK_SIZE), "--enforce-eager",
-]  # fmt: skip
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "32",
+    "--seed",
+    "0",
+    "--dtype",
+    DTYPE,
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--enforce-eager",
+]
 # As benchmarks/p2p_send_modes.py: vLLM's automatic binding reserves a core
 # for the scheduler and one more with a KV connector, which 2 cores cannot
 # give; one OpenMP thread each, placed by the OS, keeps the servers comparable.
@@ -134,8 +146,18 @@ GREEDY_PROMPT = "Prefill instances compute the key value cache and send it to de
 def start_fake(role: str, log_path: Path) -> Child:
     """A fake instance in a process of its own, answering ``max_tokens`` tokens."""
     port = get_free_port()
-    command = [sys.executable, "-m", "vllm_disagg.testing.fake_instance", "--name", role,
-               "--port", str(port), "--model", FAKE_MODEL, "--tokens"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vllm_disagg.testing.fake_instance",
+        "--name",
+        role,
+        "--port",
+        str(port),
+        "--model",
+        FAKE_MODEL,
+        "--tokens",
+    ]
     return Child(f"fake {role}", command, log_path, port).start(FAKE_START_TIMEOUT_S)
 
 
@@ -146,19 +168,28 @@ def scrape_hist(url: str) -> dict[float, float]:
 
 
 def start_routers_over_fakes(
-    stack: contextlib.ExitStack, fakes: dict[str, Child], tag: str,
-    targets: dict[str, list[str]], logs: Path,
+    stack: contextlib.ExitStack,
+    fakes: dict[str, Child],
+    tag: str,
+    targets: dict[str, list[str]],
+    logs: Path,
 ) -> dict[str, RouterProcess]:
     """One router per target (its flags in ``targets``), its instances the fake
     prefill and decode (static: the fakes do not register); stopped by ``stack``."""
     routers = {}
     for target, flags in targets.items():
         router = RouterProcess(
-            ["--static-prefill", f"{fakes['prefill'].http_addr},127.0.0.1:1",
-             "--static-decode", f"{fakes['decode'].http_addr},127.0.0.1:2",
-             *flags, "--log-level", "warning"],
+            [
+                "--static-prefill",
+                f"{fakes['prefill'].http_addr},127.0.0.1:1",
+                "--static-decode",
+                f"{fakes['decode'].http_addr},127.0.0.1:2",
+                *flags,
+                "--log-level",
+                "warning",
+            ],
             log_path=logs / f"{STEM}-{tag}-{target}.log",
-        )  # fmt: skip
+        )
         stack.callback(router.stop)
         routers[target] = router.start()
     return routers
@@ -179,8 +210,13 @@ class LoadGenerator:
         self.prompt = " ".join(words[:PROMPT_WORDS])
         self.bodies: dict[str, tuple[bytes, bytes]] = {}
         for name, (stream, chunks, delay_ms, _) in SCENARIOS.items():
-            body = {"model": FAKE_MODEL, "prompt": self.prompt, "max_tokens": chunks,
-                    "temperature": 0.0, "stream": stream}  # fmt: skip
+            body = {
+                "model": FAKE_MODEL,
+                "prompt": self.prompt,
+                "max_tokens": chunks,
+                "temperature": 0.0,
+                "stream": stream,
+            }
             if delay_ms:
                 body[DELAY_KEY] = delay_ms
             prefill = {**body, "max_tokens": 1, "stream": False}
@@ -277,8 +313,12 @@ class LoadGenerator:
 
         async with asyncio.timeout(duration_s + warm_s + REQUEST_TIMEOUT_S + 10):
             await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return {"rps": len(done) / duration_s, "completed": len(done), "errors": errors,
-                "latency": pcts(done)}  # fmt: skip
+        return {
+            "rps": len(done) / duration_s,
+            "completed": len(done),
+            "errors": errors,
+            "latency": pcts(done),
+        }
 
 
 def batch_size(scenario: str, concurrency: int, quick: bool) -> int:
@@ -296,10 +336,22 @@ async def measure_overhead(
 ) -> dict:
     """Interleaved rounds of closed-loop batches; raw per-request numbers."""
     raw: dict = {
-        s: {str(c): {t: {"ttfb": [], "total": [], "errors": [], "router_hist": {},
-                         "cpu_s": {}, "requests": 0} for t in TARGETS} for c in conc}
+        s: {
+            str(c): {
+                t: {
+                    "ttfb": [],
+                    "total": [],
+                    "errors": [],
+                    "router_hist": {},
+                    "cpu_s": {},
+                    "requests": 0,
+                }
+                for t in TARGETS
+            }
+            for c in conc
+        }
         for s, (_, _, _, conc) in SCENARIOS.items()
-    }  # fmt: skip
+    }
     rng = random.Random(args.seed)
     # Warm-up: connections, code paths, the routers' upstream pools.
     for target in TARGETS:
@@ -307,8 +359,9 @@ async def measure_overhead(
             await gen.batch(target, scenario, 8, 40)
     for r in range(args.rounds):
         t_round = time.monotonic()
-        items = [(s, c, t) for s, (_, _, _, conc) in SCENARIOS.items() for c in conc
-                 for t in TARGETS]  # fmt: skip
+        items = [
+            (s, c, t) for s, (_, _, _, conc) in SCENARIOS.items() for c in conc for t in TARGETS
+        ]
         rng.shuffle(items)
         for scenario, conc, target in items:
             router = routers.get(target)
@@ -331,14 +384,13 @@ async def measure_overhead(
                     cell["router_hist"][key] = (
                         cell["router_hist"].get(key, 0.0) + count - before_hist.get(le, 0.0)
                     )
-        print(f"  overhead round {r + 1}/{args.rounds}: {time.monotonic() - t_round:.0f}s",
-              flush=True)  # fmt: skip
+        print(
+            f"  overhead round {r + 1}/{args.rounds}: {time.monotonic() - t_round:.0f}s", flush=True
+        )
     return raw
 
 
-async def measure_ceiling(
-    gen: LoadGenerator, pids: dict[str, int], args
-) -> dict:
+async def measure_ceiling(gen: LoadGenerator, pids: dict[str, int], args) -> dict:
     """Growing concurrency, every target per level in a random order."""
     rng = random.Random(args.seed + 7)
     out: dict = {t: {} for t in CEILING_TARGETS}
@@ -353,8 +405,11 @@ async def measure_ceiling(
             after = {name: cpu_seconds(pid) for name, pid in pids.items()}
             res["cpu_share"] = {name: (after[name] - before[name]) / wall for name in pids}
             out[target][str(level)] = res
-        print("  ceiling at concurrency %d: %s" % (level, ", ".join(
-            f"{t} {out[t][str(level)]['rps']:.0f}/s" for t in CEILING_TARGETS)), flush=True)
+        print(
+            "  ceiling at concurrency %d: %s"
+            % (level, ", ".join(f"{t} {out[t][str(level)]['rps']:.0f}/s" for t in CEILING_TARGETS)),
+            flush=True,
+        )
     return out
 
 
@@ -374,8 +429,11 @@ def run_overhead(args) -> dict:
         }
         mine = {fakes[r].proc.pid for r in fakes} | {r.proc.pid for r in routers.values()}
         load_before = load_snapshot(mine)
-        urls = {"direct": fakes["decode"].url, "direct_pd": fakes["decode"].url,
-                **{t: r.url for t, r in routers.items()}}  # fmt: skip
+        urls = {
+            "direct": fakes["decode"].url,
+            "direct_pd": fakes["decode"].url,
+            **{t: r.url for t, r in routers.items()},
+        }
         uvloop_in_router = "uvloop" if _has("uvloop") else "asyncio"
 
         async def go() -> tuple[dict, dict]:
@@ -387,16 +445,27 @@ def run_overhead(args) -> dict:
                 return raw, ceiling
 
         raw, ceiling = asyncio.run(go())
-        outcomes = {t: scrape(f"{r.url}/metrics", "vllm_disagg_router_requests_total")
-                    for t, r in routers.items()}  # fmt: skip
+        outcomes = {
+            t: scrape(f"{r.url}/metrics", "vllm_disagg_router_requests_total")
+            for t, r in routers.items()
+        }
         load_after = load_snapshot(mine)
     return {
         "meta": {
             "rounds": args.rounds,
-            "scenarios": {k: {"stream": v[0], "chunks": v[1], "chunk_delay_ms": v[2],
-                              "concurrency": list(v[3])} for k, v in SCENARIOS.items()},
-            "batch_sizes": {s: {str(c): batch_size(s, c, args.quick) for c in v[3]}
-                            for s, v in SCENARIOS.items()},
+            "scenarios": {
+                k: {
+                    "stream": v[0],
+                    "chunks": v[1],
+                    "chunk_delay_ms": v[2],
+                    "concurrency": list(v[3]),
+                }
+                for k, v in SCENARIOS.items()
+            },
+            "batch_sizes": {
+                s: {str(c): batch_size(s, c, args.quick) for c in v[3]}
+                for s, v in SCENARIOS.items()
+            },
             "prompt_chars": len(LoadGenerator({}, "").prompt),
             "ceiling_levels": list(args.ceiling_levels),
             "ceiling_window_s": args.ceiling_s,
@@ -428,10 +497,14 @@ def summarize_overhead(part: dict) -> dict:
         for conc, by_target in by_conc.items():
             key = f"{scenario}/{conc}"
             latency[key] = {
-                t: {"n": len(c["total"]), "errors": c["requests"] - len(c["total"]),
-                    "ttfb": pcts(c["ttfb"]), "total": pcts(c["total"])}
+                t: {
+                    "n": len(c["total"]),
+                    "errors": c["requests"] - len(c["total"]),
+                    "ttfb": pcts(c["ttfb"]),
+                    "total": pcts(c["total"]),
+                }
                 for t, c in by_target.items()
-            }  # fmt: skip
+            }
             lat = latency[key]
 
             added[key] = {
@@ -461,8 +534,11 @@ def summarize_overhead(part: dict) -> dict:
         rates = {int(k): v["rps"] for k, v in levels.items()}
         best = max(rates.values()) if rates else 0.0
         knee = min((k for k, v in rates.items() if v >= 0.95 * best), default=None)
-        ceiling[target] = {"max_rps": best, "at_concurrency": max(rates, key=rates.get),
-                           "knee_concurrency": knee}  # fmt: skip
+        ceiling[target] = {
+            "max_rps": best,
+            "at_concurrency": max(rates, key=rates.get),
+            "knee_concurrency": knee,
+        }
     for row in ceiling.values():
         row["vs_direct"] = ratio(row["max_rps"], ceiling.get("direct", {}).get("max_rps"))
     goal_key = f"{GOAL_SCENARIO}/{GOAL_CONCURRENCY}"
@@ -488,8 +564,14 @@ def summarize_overhead(part: dict) -> dict:
     goal["met_router_hist"] = (
         goal["router_hist_p50_s"] is not None and goal["router_hist_p50_s"] < GOAL_P50_S
     )
-    return {"latency": latency, "added": added, "router_hist": router_hist, "cpu": cpu,
-            "ceiling": ceiling, "goal": goal}  # fmt: skip
+    return {
+        "latency": latency,
+        "added": added,
+        "router_hist": router_hist,
+        "cpu": cpu,
+        "ceiling": ceiling,
+        "goal": goal,
+    }
 
 
 # =============================================================================
@@ -508,21 +590,50 @@ def ensure_model(path: Path) -> Path:
 
 def bench_command(url: str, model: Path, args, concurrency: int, seed: int, out: Path) -> list[str]:
     return [
-        vllm_executable(), "bench", "serve", "--backend", "vllm", "--base-url", url,
-        "--model", str(model), "--dataset-name", "random",
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-        "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency),
-        "--ignore-eos", "--seed", str(seed), "--disable-tqdm",
-        "--percentile-metrics", ",".join(BENCH_METRICS),
-        "--metric-percentiles", ",".join(str(p) for p in BENCH_PERCENTILES),
-        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
-    ]  # fmt: skip
+        vllm_executable(),
+        "bench",
+        "serve",
+        "--backend",
+        "vllm",
+        "--base-url",
+        url,
+        "--model",
+        str(model),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--disable-tqdm",
+        "--percentile-metrics",
+        ",".join(BENCH_METRICS),
+        "--metric-percentiles",
+        ",".join(str(p) for p in BENCH_PERCENTILES),
+        "--save-result",
+        "--result-dir",
+        str(out.parent),
+        "--result-filename",
+        out.name,
+    ]
 
 
 BENCH_KEEP = (
-    "completed", "failed", "duration", "request_throughput", "output_throughput",
-    "total_input_tokens", "total_output_tokens",
-)  # fmt: skip
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "total_input_tokens",
+    "total_output_tokens",
+)
 
 
 def keep_bench(result: dict) -> dict:
@@ -536,8 +647,13 @@ def keep_bench(result: dict) -> dict:
 
 
 def greedy_text(url: str, model: str) -> str | None:
-    body = {"model": model, "prompt": GREEDY_PROMPT, "max_tokens": 16, "temperature": 0.0,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": GREEDY_PROMPT,
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
     try:
         status, data = http(f"{url}/v1/completions", body, timeout_s=120)
         return json.loads(data)["choices"][0]["text"] if status == 200 else f"<{status}: {data!r}>"
@@ -548,8 +664,9 @@ def greedy_text(url: str, model: str) -> str | None:
 async def warm_up(url: str, model: str, n: int, concurrency: int) -> int:
     """``n`` streamed completions of a few hundred tokens; how many succeeded."""
     prompt = " ".join(["prefill instances compute the key value cache"] * 40)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "stream": True,
-                       "ignore_eos": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": model, "prompt": prompt, "max_tokens": 8, "stream": True, "ignore_eos": True}
+    ).encode()
     ok = 0
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
@@ -557,8 +674,9 @@ async def warm_up(url: str, model: str, n: int, concurrency: int) -> int:
         async def one() -> None:
             nonlocal ok
             async with sem:
-                async with session.post(f"{url}/v1/completions", data=body,
-                                        headers={"Content-Type": "application/json"}) as resp:
+                async with session.post(
+                    f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
                     data = await resp.read()
                     ok += resp.status == 200 and data.rstrip().endswith(b"[DONE]")
 
@@ -583,8 +701,9 @@ def start_vllm_fleet(
     instance registered with both routers. All stopped by ``stack``."""
     routers = {}
     for target, flags in ROUTER_FLAGS.items():
-        router = RouterProcess([*flags, "--log-level", "warning"],
-                               log_path=args.logs / f"{STEM}-{target}.log")  # fmt: skip
+        router = RouterProcess(
+            [*flags, "--log-level", "warning"], log_path=args.logs / f"{STEM}-{target}.log"
+        )
         stack.callback(router.stop)
         routers[target] = router.start()
     proxy_ip = ",".join(f"127.0.0.1:{r.discovery_port}" for r in routers.values())
@@ -592,17 +711,25 @@ def start_vllm_fleet(
 
     def server(name: str, extra: list[str], port: int | None = None) -> VllmServer:
         return VllmServer(
-            model, [*SERVER_ARGS, *extra], log_path=args.logs / f"{STEM}-{name}.log",
-            env=env, port=port, startup_timeout_s=args.startup_timeout_s,
-        )  # fmt: skip
+            model,
+            [*SERVER_ARGS, *extra],
+            log_path=args.logs / f"{STEM}-{name}.log",
+            env=env,
+            port=port,
+            startup_timeout_s=args.startup_timeout_s,
+        )
 
     servers = {"colocated": server("colocated", [])}
     for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         port = get_free_port()
         config = kv_transfer_config(
-            role, free_kv_port(), send_type="PUT_ASYNC",
-            kv_load_timeout_s=KV_LOAD_TIMEOUT_S, proxy_ip=proxy_ip, http_port=str(port),
-        )  # fmt: skip
+            role,
+            free_kv_port(),
+            send_type="PUT_ASYNC",
+            kv_load_timeout_s=KV_LOAD_TIMEOUT_S,
+            proxy_ip=proxy_ip,
+            http_port=str(port),
+        )
         servers[name] = server(name, ["--kv-transfer-config", config], port)
     for s in servers.values():  # all at once: start-up is mostly waiting
         stack.callback(s.stop)
@@ -613,7 +740,8 @@ def start_vllm_fleet(
     for target, router in routers.items():
         router.wait_for_instances(
             lambda found: {i["role"] for i in found} >= {"prefill", "decode"},
-            timeout_s=120, what="a prefill and a decode instance",
+            timeout_s=120,
+            what="a prefill and a decode instance",
         )
         if not router.healthy():
             raise RuntimeError(f"{target} not healthy: {router.instances()}")
@@ -639,13 +767,24 @@ def bench_rounds(args, urls: dict[str, str], model: Path, tmp: Path, log: Path) 
                 rc = run_logged(cmd, log, args.bench_timeout_s, cpu_test_env())
                 took = time.monotonic() - t0
                 result = json.loads(out.read_text()) if out.exists() else {}
-                runs.append({"round": r, "concurrency": conc, "config": config,
-                             "position": position, "seed": seed, "rc": rc, "took_s": took,
-                             **keep_bench(result)})  # fmt: skip
-                print(f"  round {r + 1} c={conc} {config}: rc {rc}, "
-                      f"{result.get('completed')}/{args.num_prompts} in {took:.0f}s, "
-                      f"TTFT p50 {result.get('p50_ttft_ms') or float('nan'):.0f} ms",
-                      flush=True)  # fmt: skip
+                runs.append(
+                    {
+                        "round": r,
+                        "concurrency": conc,
+                        "config": config,
+                        "position": position,
+                        "seed": seed,
+                        "rc": rc,
+                        "took_s": took,
+                        **keep_bench(result),
+                    }
+                )
+                print(
+                    f"  round {r + 1} c={conc} {config}: rc {rc}, "
+                    f"{result.get('completed')}/{args.num_prompts} in {took:.0f}s, "
+                    f"TTFT p50 {result.get('p50_ttft_ms') or float('nan'):.0f} ms",
+                    flush=True,
+                )
     return runs
 
 
@@ -671,8 +810,11 @@ def run_serving(args) -> dict:
         t = time.monotonic()
         warm = {c: asyncio.run(warm_up(urls[c], model_name, 8, 4)) for c in CONFIGS}
         warm_s = time.monotonic() - t
-        print(f"warm-up done in {warm_s:.0f}s: {warm}; greedy same as colocated: "
-              f"{ {c: greedy[c] == greedy['colocated'] for c in CONFIGS} }", flush=True)
+        print(
+            f"warm-up done in {warm_s:.0f}s: {warm}; greedy same as colocated: "
+            f"{ {c: greedy[c] == greedy['colocated'] for c in CONFIGS} }",
+            flush=True,
+        )
         t = time.monotonic()
         runs = bench_rounds(args, urls, model, tmp, bench_log)
         measure_s = time.monotonic() - t
@@ -695,16 +837,23 @@ def run_serving(args) -> dict:
     return {
         "meta": {
             "dry_run_on_fakes": bool(args.serving_fakes),
-            "model": str(model) if args.serving_fakes else f"{model} (tiny Llama: 2 layers, "
-            f"hidden 128, 1 KV head of 64), {DTYPE}",
+            "model": str(model)
+            if args.serving_fakes
+            else f"{model} (tiny Llama: 2 layers, hidden 128, 1 KV head of 64), {DTYPE}",
             "server_args": SERVER_ARGS,
             "server_env": SERVER_ENV,
             "kv_transfer": f"P2pNcclConnector PUT_ASYNC, kv_load_timeout_s={KV_LOAD_TIMEOUT_S:g}, "
             "instances register with both routers (proxy_ip lists both)",
-            "bench": {"input_len": args.input_len, "output_len": args.output_len,
-                      "num_prompts": args.num_prompts, "concurrency": list(args.concurrency),
-                      "rounds": args.serving_rounds, "backend": "vllm",
-                      "dataset": "random", "ignore_eos": True},  # fmt: skip
+            "bench": {
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "num_prompts": args.num_prompts,
+                "concurrency": list(args.concurrency),
+                "rounds": args.serving_rounds,
+                "backend": "vllm",
+                "dataset": "random",
+                "ignore_eos": True,
+            },
             "startup_s": startup_s,
             "warm_up_s": warm_s,
             "measure_s": measure_s,
@@ -729,10 +878,16 @@ def summarize_serving(part: dict) -> dict:
         table[conc] = {}
         for config, runs in configs.items():
             good = [r for r in runs if r.get("completed")]
-            row: dict = {"runs": len(runs), "completed": sum(r.get("completed") or 0 for r in runs),
-                         "failed": sum(r.get("failed") or 0 for r in runs)}  # fmt: skip
-            for key in ("request_throughput", "output_throughput",
-                        *(f"p{p}_{m}_ms" for m in BENCH_METRICS for p in BENCH_PERCENTILES)):
+            row: dict = {
+                "runs": len(runs),
+                "completed": sum(r.get("completed") or 0 for r in runs),
+                "failed": sum(r.get("failed") or 0 for r in runs),
+            }
+            for key in (
+                "request_throughput",
+                "output_throughput",
+                *(f"p{p}_{m}_ms" for m in BENCH_METRICS for p in BENCH_PERCENTILES),
+            ):
                 values = [r[key] for r in good if r.get(key) is not None]
                 # Rounds: the median of the per-run percentiles.
                 row[key] = pct(values, 50) if values else None
@@ -741,15 +896,26 @@ def summarize_serving(part: dict) -> dict:
         for config, row in table[conc].items():
             row["vs_colocated"] = {
                 key: ratio(row.get(key) or None, base.get(key))
-                for key in ("p50_ttft_ms", "p50_tpot_ms", "p50_e2el_ms", "p90_ttft_ms",
-                            "p99_ttft_ms", "request_throughput")
+                for key in (
+                    "p50_ttft_ms",
+                    "p50_tpot_ms",
+                    "p50_e2el_ms",
+                    "p90_ttft_ms",
+                    "p99_ttft_ms",
+                    "request_throughput",
+                )
             }
         seq, conc_row = table[conc].get("router_seq"), table[conc].get("router_conc")
         if seq and conc_row:
             table[conc]["concurrent_vs_sequential"] = {
                 key: ratio(conc_row.get(key) or None, seq.get(key))
-                for key in ("p50_ttft_ms", "p90_ttft_ms", "p50_tpot_ms", "p50_e2el_ms",
-                            "request_throughput")
+                for key in (
+                    "p50_ttft_ms",
+                    "p90_ttft_ms",
+                    "p50_tpot_ms",
+                    "p50_e2el_ms",
+                    "request_throughput",
+                )
             }
     return table
 
@@ -765,16 +931,18 @@ def write_markdown(result: dict) -> list[str]:
         "# The xPyD router: overhead, ceiling, and end-to-end cost",
         "",
         report.generated(
-            "router.py", "A `--quick` run." if meta.get("quick") else "",
+            "router.py",
+            "A `--quick` run." if meta.get("quick") else "",
             "Every process below (load generator, fake instances, routers, vLLM servers, "
             "`vllm bench serve`) shares the machine's cores with whatever else runs on it "
             "(counted as vLLM processes this run did not start). Load average (1, 5, 15 min) "
             + "; ".join(f"{k.replace('_', ' ')} {load_line(v)}" for k, v in meta["load"].items())
             + ".",
-            date=meta["date"], on=meta["machine"],
+            date=meta["date"],
+            on=meta["machine"],
         ),
         "",
-    ]  # fmt: skip
+    ]
     if "overhead" in result:
         lines += overhead_markdown(result["overhead"])
     if "serving" in result:
@@ -783,23 +951,34 @@ def write_markdown(result: dict) -> list[str]:
 
 
 def scenario_text(name: str, v: dict) -> str:
-    pace = f" {v['chunk_delay_ms']:g} ms apart" if v["chunk_delay_ms"] else (
-        " sent at once" if v["stream"] else "")  # fmt: skip
+    pace = (
+        f" {v['chunk_delay_ms']:g} ms apart"
+        if v["chunk_delay_ms"]
+        else (" sent at once" if v["stream"] else "")
+    )
     stagger = ", each client's first request at a random point of one stream's length"
-    return (f"`{name}`: {'SSE' if v['stream'] else 'JSON'}, {v['chunks']} tokens{pace}, "
-            f"concurrency {', '.join(map(str, v['concurrency']))}"
-            + (stagger if name in STAGGERED else ""))  # fmt: skip
+    return (
+        f"`{name}`: {'SSE' if v['stream'] else 'JSON'}, {v['chunks']} tokens{pace}, "
+        f"concurrency {', '.join(map(str, v['concurrency']))}"
+        + (stagger if name in STAGGERED else "")
+    )
 
 
 def overhead_markdown(part: dict) -> list[str]:
     s = part["summary"]
-    return [*overhead_setup(part["meta"]), *added_tables(s), *latency_tables(s),
-            *ceiling_tables(part)]  # fmt: skip
+    return [
+        *overhead_setup(part["meta"]),
+        *added_tables(s),
+        *latency_tables(s),
+        *ceiling_tables(part),
+    ]
 
 
 def overhead_setup(meta: dict) -> list[str]:
-    batches = "; ".join(f"{k} " + ", ".join(f"{n} at {c}" for c, n in v.items())
-                        for k, v in meta["batch_sizes"].items())  # fmt: skip
+    batches = "; ".join(
+        f"{k} " + ", ".join(f"{n} at {c}" for c, n in v.items())
+        for k, v in meta["batch_sizes"].items()
+    )
     return [
         "## 1. Router overhead against fake backends",
         "",
@@ -840,16 +1019,46 @@ def added_tables(s: dict) -> list[str]:
         alone, vs = a["router_seq - direct_pd"]["total"], a["router_seq - direct"]["total"]
         cc, hy = a["router_conc - direct"]["total"], a["router_hyper - direct_pd"]["total"]
         h = s["router_hist"][key]
-        rows.append([
-            *key.split("/"), ms(alone["p10"]), f"**{ms(alone['p50'])}**", ms(alone["p90"]),
-            ms(alone["p99"]), ms(vs["p50"]), ms(vs["p99"]), ms(cc["p50"]), ms(cc["p99"]),
-            ms(hy["p50"]), ms(hy["p99"]), ms(h["router_seq"]["p50"]), ms(h["router_conc"]["p50"]),
-            percent(h["router_seq"]["share_le_2ms"]), percent(h["router_conc"]["share_le_2ms"]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                *key.split("/"),
+                ms(alone["p10"]),
+                f"**{ms(alone['p50'])}**",
+                ms(alone["p90"]),
+                ms(alone["p99"]),
+                ms(vs["p50"]),
+                ms(vs["p99"]),
+                ms(cc["p50"]),
+                ms(cc["p99"]),
+                ms(hy["p50"]),
+                ms(hy["p99"]),
+                ms(h["router_seq"]["p50"]),
+                ms(h["router_conc"]["p50"]),
+                percent(h["router_seq"]["share_le_2ms"]),
+                percent(h["router_conc"]["share_le_2ms"]),
+            ]
+        )
     lines = table(
-        ["scenario", "concurrency", "router alone p10", "p50", "p90", "p99", "vs direct p50",
-         "p99", "concurrent vs direct p50", "p99", "hypercorn alone p50", "p99",
-         "histogram p50 seq", "conc", "<= 2 ms seq", "conc"], rows)  # fmt: skip
+        [
+            "scenario",
+            "concurrency",
+            "router alone p10",
+            "p50",
+            "p90",
+            "p99",
+            "vs direct p50",
+            "p99",
+            "concurrent vs direct p50",
+            "p99",
+            "hypercorn alone p50",
+            "p99",
+            "histogram p50 seq",
+            "conc",
+            "<= 2 ms seq",
+            "conc",
+        ],
+        rows,
+    )
     g = s["goal"]
 
     def met(x: float | None) -> str:
@@ -867,8 +1076,10 @@ def added_tables(s: dict) -> list[str]:
         f"Goal (issue 10): router-added p50 under {GOAL_P50_S * 1000:g} ms at "
         f"{GOAL_CONCURRENCY} concurrent streams.",
         "",
-        *table(["measure", "p50 ms", f"< {GOAL_P50_S * 1000:g} ms"],
-               [(what, ms(x), met(x)) for what, x in goal_rows]),  # fmt: skip
+        *table(
+            ["measure", "p50 ms", f"< {GOAL_P50_S * 1000:g} ms"],
+            [(what, ms(x), met(x)) for what, x in goal_rows],
+        ),
         "",
     ]
     return lines
@@ -879,12 +1090,34 @@ def latency_tables(s: dict) -> list[str]:
     for key, by_target in s["latency"].items():
         for target, row in by_target.items():
             t, b = row["total"], row["ttfb"]
-            rows.append([*key.split("/"), target, row["n"], row["errors"],
-                         *(ms(t[q]) for q in ("p10", "p50", "p90", "p99")),
-                         *(ms(b[q]) for q in ("p50", "p90", "p99"))])  # fmt: skip
+            rows.append(
+                [
+                    *key.split("/"),
+                    target,
+                    row["n"],
+                    row["errors"],
+                    *(ms(t[q]) for q in ("p10", "p50", "p90", "p99")),
+                    *(ms(b[q]) for q in ("p50", "p90", "p99")),
+                ]
+            )
     lines = ["### Latency per target (ms, client side)", ""]
-    lines += table(["scenario", "concurrency", "target", "requests", "errors", "total p10",
-                    "p50", "p90", "p99", "ttfb p50", "p90", "p99"], rows)  # fmt: skip
+    lines += table(
+        [
+            "scenario",
+            "concurrency",
+            "target",
+            "requests",
+            "errors",
+            "total p10",
+            "p50",
+            "p90",
+            "p99",
+            "ttfb p50",
+            "p90",
+            "p99",
+        ],
+        rows,
+    )
     lines += [
         "",
         "### CPU time per request (microseconds, all cores)",
@@ -919,32 +1152,58 @@ def ceiling_tables(part: dict) -> list[str]:
         rs, rc = ceiling["router_seq"][str(level)], ceiling["router_conc"][str(level)]
         share = rs["cpu_share"]
         fakes = share["fake_prefill"] + share["fake_decode"]
-        rows.append([level, *(f"{ceiling[t][str(level)]['rps']:.0f}" for t in CEILING_TARGETS),
-                     f"{share['router_seq']:.2f}", f"{rc['cpu_share']['router_conc']:.2f}",
-                     f"{share['client']:.2f}", f"{fakes:.2f}",
-                     ms(rs["latency"]["p50"], 1)])  # fmt: skip
-    lines += table(["concurrency", *(f"{t} req/s" for t in CEILING_TARGETS), "router_seq CPU",
-                    "router_conc CPU", "client CPU (router_seq)", "fakes CPU (router_seq)",
-                    "router_seq p50 ms"], rows)  # fmt: skip
+        rows.append(
+            [
+                level,
+                *(f"{ceiling[t][str(level)]['rps']:.0f}" for t in CEILING_TARGETS),
+                f"{share['router_seq']:.2f}",
+                f"{rc['cpu_share']['router_conc']:.2f}",
+                f"{share['client']:.2f}",
+                f"{fakes:.2f}",
+                ms(rs["latency"]["p50"], 1),
+            ]
+        )
+    lines += table(
+        [
+            "concurrency",
+            *(f"{t} req/s" for t in CEILING_TARGETS),
+            "router_seq CPU",
+            "router_conc CPU",
+            "client CPU (router_seq)",
+            "fakes CPU (router_seq)",
+            "router_seq p50 ms",
+        ],
+        rows,
+    )
     lines += [
         "",
         "Highest rate per target; knee = the lowest concurrency within 5 % of it; x direct = "
         "its ratio to the highest rate of `direct`.",
         "",
-        *table(["target", "max req/s", "knee concurrency", "x direct"],
-               [(t, f"{c[t]['max_rps']:.0f}", c[t]["knee_concurrency"],
-                 fmt(c[t]["vs_direct"], ".2f"))
-                for t in CEILING_TARGETS]),  # fmt: skip
+        *table(
+            ["target", "max req/s", "knee concurrency", "x direct"],
+            [
+                (
+                    t,
+                    f"{c[t]['max_rps']:.0f}",
+                    c[t]["knee_concurrency"],
+                    fmt(c[t]["vs_direct"], ".2f"),
+                )
+                for t in CEILING_TARGETS
+            ],
+        ),
         "",
         f"Part 1 took {meta['took_s']:.0f} s; load average before "
         f"{load_line(meta['load_before'])}, after {load_line(meta['load_after'])}. Router "
         "outcomes over the part: "
-        + "; ".join(f"{t}: " + ", ".join(f"{label(k, 'outcome')} {v:.0f}"
-                                        for k, v in o.items() if "outcome=" in k)
-                    for t, o in part["router_outcomes"].items())
+        + "; ".join(
+            f"{t}: "
+            + ", ".join(f"{label(k, 'outcome')} {v:.0f}" for k, v in o.items() if "outcome=" in k)
+            for t, o in part["router_outcomes"].items()
+        )
         + ".",
         "",
-    ]  # fmt: skip
+    ]
     return lines
 
 
@@ -954,8 +1213,11 @@ def serving_markdown(part: dict) -> list[str]:
     lines = [
         "## 2. Real servers: `vllm bench serve`",
         "",
-        ("**DRY RUN on fake instances (no vLLM servers): the pipeline, not a result.** "
-         if meta["dry_run_on_fakes"] else "")
+        (
+            "**DRY RUN on fake instances (no vLLM servers): the pipeline, not a result.** "
+            if meta["dry_run_on_fakes"]
+            else ""
+        )
         + f"Model: {meta['model']}. Servers: `{' '.join(meta['server_args'])}`, environment "
         f"`{' '.join(f'{k}={v}' for k, v in meta['server_env'].items())}`. `colocated` = one "
         "plain `vllm serve`, requests sent to it directly; `router_seq` / `router_conc` = one "
@@ -968,22 +1230,61 @@ def serving_markdown(part: dict) -> list[str]:
         "random prompts of the same token counts (no prefix-cache hit on any server). "
         "Figures: the median over rounds of each run's percentile (ms).",
         "",
-    ]  # fmt: skip
-    cols = [(m, p) for m, ps in (("ttft", (50, 90, 99)), ("tpot", (50, 90, 99)), ("itl", (50,)),
-                                 ("e2el", (50, 90, 99))) for p in ps]  # fmt: skip
+    ]
+    cols = [
+        (m, p)
+        for m, ps in (
+            ("ttft", (50, 90, 99)),
+            ("tpot", (50, 90, 99)),
+            ("itl", (50,)),
+            ("e2el", (50, 90, 99)),
+        )
+        for p in ps
+    ]
     rows = []
     for conc, by_config in s.items():
         for config in CONFIGS:
             if r := by_config.get(config):
-                figures = (fmt(r.get(f"p{p}_{m}_ms"), ".1f" if m in ("tpot", "itl") else ".0f")
-                           for m, p in cols)  # fmt: skip
-                rows.append([conc, config, r["completed"], r["failed"],
-                             fmt(r["request_throughput"], ".2f"), *figures])  # fmt: skip
-    header = ["concurrency", "config", "completed", "failed", "req/s", "TTFT p50", "p90", "p99",
-              "TPOT p50", "p90", "p99", "ITL p50", "E2E p50", "p90", "p99"]  # fmt: skip
+                figures = (
+                    fmt(r.get(f"p{p}_{m}_ms"), ".1f" if m in ("tpot", "itl") else ".0f")
+                    for m, p in cols
+                )
+                rows.append(
+                    [
+                        conc,
+                        config,
+                        r["completed"],
+                        r["failed"],
+                        fmt(r["request_throughput"], ".2f"),
+                        *figures,
+                    ]
+                )
+    header = [
+        "concurrency",
+        "config",
+        "completed",
+        "failed",
+        "req/s",
+        "TTFT p50",
+        "p90",
+        "p99",
+        "TPOT p50",
+        "p90",
+        "p99",
+        "ITL p50",
+        "E2E p50",
+        "p90",
+        "p99",
+    ]
     lines += table(header, rows)
-    keys = ("p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p50_e2el_ms",
-            "request_throughput")  # fmt: skip
+    keys = (
+        "p50_ttft_ms",
+        "p90_ttft_ms",
+        "p99_ttft_ms",
+        "p50_tpot_ms",
+        "p50_e2el_ms",
+        "request_throughput",
+    )
     rows = []
     for conc, by_config in s.items():
         for config in ("router_seq", "router_conc"):
@@ -995,14 +1296,29 @@ def serving_markdown(part: dict) -> list[str]:
         "",
         "Ratios (x colocated; concurrent / sequential: router_conc over router_seq):",
         "",
-        *table(["concurrency", "config", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50",
-                "E2E p50", "req/s"], rows),  # fmt: skip
+        *table(
+            [
+                "concurrency",
+                "config",
+                "TTFT p50",
+                "TTFT p90",
+                "TTFT p99",
+                "TPOT p50",
+                "E2E p50",
+                "req/s",
+            ],
+            rows,
+        ),
         "",
         "TTFT p50 of each run (ms), by round:",
         "",
-        *table(["concurrency", "config", *(f"round {r + 1}" for r in range(b["rounds"]))],
-               [[*key, *(fmt(v, ".0f") for v in values)]
-                for key, values in round_values(part, "p50_ttft_ms").items()]),  # fmt: skip
+        *table(
+            ["concurrency", "config", *(f"round {r + 1}" for r in range(b["rounds"]))],
+            [
+                [*key, *(fmt(v, ".0f") for v in values)]
+                for key, values in round_values(part, "p50_ttft_ms").items()
+            ],
+        ),
     ]
     greedy = part["greedy"]
     decode = sorted(part["decode_p2p_totals"].items())
@@ -1010,21 +1326,36 @@ def serving_markdown(part: dict) -> list[str]:
     lines += [
         "",
         "Checks: greedy 16-token completion of one prompt equal to the colocated server's: "
-        + ", ".join(f"{c} {'yes' if greedy[c] == greedy['colocated'] else 'NO'}"
-                    for c in CONFIGS if c != "colocated")
+        + ", ".join(
+            f"{c} {'yes' if greedy[c] == greedy['colocated'] else 'NO'}"
+            for c in CONFIGS
+            if c != "colocated"
+        )
         + f"; warm-up requests answered: {part['warm_up_ok']}. Decode instance's connector "
         "counters at the end: "
-        + (", ".join(f"{k.removeprefix('vllm:p2p_').removesuffix('_total')} {v:.0f}"
-                     for k, v in decode) or "n/a")
+        + (
+            ", ".join(
+                f"{k.removeprefix('vllm:p2p_').removesuffix('_total')} {v:.0f}" for k, v in decode
+            )
+            or "n/a"
+        )
         + ". Router counters at the end: "
-        + "; ".join(f"{t}: " + ", ".join(f"{k.removeprefix('vllm_disagg_router_')} {v:.0f}"
-                                        for k, v in sorted(m.items())) for t, m in rm.items())
+        + "; ".join(
+            f"{t}: "
+            + ", ".join(
+                f"{k.removeprefix('vllm_disagg_router_')} {v:.0f}" for k, v in sorted(m.items())
+            )
+            for t, m in rm.items()
+        )
         + ".",
         "",
         "Runs in order: "
-        + "; ".join(f"r{r['round'] + 1} c{r['concurrency']} {r['config']} {r['took_s']:.0f}s "
-                    f"(rc {r['rc']}, {r.get('total_input_tokens')} prompt tokens, TTFT p50 "
-                    f"{fmt(r.get('p50_ttft_ms'), '.0f')} ms)" for r in part["runs"])
+        + "; ".join(
+            f"r{r['round'] + 1} c{r['concurrency']} {r['config']} {r['took_s']:.0f}s "
+            f"(rc {r['rc']}, {r.get('total_input_tokens')} prompt tokens, TTFT p50 "
+            f"{fmt(r.get('p50_ttft_ms'), '.0f')} ms)"
+            for r in part["runs"]
+        )
         + ".",
         "",
         f"Part 2 took {meta['took_s']:.0f} s (start-up {meta['startup_s']:.0f} s, warm-up "
@@ -1032,7 +1363,7 @@ def serving_markdown(part: dict) -> list[str]:
         "`vllm bench serve`'s import of vLLM); load average before "
         f"{load_line(meta['load_before'])}, after {load_line(meta['load_after'])}.",
         "",
-    ]  # fmt: skip
+    ]
     return lines
 
 
@@ -1054,9 +1385,14 @@ def plot(result: dict, path: Path) -> None:
     rows = (len(panels) + 1) // 2
     fig, grid = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
     axes = dict(zip(panels, grid.flat))
-    colors = {"direct": "#999999", "direct_pd": "#666666", "router_seq": "#2a7ab9",
-              "router_conc": "#e08a2c", "router_hyper": "#8a5fb0",
-              "colocated": "#999999"}  # fmt: skip
+    colors = {
+        "direct": "#999999",
+        "direct_pd": "#666666",
+        "router_seq": "#2a7ab9",
+        "router_conc": "#e08a2c",
+        "router_hyper": "#8a5fb0",
+        "colocated": "#999999",
+    }
     if "overhead" in result:
         s = result["overhead"]["summary"]
         ax = axes["added"]
@@ -1065,15 +1401,26 @@ def plot(result: dict, path: Path) -> None:
         width = 0.27
         for j, q in enumerate(("p50", "p90", "p99")):
             vals = [(s["added"][k]["router_seq - direct_pd"]["total"][q] or 0) * 1000 for k in keys]
-            ax.bar([x + (j - 1) * width for x in xs], vals, width, label=f"{q} router alone",
-                   color=("#2a7ab9", "#7fb2dc", "#c9def0")[j])  # fmt: skip
-        hyper = [(s["added"][k]["router_hyper - direct_pd"]["total"]["p50"] or 0) * 1000
-                 for k in keys]  # fmt: skip
+            ax.bar(
+                [x + (j - 1) * width for x in xs],
+                vals,
+                width,
+                label=f"{q} router alone",
+                color=("#2a7ab9", "#7fb2dc", "#c9def0")[j],
+            )
+        hyper = [
+            (s["added"][k]["router_hyper - direct_pd"]["total"]["p50"] or 0) * 1000 for k in keys
+        ]
         ax.plot(list(xs), hyper, "s", color="#8a5fb0", markersize=5, label="p50 on hypercorn")
         hist = [(s["router_hist"][k]["router_seq"]["p50"] or 0) * 1000 for k in keys]
         ax.plot(list(xs), hist, "kD", markersize=5, label="p50 router histogram")
-        ax.axhline(GOAL_P50_S * 1000, color="#c23b3b", linestyle="--", linewidth=1,
-                   label="goal: p50 < 2 ms @ 32")  # fmt: skip
+        ax.axhline(
+            GOAL_P50_S * 1000,
+            color="#c23b3b",
+            linestyle="--",
+            linewidth=1,
+            label="goal: p50 < 2 ms @ 32",
+        )
         ax.set_xticks(list(xs), [k.replace("/", "\nc=") for k in keys], fontsize=8)
         ax.set_ylabel("ms added (router_seq - direct_pd)")
         ax.set_yscale("symlog", linthresh=1)
@@ -1084,8 +1431,13 @@ def plot(result: dict, path: Path) -> None:
         ceiling = result["overhead"]["ceiling"]
         for target in CEILING_TARGETS:
             levels = sorted(int(k) for k in ceiling[target])
-            ax.plot(levels, [ceiling[target][str(k)]["rps"] for k in levels], "o-",
-                    label=target, color=colors[target])  # fmt: skip
+            ax.plot(
+                levels,
+                [ceiling[target][str(k)]["rps"] for k in levels],
+                "o-",
+                label=target,
+                color=colors[target],
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("concurrent clients (closed loop)")
@@ -1155,8 +1507,11 @@ def main() -> int:
     parser.add_argument("--ceiling-levels", type=int, nargs="+", default=list(CEILING_LEVELS))
     parser.add_argument("--ceiling-s", type=float, default=2.5, help="counted window per level")
     parser.add_argument("--ceiling-warm-s", type=float, default=0.5)
-    parser.add_argument("--model", default="/tmp/models/tiny-llama",
-                        help="built with vllm_disagg.testing.tiny_models when missing")
+    parser.add_argument(
+        "--model",
+        default="/tmp/models/tiny-llama",
+        help="built with vllm_disagg.testing.tiny_models when missing",
+    )
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -1164,13 +1519,19 @@ def main() -> int:
     parser.add_argument("--serving-rounds", type=int, default=2)
     parser.add_argument("--startup-timeout-s", type=float, default=900.0)
     parser.add_argument("--bench-timeout-s", type=float, default=600.0)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 1 round of smaller batches, ceiling up to 32, "
-                        "16 prompts at concurrency 4, 1 round")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 1 round of smaller batches, ceiling up to 32, "
+        "16 prompts at concurrency 4, 1 round",
+    )
     parser.add_argument("--seed", type=int, default=20261123)
-    parser.add_argument("--render", metavar="JSON",
-                        help="no run: summarize the raw numbers of a result file again and "
-                        "write its md and png next to it (or in --out)")  # fmt: skip
+    parser.add_argument(
+        "--render",
+        metavar="JSON",
+        help="no run: summarize the raw numbers of a result file again and "
+        "write its md and png next to it (or in --out)",
+    )
     parser.add_argument("--serving-fakes", action="store_true", help=argparse.SUPPRESS)
     report.add_out_argument(parser)
     args = parser.parse_args()
@@ -1186,14 +1547,16 @@ def main() -> int:
     args.logs = args.out / "logs"
     args.logs.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    result: dict = {"meta": {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(),
-        "quick": args.quick,
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "uptime_at_start": uptime(),
-        "load": {"at_start": load_snapshot()},
-    }}  # fmt: skip
+    result: dict = {
+        "meta": {
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": machine(),
+            "quick": args.quick,
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "uptime_at_start": uptime(),
+            "load": {"at_start": load_snapshot()},
+        }
+    }
     if args.part in ("overhead", "both"):
         print("part 1: router overhead against fake backends", flush=True)
         result["overhead"] = run_overhead(args)

@@ -34,14 +34,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
+from common import report
+
 from vllm_disagg import envs
 from vllm_disagg.testing.openai_client import random_prompt, stream_completion
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import build_model
 from vllm_disagg.v1.metrics.probe import read_probes
-
-from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
-from common import report
 
 MODES = {"waves": {envs.VLLM_DISAGG_DISABLE: "1"}, "step_sync": {}}
 
@@ -93,8 +93,16 @@ class ModeUnderTest:
         )
         self.server = VllmServer(
             model,
-            ["--max-model-len", "512", "--max-num-seqs", "64", "--seed", "0",
-             "--data-parallel-size", "2"],  # fmt: skip
+            [
+                "--max-model-len",
+                "512",
+                "--max-num-seqs",
+                "64",
+                "--seed",
+                "0",
+                "--data-parallel-size",
+                "2",
+            ],
             log_path=logs / f"step_sync_dp-{mode}.log",
             env=env,
         )
@@ -218,16 +226,28 @@ def spread(ratios: list[float]) -> str:
 def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
     f = summary
     rows = [
-        ("output tokens/s under load, median", "output_tokens_per_s", "{:.1f}",
-         f"{f['throughput_ratio']:.2f} (repeats {spread(f['throughput_ratio_per_repeat'])}; "
-         "goal >= 1.0)"),
-        ("idle-group TTFT, median (s)", "idle_ttft_median_s", "{:.3f}",
-         f"{f['idle_ttft_ratio']:.2f} (repeats {spread(f['idle_ttft_ratio_per_repeat'])}; "
-         "goal <= 1.0)"),
+        (
+            "output tokens/s under load, median",
+            "output_tokens_per_s",
+            "{:.1f}",
+            f"{f['throughput_ratio']:.2f} (repeats {spread(f['throughput_ratio_per_repeat'])}; "
+            "goal >= 1.0)",
+        ),
+        (
+            "idle-group TTFT, median (s)",
+            "idle_ttft_median_s",
+            "{:.3f}",
+            f"{f['idle_ttft_ratio']:.2f} (repeats {spread(f['idle_ttft_ratio_per_repeat'])}; "
+            "goal <= 1.0)",
+        ),
         ("wasted passes per drain", "wasted_passes_per_drain", "{:.1f}", "goal <= 2 (step sync)"),
-        ("blocking collectives / 1000 passes", "blocking_collectives_per_1000_passes",
-         "{:.1f}", "goal 0 (step sync)"),
-    ]  # fmt: skip
+        (
+            "blocking collectives / 1000 passes",
+            "blocking_collectives_per_1000_passes",
+            "{:.1f}",
+            "goal 0 (step sync)",
+        ),
+    ]
     return [
         "# Step sync vs upstream DP waves (DP=2 tiny Mixtral, CPU)",
         "",
@@ -242,10 +262,12 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
         "",
         *report.table(
             ["metric", "waves (upstream)", "step sync", "ratio / goal"],
-            [[label, fmt.format(f[key]["waves"]), fmt.format(f[key]["step_sync"]), note]
-             for label, key, fmt, note in rows],
+            [
+                [label, fmt.format(f[key]["waves"]), fmt.format(f[key]["step_sync"]), note]
+                for label, key, fmt, note in rows
+            ],
         ),
-    ]  # fmt: skip
+    ]
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -296,8 +318,12 @@ def main() -> int:
         runs = measure(model, work, args)
     summary = summarize(runs, args)
     stem = args.out / ("step_sync_dp-quick" if args.quick else "step_sync_dp")
-    report.write(stem, {"summary": summary, "runs": runs}, markdown(summary, args),
-                 lambda png: plot(summary, png))  # fmt: skip
+    report.write(
+        stem,
+        {"summary": summary, "runs": runs},
+        markdown(summary, args),
+        lambda png: plot(summary, png),
+    )
     return 0
 
 

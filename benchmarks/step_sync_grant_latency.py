@@ -22,6 +22,9 @@ import statistics
 import sys
 import time
 
+from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
+from common import report
+
 from vllm_disagg.v1.engine.step_sync import (
     Coordinator,
     Participant,
@@ -29,9 +32,6 @@ from vllm_disagg.v1.engine.step_sync import (
     new_group_secret,
     participant,
 )
-
-from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
-from common import report
 
 
 def idle_peer(
@@ -68,9 +68,7 @@ def measure(busy_s: float, trials: int, wait: bool) -> list[float]:
     grants, ready, stop = ctx.Queue(), ctx.Event(), ctx.Event()
     peer = ctx.Process(target=idle_peer, args=(coordinator.address, secret, grants, ready, stop))
     peer.start()
-    rank0 = Participant(
-        config, 0, coordinator.address, secret, lambda s: None, lambda reason: None
-    )
+    rank0 = Participant(config, 0, coordinator.address, secret, lambda s: None, lambda reason: None)
     rank0.start()
     latencies = []
     try:
@@ -111,10 +109,18 @@ def markdown(rows: list[dict], trials: int) -> list[str]:
         "",
         *report.table(
             ["rank 0 busy in Python after asking", "grant wait", "median ms", "p90 ms", "max ms"],
-            [[f"{r['busy_ms']:.0f} ms", "on" if r["grant_wait"] else "off",
-              f"{r['median_ms']:.2f}", f"{r['p90_ms']:.2f}", f"{r['max_ms']:.2f}"] for r in rows],
+            [
+                [
+                    f"{r['busy_ms']:.0f} ms",
+                    "on" if r["grant_wait"] else "off",
+                    f"{r['median_ms']:.2f}",
+                    f"{r['p90_ms']:.2f}",
+                    f"{r['max_ms']:.2f}",
+                ]
+                for r in rows
+            ],
         ),
-    ]  # fmt: skip
+    ]
 
 
 def main() -> int:
@@ -128,12 +134,15 @@ def main() -> int:
     for busy_ms in args.busy_ms:
         for wait in (False, True):
             lat = measure(busy_ms / 1000, args.trials, wait)
-            rows.append({
-                "busy_ms": busy_ms, "grant_wait": wait,
-                "median_ms": 1000 * statistics.median(lat),
-                "p90_ms": 1000 * statistics.quantiles(lat, n=10)[-1],
-                "max_ms": 1000 * max(lat),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "busy_ms": busy_ms,
+                    "grant_wait": wait,
+                    "median_ms": 1000 * statistics.median(lat),
+                    "p90_ms": 1000 * statistics.quantiles(lat, n=10)[-1],
+                    "max_ms": 1000 * max(lat),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     stem = (args.out or report.RESULTS) / "step_sync_grant_latency"
     report.write(stem, rows, markdown(rows, args.trials))

@@ -37,7 +37,10 @@ def start_server(tmp_path_factory):
         model, args=(), *, name: str, wait: bool = True, port: int | None = None, **env: str
     ) -> VllmServer:
         server = VllmServer(
-            model, list(args), log_path=log_dir / f"{name}.log", env=cpu_test_env(**env),
+            model,
+            list(args),
+            log_path=log_dir / f"{name}.log",
+            env=cpu_test_env(**env),
             port=port,
         )
         started.append(server)

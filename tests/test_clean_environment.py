@@ -47,13 +47,29 @@ def test_vllm_bench_serve_exits_without_nanobind_noise(tiny_models):
     and the exit are timed here, about 15 s on 2 cores."""
     result = subprocess.run(
         [
-            vllm_executable(), "bench", "serve", "--backend", "vllm",
-            "--model", str(tiny_models["tiny-llama"]), "--port", str(get_free_port()),
-            "--dataset-name", "random", "--random-input-len", "8",
-            "--random-output-len", "2", "--num-prompts", "1",
+            vllm_executable(),
+            "bench",
+            "serve",
+            "--backend",
+            "vllm",
+            "--model",
+            str(tiny_models["tiny-llama"]),
+            "--port",
+            str(get_free_port()),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "8",
+            "--random-output-len",
+            "2",
+            "--num-prompts",
+            "1",
         ],
-        capture_output=True, text=True, timeout=300, env=cpu_test_env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=cpu_test_env(),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Serving Benchmark Result" in result.stdout, result.stdout[-3000:]
     noise = [line for line in result.stderr.splitlines() if "nanobind" in line or "leaked" in line]

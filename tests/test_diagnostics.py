@@ -21,8 +21,9 @@ time.sleep(60)
 
 
 def test_sigusr1_prints_every_thread_and_the_process_lives_on():
-    proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         proc.send_signal(signal.SIGUSR1)
@@ -49,8 +50,10 @@ def test_a_foreign_sigusr1_handler_is_left_alone():
 def test_dump_stacks_signals_only_children_named_like_workers(capfd):
     from vllm_disagg.diagnostics import dump_stacks
 
-    titled = "import setproctitle, time; setproctitle.setproctitle('VLLM::Worker_DP0'); " \
-             "print('ready', flush=True); time.sleep(60)"  # fmt: skip
+    titled = (
+        "import setproctitle, time; setproctitle.setproctitle('VLLM::Worker_DP0'); "
+        "print('ready', flush=True); time.sleep(60)"
+    )
     worker = subprocess.Popen([sys.executable, "-c", titled], stdout=subprocess.PIPE, text=True)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -85,8 +85,16 @@ def test_python_code_names_variables_only_through_envs():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(None, False), ("", False), ("0", False), ("no", False), ("1", True), (" TRUE ", True),
-     ("yes", True), ("on", True)],  # fmt: skip
+    [
+        (None, False),
+        ("", False),
+        ("0", False),
+        ("no", False),
+        ("1", True),
+        (" TRUE ", True),
+        ("yes", True),
+        ("on", True),
+    ],
 )
 def test_switches(monkeypatch, value, expected):
     for name, accessor in (

@@ -86,8 +86,10 @@ def test_every_module_imports_alone():
     names = sorted(_modules())
     out = subprocess.run(
         [sys.executable, "-c", _IMPORT_EACH, json.dumps(names)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     failed = json.loads(out.stdout.strip().splitlines()[-1])
     assert not failed, "\n".join(f"{name}:\n{tb}" for name, tb in failed.items())

@@ -22,6 +22,7 @@ class EnvVar:
 VLLM_DISAGG_DISABLE = "VLLM_DISAGG_DISABLE"
 VLLM_DISAGG_PROBE = "VLLM_DISAGG_PROBE"
 VLLM_DISAGG_METRICS_DIR = "VLLM_DISAGG_METRICS_DIR"
+VLLM_DISAGG_METRICS_DIR_CREATED = "VLLM_DISAGG_METRICS_DIR_CREATED"
 VLLM_DISAGG_VENV = "VLLM_DISAGG_VENV"
 VLLM_DISAGG_TARGET = "VLLM_DISAGG_TARGET"
 VLLM_DISAGG_P2P_SECRET = "VLLM_DISAGG_P2P_SECRET"
@@ -53,7 +54,18 @@ VARIABLES: dict[str, EnvVar] = {
             "a temporary directory the `vllm` command creates (and removes on exit)",
             "Directory where engine cores leave per-rank JSON files for another process: "
             "step-sync metric snapshots (read by the API server's /metrics) and probe "
-            "counts (read by the benchmark). Inherited by every child process.",
+            "counts (read by the benchmark). Inherited by every child process. Set by "
+            "hand (benchmarks/step_sync_dp.py sets one per server), the `vllm` command "
+            "uses it (creating it if missing) and leaves it in place on exit.",
+        ),
+        EnvVar(
+            VLLM_DISAGG_METRICS_DIR_CREATED,
+            "unset",
+            "Set by this package, never by hand: the VLLM_DISAGG_METRICS_DIR it created "
+            "itself (a temporary one). The `vllm` command replaces an inherited "
+            "directory that equals it (one the patch set created in whatever launched "
+            "the command, such as a test runner, so servers it starts never read each "
+            "other's snapshots) and keeps one that someone chose.",
         ),
         EnvVar(
             VLLM_DISAGG_P2P_SECRET,
@@ -170,6 +182,19 @@ def metrics_dir() -> str | None:
     return os.environ.get(VLLM_DISAGG_METRICS_DIR) or None
 
 
-def set_metrics_dir(path: str | os.PathLike) -> None:
-    """Set it for this process and every child it starts from now on."""
+def chosen_metrics_dir() -> str | None:
+    """The metrics directory when whoever started this process chose it; None
+    when unset or when it is one this package created (in this process or an
+    ancestor, see ``VLLM_DISAGG_METRICS_DIR_CREATED``)."""
+    path = metrics_dir()
+    if path is None or path == os.environ.get(VLLM_DISAGG_METRICS_DIR_CREATED):
+        return None
+    return path
+
+
+def set_metrics_dir(path: str | os.PathLike, *, created: bool = False) -> None:
+    """Set it for this process and every child it starts from now on;
+    ``created``: this package made the directory (not someone's choice)."""
     os.environ[VLLM_DISAGG_METRICS_DIR] = os.fspath(path)
+    if created:
+        os.environ[VLLM_DISAGG_METRICS_DIR_CREATED] = os.fspath(path)

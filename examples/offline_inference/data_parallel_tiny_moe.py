@@ -149,13 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--output", help="write {prompt: token ids} as JSON here")
     parser.add_argument(
-        "--startup-timeout", type=float, default=600.0,
+        "--startup-timeout",
+        type=float,
+        default=600.0,
         help="seconds for every rank to build its LLM",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--timeout", type=float, default=180.0,
+        "--timeout",
+        type=float,
+        default=180.0,
         help="seconds for all rounds of generate() once every rank is ready",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
 
     if args.model:
@@ -186,11 +190,17 @@ def main(argv: list[str] | None = None) -> int:
         ctx.Process(
             target=run_rank,
             args=(
-                rank, dp_size, master_ip, master_port, engine_kwargs,
-                events, barrier, barrier_timeout_s,
+                rank,
+                dp_size,
+                master_ip,
+                master_port,
+                engine_kwargs,
+                events,
+                barrier,
+                barrier_timeout_s,
             ),
             name=f"dp-rank-{rank}",
-        )  # fmt: skip
+        )
         for rank in range(dp_size)
     ]
     for proc in procs:

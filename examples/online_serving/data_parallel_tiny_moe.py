@@ -48,7 +48,9 @@ def main() -> int:
                 bodies = list(
                     pool.map(
                         lambda p: server.complete(
-                            p, max_tokens=args.max_tokens, temperature=0.0,
+                            p,
+                            max_tokens=args.max_tokens,
+                            temperature=0.0,
                             return_token_ids=True,
                         ),
                         PROMPTS,
@@ -56,7 +58,9 @@ def main() -> int:
                 )
             for prompt, body in zip(PROMPTS, bodies):
                 choice = body["choices"][0]
-                print(f"\nprompt: {prompt!r}\n  text: {choice['text']!r}\n  token ids: {choice['token_ids']}")
+                print(
+                    f"\nprompt: {prompt!r}\n  text: {choice['text']!r}\n  token ids: {choice['token_ids']}"
+                )
     except ServerStartupError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -119,12 +119,14 @@ def test_common_imports_only_the_standard_library_at_module_level(path):
     """benchmarks/common/ is imported before a script's require(...) runs: a
     third-party module it needs is imported inside the function that uses it."""
     tree = ast.parse(path.read_text())
-    top = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
-                     type_ignores=[])  # fmt: skip
+    top = ast.Module(
+        body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[]
+    )
     third_party = {
-        name for name in _imported_modules(top)
+        name
+        for name in _imported_modules(top)
         if name not in sys.stdlib_module_names and name not in {"_deps", "common"}
-    }  # fmt: skip
+    }
     assert not third_party, f"common/{path.name} imports {sorted(third_party)} at module level"
 
 
@@ -184,8 +186,12 @@ def test_benchmark_with_matplotlib_missing_exits_at_once(tmp_path):
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "step_sync_dp.py"), "--quick"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     took = time.monotonic() - start
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == ""

@@ -25,8 +25,11 @@ def chaos_fleet(tiny_models, tmp_path_factory):
     would cost this 2-core machine about 15 s of start-up and 3 GiB.
     ``benchmarks/chaos.py`` starts a separate reference server.
     """
-    config = FleetConfig(model=str(tiny_models["tiny-mixtral"]), reference=False,
-                         log_dir=tmp_path_factory.mktemp("chaos-logs"))  # fmt: skip
+    config = FleetConfig(
+        model=str(tiny_models["tiny-mixtral"]),
+        reference=False,
+        log_dir=tmp_path_factory.mktemp("chaos-logs"),
+    )
     fleet = Fleet(config)
     _fleets.append(fleet)
     try:

@@ -68,23 +68,27 @@ def _summary(fleet, result) -> str:
     """One line for the test's output; the whole result next to the fleet's logs."""
     (fleet.log_dir / f"{result['scenario']}.json").write_text(json.dumps(result, indent=1))
     r = result["requests"]
-    return (f"{result['scenario']}: {r['issued']} requests, ok {r['ok']}, failed {r['failed']}, "
-            f"cancelled {r['cancelled']}, max {r['latency_s']['max']} s; "
-            f"fault { {k: v for k, v in result['fault'].items() if k != 'ports'} }; "
-            f"recovery {result.get('recovery')}")  # fmt: skip
+    return (
+        f"{result['scenario']}: {r['issued']} requests, ok {r['ok']}, failed {r['failed']}, "
+        f"cancelled {r['cancelled']}, max {r['latency_s']['max']} s; "
+        f"fault { {k: v for k, v in result['fault'].items() if k != 'ports'} }; "
+        f"recovery {result.get('recovery')}"
+    )
 
 
 def test_steady_state_loses_nothing_and_grows_nothing(chaos_fleet):
     fleet, references, specs = chaos_fleet
-    result = run_scenario("steady", fleet, specs, references,
-                          Options(requests=48, duration_s=150))  # fmt: skip
+    result = run_scenario("steady", fleet, specs, references, Options(requests=48, duration_s=150))
     print(_summary(fleet, result))
     _check_survived(result)
     assert result["requests"]["cancelled"] > 0  # the mix cancels some; they leave nothing behind
-    too_much = [g for g in result["growth"]
-                if g["rss_change_pct"] > RSS_GROWTH_PCT
-                or g["threads_after"] > g["threads_before"] + THREAD_SLACK
-                or g["fds_after"] > g["fds_before"] + FD_SLACK]  # fmt: skip
+    too_much = [
+        g
+        for g in result["growth"]
+        if g["rss_change_pct"] > RSS_GROWTH_PCT
+        or g["threads_after"] > g["threads_before"] + THREAD_SLACK
+        or g["fds_after"] > g["fds_before"] + FD_SLACK
+    ]
     assert not too_much, too_much
     assert result["decode"]["failed_loads"] == 0  # every prompt's KV came over
     assert result["decode"]["bytes_received"] > 0
@@ -96,9 +100,20 @@ def test_strangers_on_every_port_cost_clients_nothing(chaos_fleet):
     dies, no request fails or differs, memory stays bounded, and every
     rejection that reached the application is counted on /metrics."""
     fleet, references, specs = chaos_fleet
-    result = run_scenario("hostile", fleet, specs, references,
-                          Options(requests=40, tail_requests=8, duration_s=150, fault_after=6,
-                                  hostile_per_port=HOSTILE_PER_PORT, hostile_time_s=60))  # fmt: skip
+    result = run_scenario(
+        "hostile",
+        fleet,
+        specs,
+        references,
+        Options(
+            requests=40,
+            tail_requests=8,
+            duration_s=150,
+            fault_after=6,
+            hostile_per_port=HOSTILE_PER_PORT,
+            hostile_time_s=60,
+        ),
+    )
     print(_summary(fleet, result))
     _check_survived(result)
     fault = result["fault"]
@@ -108,8 +123,12 @@ def test_strangers_on_every_port_cost_clients_nothing(chaos_fleet):
     assert all(p["sent"] > 0 for p in fault["ports"]), fault["ports"]
     for name, c in fault["counted"].items():
         assert c["at_least"] <= c["counted"] <= c["at_most"], (name, c)
-    too_much = [g for g in result["growth"] if g["rss_change_pct"] > HOSTILE_RSS_GROWTH_PCT
-                or g["threads_after"] > g["threads_before"] + THREAD_SLACK]  # fmt: skip
+    too_much = [
+        g
+        for g in result["growth"]
+        if g["rss_change_pct"] > HOSTILE_RSS_GROWTH_PCT
+        or g["threads_after"] > g["threads_before"] + THREAD_SLACK
+    ]
     assert not too_much, too_much
 
 
@@ -118,9 +137,13 @@ def test_a_stopped_prefill_costs_latency_not_requests(chaos_fleet):
     the other prefill, the router drops it after the heartbeat timeout, and
     after SIGCONT it registers again within a heartbeat."""
     fleet, references, specs = chaos_fleet
-    result = run_scenario("stop-peer", fleet, specs, references,
-                          Options(requests=48, tail_requests=16, duration_s=150, fault_after=6,
-                                  stop_s=13))  # fmt: skip
+    result = run_scenario(
+        "stop-peer",
+        fleet,
+        specs,
+        references,
+        Options(requests=48, tail_requests=16, duration_s=150, fault_after=6, stop_s=13),
+    )
     print(_summary(fleet, result))
     _check_survived(result)
     fault = result["fault"]
@@ -132,16 +155,24 @@ def test_a_stopped_prefill_costs_latency_not_requests(chaos_fleet):
 
 def test_a_killed_router_restarted_knows_the_fleet_within_a_heartbeat(chaos_fleet):
     fleet, references, specs = chaos_fleet
-    result = run_scenario("kill-router", fleet, specs, references,
-                          Options(requests=40, tail_requests=16, duration_s=120, fault_after=6))  # fmt: skip
+    result = run_scenario(
+        "kill-router",
+        fleet,
+        specs,
+        references,
+        Options(requests=40, tail_requests=16, duration_s=120, fault_after=6),
+    )
     print(_summary(fleet, result))
     _check_common(result)
     fault = result["fault"]
     assert fault["instances_back_after_http_up_s"] is not None, fault
     assert fault["instances_back_after_http_up_s"] <= HEARTBEAT_INTERVAL_S + 1, fault
     # Only requests in flight at the kill or sent while no router listened failed.
-    back = fault["restart_at"] + fault["http_up_after_restart_s"] + \
-        fault["instances_back_after_http_up_s"]
+    back = (
+        fault["restart_at"]
+        + fault["http_up_after_restart_s"]
+        + fault["instances_back_after_http_up_s"]
+    )
     after = [r for r in result["records"] if r["start"] > back]
     assert after, "no request was sent after the router was back"
     late = [r for r in after if r["outcome"] not in ("ok", "cancelled")]
@@ -151,9 +182,13 @@ def test_a_killed_router_restarted_knows_the_fleet_within_a_heartbeat(chaos_flee
 
 def test_a_killed_prefill_is_routed_around(chaos_fleet):
     fleet, references, specs = chaos_fleet
-    result = run_scenario("kill-prefill", fleet, specs, references,
-                          Options(requests=40, tail_requests=16, duration_s=120, fault_after=6,
-                                  restart=False))  # fmt: skip
+    result = run_scenario(
+        "kill-prefill",
+        fleet,
+        specs,
+        references,
+        Options(requests=40, tail_requests=16, duration_s=120, fault_after=6, restart=False),
+    )
     print(_summary(fleet, result))
     _check_survived(result)
     assert result["fault"]["removed_after_s"] is not None
@@ -164,9 +199,13 @@ def test_a_killed_decode_fails_requests_fast_and_recovers_when_restarted(chaos_f
     """The only decode dies: requests fail at once (503) instead of waiting,
     the router drops both ranks, and the restarted decode serves right."""
     fleet, references, specs = chaos_fleet
-    result = run_scenario("kill-decode", fleet, specs, references,
-                          Options(requests=32, tail_requests=16, duration_s=240, fault_after=6,
-                                  restart_after_s=5))  # fmt: skip
+    result = run_scenario(
+        "kill-decode",
+        fleet,
+        specs,
+        references,
+        Options(requests=32, tail_requests=16, duration_s=240, fault_after=6, restart_after_s=5),
+    )
     print(_summary(fleet, result))
     _check_common(result)
     fault = result["fault"]
@@ -175,11 +214,15 @@ def test_a_killed_decode_fails_requests_fast_and_recovers_when_restarted(chaos_f
     slow = [r for r in _bad(result, "failed") if r["end"] - r["start"] > FAIL_FAST_S]
     assert not slow, slow[:5]
     assert fault["registered_after_restart_s"] is not None, fault
-    after = [r for r in result["records"]
-             if r["start"] > fault["restart_at"] + fault["ready_after_restart_s"]
-             + fault["registered_after_restart_s"]]  # fmt: skip
-    assert after and all(r["outcome"] in ("ok", "cancelled") for r in after), \
-        [r for r in after if r["outcome"] not in ("ok", "cancelled")][:5]
+    after = [
+        r
+        for r in result["records"]
+        if r["start"]
+        > fault["restart_at"] + fault["ready_after_restart_s"] + fault["registered_after_restart_s"]
+    ]
+    assert after and all(r["outcome"] in ("ok", "cancelled") for r in after), [
+        r for r in after if r["outcome"] not in ("ok", "cancelled")
+    ][:5]
     assert result["quiet"], result["load_after"]
 
 
@@ -189,9 +232,13 @@ def test_a_killed_decode_rank_takes_its_group_down_fast(chaos_fleet):
     error within FAIL_FAST_S, never a hang, and the router must stop
     sending to the dead ranks."""
     fleet, references, specs = chaos_fleet
-    result = run_scenario("kill-decode-rank", fleet, specs, references,
-                          Options(requests=24, tail_requests=8, duration_s=120, fault_after=6,
-                                  restart=False))  # fmt: skip
+    result = run_scenario(
+        "kill-decode-rank",
+        fleet,
+        specs,
+        references,
+        Options(requests=24, tail_requests=8, duration_s=120, fault_after=6, restart=False),
+    )
     print(_summary(fleet, result))
     _check_common(result)
     fault = result["fault"]

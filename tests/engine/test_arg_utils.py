@@ -80,9 +80,7 @@ def test_fault_tolerance_is_refused_for_moe_dp():
         arg_utils_step_sync.check_step_sync_options(_config(None, fault_tolerance=True))
 
 
-@pytest.mark.parametrize(
-    "dp_size, moe", [(1, True), (2, False)], ids=["dp1-moe", "dp2-dense"]
-)
+@pytest.mark.parametrize("dp_size, moe", [(1, True), (2, False)], ids=["dp1-moe", "dp2-dense"])
 def test_fault_tolerance_without_step_sync_passes(dp_size, moe):
     """Step sync runs only for MoE models with DP > 1; elsewhere fault
     tolerance is upstream's business."""

@@ -105,9 +105,7 @@ def test_dotted_form_goes_through_the_same_type(parser):
         ]
     )
     config = P2pConfig.from_kv_transfer_config(args.kv_transfer_config)
-    assert (config.kv_buffer_size, config.base_port, config.send_type) == (
-        10, 22001, SendType.GET
-    )  # fmt: skip
+    assert (config.kv_buffer_size, config.base_port, config.send_type) == (10, 22001, SendType.GET)
 
 
 def test_other_connectors_parse_as_upstream(parser):
@@ -120,15 +118,21 @@ def test_other_connectors_parse_as_upstream(parser):
 @pytest.mark.parametrize(
     "text, message",
     [
-        (seed_json("kv_producer", "1e1", "21001", send_type="PUSH"),
-         "kv_connector_extra_config.send_type: 'PUSH' is not one of PUT, GET, PUT_ASYNC"),
-        (seed_json("kv_producer", "lots", "21001"),
-         "kv_connector_extra_config.kv_buffer_size: 'lots' is not a number of bytes"),
+        (
+            seed_json("kv_producer", "1e1", "21001", send_type="PUSH"),
+            "kv_connector_extra_config.send_type: 'PUSH' is not one of PUT, GET, PUT_ASYNC",
+        ),
+        (
+            seed_json("kv_producer", "lots", "21001"),
+            "kv_connector_extra_config.kv_buffer_size: 'lots' is not a number of bytes",
+        ),
         (seed_json("kv_producer", "1e1", "abc"), "kv_port: 'abc' is not a port number"),
-        (seed_json("kv_producer", "1e1", "21001", send_typ="PUT"),
-         "kv_connector_extra_config.send_typ: unknown key (did you mean 'send_type'?)"),
+        (
+            seed_json("kv_producer", "1e1", "21001", send_typ="PUT"),
+            "kv_connector_extra_config.send_typ: unknown key (did you mean 'send_type'?)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_values_are_one_argparse_line(parser, capsys, text, message):
     with pytest.raises(SystemExit) as info:
         parser.parse_args(["--kv-transfer-config", text])
@@ -206,8 +210,11 @@ def test_vllm_serve_accepts_the_seed_json(tmp_path):
     def serve(text):
         return subprocess.run(
             [vllm_executable(), "serve", str(tmp_path / "none"), "--kv-transfer-config", text],
-            capture_output=True, text=True, timeout=180, env=cpu_test_env(),
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=cpu_test_env(),
+        )
 
     good = serve(seed_json("kv_producer", "1e1", "21001"))
     # Arguments are parsed before the model is looked for.

@@ -20,12 +20,16 @@ from vllm_disagg.testing.tiny_models import build_model
 
 TIMEOUT_S = 300
 BAD_STEP_SYNC_OPTIONS = {
-    "lookahead-0": ('{"step_sync_lookahead": 0}',
-                    "step_sync_lookahead must be an integer in [1, 1024]"),
-    "timeout-not-a-number": ('{"step_sync_peer_timeout_s": "soon"}',
-                             "step_sync_peer_timeout_s must be a number"),
+    "lookahead-0": (
+        '{"step_sync_lookahead": 0}',
+        "step_sync_lookahead must be an integer in [1, 1024]",
+    ),
+    "timeout-not-a-number": (
+        '{"step_sync_peer_timeout_s": "soon"}',
+        "step_sync_peer_timeout_s must be a number",
+    ),
     "misspelt": ('{"step_sync_lookahed": 4}', "step sync options are step_sync_lookahead"),
-}  # fmt: skip
+}
 
 
 def _run(args) -> subprocess.CompletedProcess:
@@ -53,13 +57,29 @@ def cli(tiny_models, tmp_path_factory):
         "missing": [vllm, "serve", str(tmp / "no-such-model")],
         "no-config": [vllm, "serve", str(tmp / "no-config")],
         "head-dim": [vllm, "serve", str(build_model("tiny-llama", tmp, head_dim=16))],
-        "ray": [vllm, "serve", mixtral, "--data-parallel-size", "2",
-                "--distributed-executor-backend", "ray"],
+        "ray": [
+            vllm,
+            "serve",
+            mixtral,
+            "--data-parallel-size",
+            "2",
+            "--distributed-executor-backend",
+            "ray",
+        ],
         "other-version": [sys.executable, "-c", other_version],
-        **{f"step-sync-{name}": [vllm, "serve", mixtral, "--data-parallel-size", "2",
-                                 "--additional-config", options]
-           for name, (options, _) in BAD_STEP_SYNC_OPTIONS.items()},
-    }  # fmt: skip
+        **{
+            f"step-sync-{name}": [
+                vllm,
+                "serve",
+                mixtral,
+                "--data-parallel-size",
+                "2",
+                "--additional-config",
+                options,
+            ]
+            for name, (options, _) in BAD_STEP_SYNC_OPTIONS.items()
+        },
+    }
     with ThreadPoolExecutor(4) as pool:  # more only thrash 2 cores
         yield CliRuns(tmp, {name: pool.submit(_run, args) for name, args in cases.items()})
 
@@ -105,7 +125,8 @@ def test_ray_executor_refused_on_cpu(cli):
     """cpu-ray-dp gives CPU a Ray device key; Ray's executor still cannot
     start CPU workers, so startup-validation names the backend that can."""
     _assert_clean_error(
-        cli["ray"], "--distributed-executor-backend ray does not run on the CPU platform",
+        cli["ray"],
+        "--distributed-executor-backend ray does not run on the CPU platform",
         "use --distributed-executor-backend mp",
     )
 

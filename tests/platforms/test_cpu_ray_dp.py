@@ -81,7 +81,8 @@ def test_other_executors_are_left_alone(on_cpu, executor):
 @pytest.mark.parametrize("dp_backend", ["ray", "mp"])
 def test_explicit_ray_executor_is_refused_on_cpu(on_cpu, executor, dp_backend):
     with pytest.raises(
-        ConfigError, match=r"--distributed-executor-backend ray .*use --distributed-executor-backend mp"
+        ConfigError,
+        match=r"--distributed-executor-backend ray .*use --distributed-executor-backend mp",
     ):
         arg_utils.check_cpu_executor_backend(_engine_args(executor, dp_backend))
 
@@ -101,8 +102,7 @@ def test_create_engine_config_resolves_the_executor_before_upstream(monkeypatch,
     monkeypatch.setattr(
         arg_utils,
         "_upstream_create_engine_config",
-        lambda self, *a, **k: seen.append(self.distributed_executor_backend)
-        or SimpleNamespace(),
+        lambda self, *a, **k: seen.append(self.distributed_executor_backend) or SimpleNamespace(),
     )
     monkeypatch.setattr(arg_utils, "check_cpu_head_size", lambda config: None)
     monkeypatch.setattr(arg_utils, "_feature_config_checks", [])

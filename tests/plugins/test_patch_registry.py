@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import vllm_disagg
-from vllm_disagg import envs
 import vllm_disagg.patches as patches_pkg
+from vllm_disagg import envs
 from vllm_disagg.errors import UnsupportedVllmVersionError
 from vllm_disagg.patches import PATCHES
 from vllm_disagg.patches.__main__ import (

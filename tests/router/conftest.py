@@ -56,9 +56,14 @@ async def fakes() -> AsyncIterator[Callable[[str], Awaitable[FakeInstance]]]:
 
 def registration(fake: FakeInstance, role: Role, model: str = "m", **fields: Any) -> Register:
     return Register(
-        version=DISCOVERY_VERSION, instance_id=f"{fake.name}-id", role=role,
-        http_addr=fake.http_addr, kv_addr=fake.kv_addr, model=model, **fields,
-    )  # fmt: skip
+        version=DISCOVERY_VERSION,
+        instance_id=f"{fake.name}-id",
+        role=role,
+        http_addr=fake.http_addr,
+        kv_addr=fake.kv_addr,
+        model=model,
+        **fields,
+    )
 
 
 @dataclass
@@ -96,10 +101,16 @@ class RunningRouter:
 
 
 FAST = RouterConfig(
-    host="127.0.0.1", port=0, discovery_host="127.0.0.1", discovery_port=0,
-    connect_timeout_s=2.0, prefill_timeout_s=5.0, first_token_timeout_s=5.0,
-    chunk_timeout_s=5.0, request_timeout_s=8.0,
-)  # fmt: skip
+    host="127.0.0.1",
+    port=0,
+    discovery_host="127.0.0.1",
+    discovery_port=0,
+    connect_timeout_s=2.0,
+    prefill_timeout_s=5.0,
+    first_token_timeout_s=5.0,
+    chunk_timeout_s=5.0,
+    request_timeout_s=8.0,
+)
 
 
 @pytest.fixture

@@ -96,8 +96,9 @@ async def test_headers_past_the_limit_get_431_and_memory_is_not_taken(pd, shape)
 async def test_headers_under_the_limit_pass(pd):
     router, _, _ = await pd(**LIMITS)
     headers = {f"X-H{i}": "v" * 40 for i in range(40)}  # about 2 KiB
-    status, body, _ = await router.post("/v1/completions", {"model": "m", "prompt": "x"},
-                                        headers=headers)  # fmt: skip
+    status, body, _ = await router.post(
+        "/v1/completions", {"model": "m", "prompt": "x"}, headers=headers
+    )
     assert status == 200, body
 
 
@@ -105,8 +106,10 @@ async def test_a_body_that_stops_arriving_is_dropped_and_nothing_is_sent_upstrea
     router, p, d = await pd(**LIMITS)
     reader, writer = await _connect(router)
     body = json.dumps({"model": "m", "prompt": "x" * 1000}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:100])
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:100]
+    )
     await writer.drain()
     await _closed_by_peer(reader, within_s=3.0)
     writer.close()
@@ -119,10 +122,12 @@ async def test_a_slow_but_moving_body_is_read_whole(pd):
     router, _, d = await pd(**LIMITS)
     reader, writer = await _connect(router)
     body = json.dumps({"model": "m", "prompt": "y" * 200}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
     for i in range(0, len(body), 40):  # 1.2 s in all, 0.2 s between pieces (limit 0.5 s)
-        writer.write(body[i:i + 40])
+        writer.write(body[i : i + 40])
         await writer.drain()
         await asyncio.sleep(0.2)
     async with asyncio.timeout(WAIT_S):
@@ -153,8 +158,10 @@ async def test_a_client_that_stops_reading_its_stream_is_dropped_and_decode_rele
     reader, writer = await _connect(router)
     body = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
     writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     await writer.drain()
     writer.transport.pause_reading()  # the client stops reading
     async with asyncio.timeout(3 * WAIT_S):  # an upper bound for a loaded host
@@ -186,8 +193,10 @@ async def test_a_body_trickled_byte_by_byte_is_cut_at_the_body_deadline(pd):
     --max-connections slots for as long as they liked."""
     router, p, d = await pd(**LIMITS, client_body_timeout_s=1.0)
     reader, writer = await _connect(router)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 1000\r\n\r\n")
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n"
+    )
     started = asyncio.get_running_loop().time()
     with contextlib.suppress(ConnectionError):
         for _ in range(40):  # 0.2 s apart: never idle for 0.5 s, 8 s in all
@@ -210,8 +219,10 @@ async def test_pipelined_requests_past_the_limit_drop_the_connection(pd):
     d.delay_s = 2.0  # the first answer takes a while: the rest queue behind it
     reader, writer = await _connect(router)
     body = json.dumps({"model": "m", "prompt": "x"}).encode()
-    one = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    one = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     with contextlib.suppress(ConnectionError):
         writer.write(one * 100)
         await writer.drain()

@@ -30,9 +30,15 @@ TOKEN = b"fleet-secret"
 
 
 def register(instance_id: str = "i-1", **fields) -> Register:
-    values = dict(version=DISCOVERY_VERSION, instance_id=instance_id, role=Role.DECODE,
-                  http_addr="127.0.0.1:20002", kv_addr="127.0.0.1:22001", model="m",
-                  sent_at=time.time())  # fmt: skip
+    values = dict(
+        version=DISCOVERY_VERSION,
+        instance_id=instance_id,
+        role=Role.DECODE,
+        http_addr="127.0.0.1:20002",
+        kv_addr="127.0.0.1:22001",
+        model="m",
+        sent_at=time.time(),
+    )
     return Register(**{**values, **fields})
 
 
@@ -90,7 +96,10 @@ async def test_register_heartbeat_deregister(discovery):
     assert ack == Ack(DISCOVERY_VERSION, "i-1", True)
     [listed] = router.registry.snapshot()
     assert (listed["instance_id"], listed["role"], listed["http_addr"]) == (
-        "i-1", "decode", "127.0.0.1:20002")
+        "i-1",
+        "decode",
+        "127.0.0.1:20002",
+    )
 
     router.clock.advance(8.0)
     assert (await instance.message(register(seq=1))).accepted
@@ -114,8 +123,7 @@ async def test_token_required_when_set(discovery):
         ack = await connect(token).message(register("bad"))
         assert not ack.accepted and ack.reason.startswith("unauthenticated")
     assert router.registry.get("bad") is None and router.registry.get("good") is not None
-    assert router.metric("vllm_disagg_router_discovery_rejected_total",
-                         kind="unauthenticated") == 2  # fmt: skip
+    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="unauthenticated") == 2
 
     # A captured, signed frame replayed much later is refused as stale.
     old = register("late", sent_at=time.time() - 3600)
@@ -141,8 +149,9 @@ async def test_malformed_and_foreign_messages_are_rejected_and_counted(discovery
     for kind, frames in cases.items():
         ack = await instance.send(frames)
         assert not ack.accepted and ack.reason.startswith(kind)
-    wrong_version = msgspec.msgpack.encode({"type": "register", **msgspec.to_builtins(register()),
-                                            "version": 99})  # fmt: skip
+    wrong_version = msgspec.msgpack.encode(
+        {"type": "register", **msgspec.to_builtins(register()), "version": 99}
+    )
     ack = await instance.send([wrong_version, b""])
     assert ack.reason.startswith("version")
     ack = await instance.message(register(http_addr="no port"))

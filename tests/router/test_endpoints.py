@@ -19,14 +19,25 @@ async def test_no_instances_at_all_is_a_503_json_error(start_router):
         assert status == 503 and resp.headers["Content-Type"] == "application/json"
         assert json.loads(body)["error"] == {
             "message": "no healthy decode instance is registered",
-            "type": "ServiceUnavailableError", "param": None, "code": 503,
-        }  # fmt: skip
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="no_instance") == 1  # fmt: skip
+            "type": "ServiceUnavailableError",
+            "param": None,
+            "code": 503,
+        }
+    assert (
+        router.metric(
+            "vllm_disagg_router_requests_total", endpoint="completions", outcome="no_instance"
+        )
+        == 1
+    )
 
 
-BROKEN_BODIES = (b"{not json", b"[1, 2]", b"", b'"text"',
-                 b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}")  # was a 500 and a traceback
+BROKEN_BODIES = (
+    b"{not json",
+    b"[1, 2]",
+    b"",
+    b'"text"',
+    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+)  # was a 500 and a traceback
 
 
 async def test_malformed_bodies_are_refused_by_a_decode_as_vllm_refuses_them(pd):
@@ -39,8 +50,9 @@ async def test_malformed_bodies_are_refused_by_a_decode_as_vllm_refuses_them(pd)
         assert json.loads(body)["error"]["message"] == "d: not an object", body
     assert not p.requests and len(d.requests) == len(BROKEN_BODIES)
     assert all("kv_transfer_params" not in (r.body or {}) for r in d.requests)
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="bad_request") == len(BROKEN_BODIES)  # fmt: skip
+    assert router.metric(
+        "vllm_disagg_router_requests_total", endpoint="completions", outcome="bad_request"
+    ) == len(BROKEN_BODIES)
 
 
 async def test_malformed_bodies_without_a_decode_get_the_routers_own_400(start_router):
@@ -50,8 +62,9 @@ async def test_malformed_bodies_without_a_decode_get_the_routers_own_400(start_r
         assert status == 400, raw
         error = json.loads(body)["error"]
         assert error["type"] == "Bad Request" and error["param"] == "body", error  # as vLLM
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="bad_request") == len(BROKEN_BODIES)  # fmt: skip
+    assert router.metric(
+        "vllm_disagg_router_requests_total", endpoint="completions", outcome="bad_request"
+    ) == len(BROKEN_BODIES)
 
 
 async def test_error_messages_name_no_local_path(start_router, fakes):
@@ -68,16 +81,20 @@ async def test_error_messages_name_no_local_path(start_router, fakes):
 async def test_a_body_that_is_not_declared_json_gets_vllms_415_style_400(pd):
     router, p, d = await pd()
     for content_type in ("text/plain", "", "application/x-www-form-urlencoded"):
-        status, body, _ = await router.post("/v1/completions", BODY,
-                                            headers={"Content-Type": content_type})  # fmt: skip
+        status, body, _ = await router.post(
+            "/v1/completions", BODY, headers={"Content-Type": content_type}
+        )
         assert status == 400
         assert json.loads(body)["error"] == {
             "message": "1 validation error:\n  Unsupported Media Type: Only "
-                       "'application/json' is allowed",
-            "type": "Bad Request", "param": None, "code": 400,
-        }  # fmt: skip
-    status, _, _ = await router.post("/v1/completions", BODY,
-                                     headers={"Content-Type": "application/json; charset=utf-8"})
+            "'application/json' is allowed",
+            "type": "Bad Request",
+            "param": None,
+            "code": 400,
+        }
+    status, _, _ = await router.post(
+        "/v1/completions", BODY, headers={"Content-Type": "application/json; charset=utf-8"}
+    )
     assert status == 200 and len(p.requests) == 1
 
 
@@ -92,8 +109,11 @@ async def test_oversized_bodies_are_413_json(pd):
             yield b" " * 1024
 
     async with asyncio.timeout(WAIT_S):
-        async with router.client.post(router.url + "/v1/completions", data=chunked(),
-                                      headers={"Content-Type": "application/json"}) as resp:
+        async with router.client.post(
+            router.url + "/v1/completions",
+            data=chunked(),
+            headers={"Content-Type": "application/json"},
+        ) as resp:
             assert resp.status == 413
     assert not p.requests and not d.requests
     status, _, _ = await router.post("/v1/completions", BODY)
@@ -124,9 +144,19 @@ async def test_models_lists_what_decodes_serve_as_they_list_it(start_router, fak
     status, body = await router.get("/v1/models")
     assert status == 200 and json.loads(body) == {"object": "list", "data": []}
     d = await fakes("d")
-    d.models = [{"id": name, "object": "model", "created": 1, "owned_by": "vllm",
-                 "root": "/models/a", "parent": None, "max_model_len": 1024,
-                 "permission": [{"id": "modelperm-1"}]} for name in ("a", "a2")]  # fmt: skip
+    d.models = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 1,
+            "owned_by": "vllm",
+            "root": "/models/a",
+            "parent": None,
+            "max_model_len": 1024,
+            "permission": [{"id": "modelperm-1"}],
+        }
+        for name in ("a", "a2")
+    ]
     router.add(await fakes("p"), Role.PREFILL, model="b")  # no decode serves b: not listed
     router.add(d, Role.DECODE, model="a", aliases=("a2",))
     router.add(await fakes("c"), Role.DECODE, model="c")  # lists nothing: minimal entry
@@ -210,8 +240,12 @@ async def test_invalid_utf8_in_a_json_string_is_a_400_not_a_traceback(pd):
         status, body, _ = await router.post(path, b'{"model":"m","prompt":"\xff\xfe"}')
         assert status == 400, (path, body)  # refused by the decode, as vLLM refuses it
     assert not p.requests
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="/tokenize",
-                         outcome="router_error") == 0  # fmt: skip
+    assert (
+        router.metric(
+            "vllm_disagg_router_requests_total", endpoint="/tokenize", outcome="router_error"
+        )
+        == 0
+    )
 
 
 async def test_models_are_listed_only_to_clients_the_decodes_accept(start_router, fakes):
@@ -224,8 +258,9 @@ async def test_models_are_listed_only_to_clients_the_decodes_accept(start_router
     router.add(d, Role.DECODE, model="a")
     status, body = await router.get("/v1/models")
     assert status == 401
-    async with router.client.get(router.url + "/v1/models",
-                                 headers={"Authorization": "Bearer k1"}) as resp:  # fmt: skip
+    async with router.client.get(
+        router.url + "/v1/models", headers={"Authorization": "Bearer k1"}
+    ) as resp:
         assert resp.status == 200 and (await resp.json())["data"] == d.models
 
 

@@ -11,8 +11,8 @@ import time
 
 from aiohttp import web
 
-from vllm_disagg.wire.discovery import Role
 from vllm_disagg.router.registry import BreakerState
+from vllm_disagg.wire.discovery import Role
 
 from .conftest import WAIT_S, FakeInstance
 
@@ -162,8 +162,9 @@ async def test_prefill_legs_on_an_instance_whose_heartbeats_stop_are_retried_at_
     assert status == 200 and body == d.answer()
     assert time.monotonic() - started < 5.0  # one sweep (1 s); a bound for slow hosts
     assert len(p2.requests) == 1
-    assert router.metric("vllm_disagg_router_prefill_failures_total",
-                         reason="instance_removed") == 1  # fmt: skip
+    assert (
+        router.metric("vllm_disagg_router_prefill_failures_total", reason="instance_removed") == 1
+    )
     assert router.metric("vllm_disagg_router_instance_removals_total", reason="expired") == 1
     async with asyncio.timeout(WAIT_S):
         await p.disconnected.wait()  # the router closed the stopped prefill's leg
@@ -207,8 +208,12 @@ async def test_chunk_timeout_ends_the_stream_with_an_error_event(pd):
     assert error_event.endswith(b"\n\ndata: [DONE]\n\n")
     async with asyncio.timeout(WAIT_S):
         await d.disconnected.wait()
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="timeout") == 1  # fmt: skip
+    assert (
+        router.metric(
+            "vllm_disagg_router_requests_total", endpoint="completions", outcome="timeout"
+        )
+        == 1
+    )
 
 
 async def test_request_deadline_bounds_everything(pd):
@@ -267,8 +272,12 @@ async def test_client_disconnect_mid_stream_cancels_decode(pd):
         await d.disconnected.wait()
         while router.registry.get("d-id").outstanding:
             await asyncio.sleep(0.01)
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="cancelled") == 1  # fmt: skip
+    assert (
+        router.metric(
+            "vllm_disagg_router_requests_total", endpoint="completions", outcome="cancelled"
+        )
+        == 1
+    )
 
 
 async def test_a_stream_the_client_never_started_reading_still_releases_decode(pd):
@@ -287,8 +296,12 @@ async def test_a_stream_the_client_never_started_reading_still_releases_decode(p
         gc.collect()
         await d.disconnected.wait()
     assert router.registry.get("d-id").outstanding == 0
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="cancelled") == 1  # fmt: skip
+    assert (
+        router.metric(
+            "vllm_disagg_router_requests_total", endpoint="completions", outcome="cancelled"
+        )
+        == 1
+    )
 
 
 async def test_client_disconnect_during_prefill_cancels_it(pd):
@@ -344,16 +357,19 @@ async def test_fallback_to_decode_prefill_is_counted(start_router, fakes):
     assert status == 200 and answer == d.answer()
     assert "kv_transfer_params" not in d.requests[0].body  # D prefills, names no peers
     assert not d.requests[0].headers["X-Request-Id"].startswith("___prefill_addr_")
-    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total",
-                         reason="no_prefill") == 1  # fmt: skip
+    assert (
+        router.metric("vllm_disagg_router_decode_prefill_fallbacks_total", reason="no_prefill") == 1
+    )
 
     p = await fakes("p")
     p.status = 500
     router.add(p, Role.PREFILL)
     status, _, _ = await router.post("/v1/completions", BODY)
     assert status == 200 and len(p.requests) == 1
-    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total",
-                         reason="prefill_failed") == 1  # fmt: skip
+    assert (
+        router.metric("vllm_disagg_router_decode_prefill_fallbacks_total", reason="prefill_failed")
+        == 1
+    )
 
 
 async def test_client_disconnect_in_concurrent_handoff_cancels_both(pd):
@@ -403,8 +419,12 @@ async def test_decode_breaking_its_stream_ends_the_clients(pd):
     assert status == 200
     first, error_event = body.split(b"\n\n", 1)
     assert first == b"data: 1" and b"broke the stream" in error_event
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="upstream_error") == 1  # fmt: skip
+    assert (
+        router.metric(
+            "vllm_disagg_router_requests_total", endpoint="completions", outcome="upstream_error"
+        )
+        == 1
+    )
     assert router.registry.get("d-id").consecutive_failures == 1
 
 
@@ -414,8 +434,14 @@ async def test_timeouts_a_client_causes_never_open_a_healthy_instances_breaker(p
     opens, and the next client is served."""
     # connect_timeout_s bounds the health probe: generous, a loaded host must
     # not fail a probe of a healthy instance.
-    router, p, d = await pd(breaker_failures=2, prefill_timeout_s=0.3, first_token_timeout_s=0.3,
-                            chunk_timeout_s=0.3, max_retries=0, connect_timeout_s=8.0)  # fmt: skip
+    router, p, d = await pd(
+        breaker_failures=2,
+        prefill_timeout_s=0.3,
+        first_token_timeout_s=0.3,
+        chunk_timeout_s=0.3,
+        max_retries=0,
+        connect_timeout_s=8.0,
+    )
     d_stalls = [b"data: 1\n\n", b"data: 2\n\n"]
     for _ in range(3):
         p.delay_s = 1.0  # prefill times out

@@ -5,25 +5,31 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from aiohttp import web
 
-import pytest
-
+from vllm_disagg.wire.discovery import Role
+from vllm_disagg.wire.grants import GRANT_KEY, GrantError, check_grant
 from vllm_disagg.wire.peers import (
     DECODE_ADDR_KEY,
     PREFILL_ADDR_KEY,
     REQUEST_KEY_KEY,
     parse_peer_info,
 )
-from vllm_disagg.wire.discovery import Role
-from vllm_disagg.wire.grants import GRANT_KEY, GrantError, check_grant
 
 from .conftest import WAIT_S
 
 COMPLETION = {
-    "model": "m", "prompt": "San Francisco is a", "max_tokens": 10, "temperature": 0,
-    "stop": ["\n"], "stop_token_ids": [7], "min_tokens": 3, "n": 2, "logprobs": 2,
-}  # fmt: skip
+    "model": "m",
+    "prompt": "San Francisco is a",
+    "max_tokens": 10,
+    "temperature": 0,
+    "stop": ["\n"],
+    "stop_token_ids": [7],
+    "min_tokens": 3,
+    "n": 2,
+    "logprobs": 2,
+}
 
 
 async def test_completion_names_both_peers_and_relays_decode_bytes(pd):
@@ -48,21 +54,33 @@ async def test_completion_names_both_peers_and_relays_decode_bytes(pd):
     # stop conditions; n and logprobs stay, so P refuses what D would refuse
     # (one transfer per key: n's siblings send nothing); the prompt untouched.
     assert prefill.body == {
-        "model": "m", "prompt": "San Francisco is a", "max_tokens": 1, "temperature": 0,
-        "n": 2, "logprobs": 2, "stream": False, "kv_transfer_params": params,
-    }  # fmt: skip
-    assert router.metric("vllm_disagg_router_requests_total",
-                         endpoint="completions", outcome="ok") == 1  # fmt: skip
+        "model": "m",
+        "prompt": "San Francisco is a",
+        "max_tokens": 1,
+        "temperature": 0,
+        "n": 2,
+        "logprobs": 2,
+        "stream": False,
+        "kv_transfer_params": params,
+    }
+    assert (
+        router.metric("vllm_disagg_router_requests_total", endpoint="completions", outcome="ok")
+        == 1
+    )
 
 
 async def test_chat_prefill_caps_max_completion_tokens_and_drops_stream_options(pd):
     router, p, d = await pd()
     chat = {
-        "model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
-        "stream_options": {"include_usage": True}, "max_completion_tokens": 50,
-        "logprobs": True, "top_logprobs": 2,
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": 50,
+        "logprobs": True,
+        "top_logprobs": 2,
         "tools": [{"type": "function", "function": {"name": "f"}}],
-    }  # fmt: skip
+    }
     status, _, _ = await router.post("/v1/chat/completions", chat)
 
     assert status == 200
@@ -78,12 +96,13 @@ async def test_chat_prefill_caps_max_completion_tokens_and_drops_stream_options(
 
 async def test_streaming_is_relayed_byte_for_byte(pd):
     router, p, d = await pd()
-    d.chunks = [b"data: {\"a\": 1}\n\n", b"data: {\"b\"", b": 2}\n\n", b"data: [DONE]\n\n"]
+    d.chunks = [b'data: {"a": 1}\n\n', b'data: {"b"', b": 2}\n\n", b"data: [DONE]\n\n"]
     d.chunk_delay_s = 0.2  # apart enough that a busy host does not merge reads
     received = []
     async with asyncio.timeout(WAIT_S):
-        async with router.client.post(router.url + "/v1/completions",
-                                      json={**COMPLETION, "stream": True}) as resp:  # fmt: skip
+        async with router.client.post(
+            router.url + "/v1/completions", json={**COMPLETION, "stream": True}
+        ) as resp:
             assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
             async for chunk in resp.content.iter_any():
                 received.append(chunk)
@@ -96,8 +115,12 @@ async def test_streaming_is_relayed_byte_for_byte(pd):
 
 async def test_client_kv_transfer_params_are_kept_but_cannot_name_peers(pd):
     router, p, d = await pd()
-    client_params = {"custom": 1, PREFILL_ADDR_KEY: "10.9.9.9:1", DECODE_ADDR_KEY: "10.9.9.9:2",
-                     REQUEST_KEY_KEY: "evil"}  # fmt: skip
+    client_params = {
+        "custom": 1,
+        PREFILL_ADDR_KEY: "10.9.9.9:1",
+        DECODE_ADDR_KEY: "10.9.9.9:2",
+        REQUEST_KEY_KEY: "evil",
+    }
     await router.post("/v1/completions", {**COMPLETION, "kv_transfer_params": client_params})
 
     for seen in (p.requests[0], d.requests[0]):
@@ -132,11 +155,17 @@ async def test_client_headers_and_request_id_are_forwarded_as_vllm_would_use_the
     router, p, d = await pd()
 
     async def echo_id(fake, request, body):
-        return web.json_response({"id": "cmpl-" + request.headers["X-Request-Id"]},
-                                 headers={"X-Request-Id": request.headers["X-Request-Id"]})
+        return web.json_response(
+            {"id": "cmpl-" + request.headers["X-Request-Id"]},
+            headers={"X-Request-Id": request.headers["X-Request-Id"]},
+        )
 
     d.handler = echo_id
-    headers = {"Authorization": "Bearer k", "X-Request-Id": "mine-1_a", "traceparent": "00-ab-cd-01"}
+    headers = {
+        "Authorization": "Bearer k",
+        "X-Request-Id": "mine-1_a",
+        "traceparent": "00-ab-cd-01",
+    }
     status, body, resp = await router.post("/v1/completions", COMPLETION, headers=headers)
     assert status == 200 and json.loads(body)["id"] == "cmpl-mine-1_a"
     assert resp.headers["X-Request-Id"] == "mine-1_a"
@@ -165,8 +194,14 @@ async def test_upstream_error_status_and_body_are_relayed(pd):
     status, body, _ = await router.post("/v1/completions", COMPLETION)
     assert status == 422 and json.loads(body) == {"error": {"message": "p"}}
     assert len(d.requests) == 1
-    assert router.metric("vllm_disagg_router_requests_total", endpoint="completions",
-                         outcome="upstream_client_error") == 2  # fmt: skip
+    assert (
+        router.metric(
+            "vllm_disagg_router_requests_total",
+            endpoint="completions",
+            outcome="upstream_client_error",
+        )
+        == 2
+    )
 
 
 async def test_model_filter_and_unknown_model(fakes, start_router):
@@ -226,21 +261,26 @@ async def test_requests_vllm_would_refuse_go_to_the_decode_alone(pd):
     itself, as D would."""
     router, p, d = await pd()
     d.status = 400  # the fake refuses everything, as vLLM would these
-    for fields in ({"max_tokens": 0}, {"max_completion_tokens": -1},
-                   {"max_tokens": 3, "min_tokens": 5}, {"min_tokens": -1},
-                   {"stream_options": {"include_usage": True}},
-                   {"stream_options": {"include_usage": True}, "stream": False}):  # fmt: skip
+    for fields in (
+        {"max_tokens": 0},
+        {"max_completion_tokens": -1},
+        {"max_tokens": 3, "min_tokens": 5},
+        {"min_tokens": -1},
+        {"stream_options": {"include_usage": True}},
+        {"stream_options": {"include_usage": True}, "stream": False},
+    ):
         status, body, _ = await router.post("/v1/completions", {**COMPLETION, **fields})
         assert status == 400 and json.loads(body) == {"error": {"message": "d"}}, fields
     assert not p.requests and len(d.requests) == 6
     assert all("kv_transfer_params" not in r.body for r in d.requests)
-    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total",
-                         reason="invalid") == 6  # fmt: skip
+    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total", reason="invalid") == 6
     # vLLM reads stream_options' rule from the raw values: "stream": "false"
     # is a non-empty string, so it passes there and is prefilled here.
     d.status = 200
-    status, _, _ = await router.post("/v1/completions", {
-        **COMPLETION, "stream_options": {"include_usage": True}, "stream": "yes"})
+    status, _, _ = await router.post(
+        "/v1/completions",
+        {**COMPLETION, "stream_options": {"include_usage": True}, "stream": "yes"},
+    )
     assert status == 200 and len(p.requests) == 1
 
 
@@ -253,5 +293,7 @@ async def test_prompt_logprobs_go_to_the_decode_alone(pd):
         assert status == 200
     assert not p.requests and len(d.requests) == 2
     assert all("kv_transfer_params" not in r.body for r in d.requests)
-    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total",
-                         reason="prompt_logprobs") == 2  # fmt: skip
+    assert (
+        router.metric("vllm_disagg_router_decode_prefill_fallbacks_total", reason="prompt_logprobs")
+        == 2
+    )

@@ -33,8 +33,7 @@ BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
 
 def _rejected(router) -> float:
     kinds = ("malformed", "oversized", "unauthenticated", "stale", "version", "replayed")
-    return sum(router.metric("vllm_disagg_router_discovery_rejected_total", kind=k)
-               for k in kinds)  # fmt: skip
+    return sum(router.metric("vllm_disagg_router_discovery_rejected_total", kind=k) for k in kinds)
 
 
 async def test_a_discovery_flood_registers_nothing_and_is_counted(pd, monkeypatch):
@@ -52,9 +51,16 @@ async def test_a_discovery_flood_registers_nothing_and_is_counted(pd, monkeypatc
             served += 1
             await asyncio.sleep(0.05)
 
-    flood = asyncio.create_task(asyncio.to_thread(
-        flood_zmq, endpoint, discovery_protocol(), count=3000, time_s=30.0, seed=7,
-    ))  # fmt: skip
+    flood = asyncio.create_task(
+        asyncio.to_thread(
+            flood_zmq,
+            endpoint,
+            discovery_protocol(),
+            count=3000,
+            time_s=30.0,
+            seed=7,
+        )
+    )
     await clients()
     sent = await flood
     # Everything that reached the router is counted. libzmq drops a message
@@ -70,12 +76,19 @@ async def test_a_discovery_flood_registers_nothing_and_is_counted(pd, monkeypatc
 
 
 async def test_an_http_flood_of_broken_requests_leaves_clients_served(pd):
-    router, p, d = await pd(max_header_bytes=65536, client_header_timeout_s=0.3,
-                            client_idle_timeout_s=0.3)  # fmt: skip
+    router, p, d = await pd(
+        max_header_bytes=65536, client_header_timeout_s=0.3, client_idle_timeout_s=0.3
+    )
     port = router.state.http_port
-    sent = await asyncio.to_thread(flood_tcp, "127.0.0.1", port,
-                                   http_payloads(random.Random(3)), count=40,
-                                   time_s=40.0, read_s=0.5)  # fmt: skip
+    sent = await asyncio.to_thread(
+        flood_tcp,
+        "127.0.0.1",
+        port,
+        http_payloads(random.Random(3)),
+        count=40,
+        time_s=40.0,
+        read_s=0.5,
+    )
     assert sent.total == 40
     status, _, _ = await router.post("/v1/completions", BODY)
     assert status == 200
@@ -83,14 +96,18 @@ async def test_an_http_flood_of_broken_requests_leaves_clients_served(pd):
     # refused by the decode, as vLLM refuses them); heads over the bound were cut.
     assert len(p.requests) == 1
     assert all("kv_transfer_params" not in (r.body or {}) for r in d.requests[:-1])
-    assert router.metric("vllm_disagg_router_client_connections_closed_total",
-                         reason="headers_too_large") == sent.by_kind.get("oversized", 0)
+    assert router.metric(
+        "vllm_disagg_router_client_connections_closed_total", reason="headers_too_large"
+    ) == sent.by_kind.get("oversized", 0)
     # Every broken connection was refused one way, and counted once.
-    refused = sum(router.metric("vllm_disagg_router_requests_total", endpoint=e,
-                                outcome="bad_request")
-                  for e in ("completions", "chat_completions"))  # fmt: skip
-    refused += sum(router.metric("vllm_disagg_router_client_connections_closed_total",
-                                 reason=r) for r in REASONS)  # fmt: skip
+    refused = sum(
+        router.metric("vllm_disagg_router_requests_total", endpoint=e, outcome="bad_request")
+        for e in ("completions", "chat_completions")
+    )
+    refused += sum(
+        router.metric("vllm_disagg_router_client_connections_closed_total", reason=r)
+        for r in REASONS
+    )
     assert refused == sent.total, sent
 
 
@@ -119,8 +136,10 @@ async def test_a_discovery_flood_does_not_hold_up_http_requests(pd):
     flood = asyncio.create_task(asyncio.to_thread(junk))
     try:
         async with asyncio.timeout(WAIT_S):
-            while router.metric("vllm_disagg_router_discovery_rejected_total",
-                                kind="malformed") < 20000:  # fmt: skip
+            while (
+                router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed")
+                < 20000
+            ):
                 await asyncio.sleep(0.05)
         started = time.monotonic()
         status, _, _ = await router.post("/v1/completions", BODY)

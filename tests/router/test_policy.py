@@ -12,13 +12,15 @@ from vllm_disagg.router.policy import (
     RoundRobinPolicy,
     render_prompt,
 )
-from vllm_disagg.wire.discovery import Role
 from vllm_disagg.router.registry import Instance
+from vllm_disagg.wire.discovery import Role
 
 
 def instances(n: int) -> list[Instance]:
-    return [Instance(f"i{k}", Role.PREFILL, f"h:{k + 1}", f"k:{k + 1}", "m", 0, 1, 0.0, 0.0, 10.0)
-            for k in range(n)]  # fmt: skip
+    return [
+        Instance(f"i{k}", Role.PREFILL, f"h:{k + 1}", f"k:{k + 1}", "m", 0, 1, 0.0, 0.0, 10.0)
+        for k in range(n)
+    ]
 
 
 def picks(policy, candidates, bodies) -> list[str]:
@@ -111,8 +113,9 @@ def test_eviction_takes_tails_before_the_head_they_hang_off():
 def test_render_prompt_covers_every_message_and_prompt_form():
     base = chat("sys", "q")
     assert render_prompt(base) != render_prompt(chat("other sys", "q"))
-    assert render_prompt(base).startswith(render_prompt(
-        {"messages": base["messages"][:1]}))  # a conversation extends its own prefix
+    assert render_prompt(base).startswith(
+        render_prompt({"messages": base["messages"][:1]})
+    )  # a conversation extends its own prefix
     with_tools = {**base, "tools": [{"type": "function", "function": {"name": "f"}}]}
     assert render_prompt(with_tools) != render_prompt(base)
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
@@ -124,8 +127,9 @@ def test_render_prompt_covers_every_message_and_prompt_form():
 
 
 def test_policies_from_config():
-    policies = Policies.from_config(RouterConfig(policy_prefill="prefix_aware",
-                                                 policy_decode="least_outstanding"))  # fmt: skip
+    policies = Policies.from_config(
+        RouterConfig(policy_prefill="prefix_aware", policy_decode="least_outstanding")
+    )
     assert isinstance(policies.prefill, PrefixAwarePolicy)
     assert isinstance(policies.decode, LeastOutstandingPolicy)
     assert policies.prefill.chunk_chars == 256
@@ -134,8 +138,7 @@ def test_policies_from_config():
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_every_policy_only_picks_candidates(n):
     fleet = instances(n)
-    for policy in (RoundRobinPolicy(), LeastOutstandingPolicy(),
-                   PrefixAwarePolicy(100, 16, 4)):  # fmt: skip
+    for policy in (RoundRobinPolicy(), LeastOutstandingPolicy(), PrefixAwarePolicy(100, 16, 4)):
         for k in range(10):
             assert policy.select(fleet, {"prompt": "x" * (k * 10)}) in fleet
 
@@ -157,8 +160,9 @@ def test_prefix_hashing_cost_is_bounded_per_request():
     # The bound keeps prefixes comparable: equal starts render equal.
     other = {"prompt": list(range(3_000_000))[:-1] + [7]}
     assert render_prompt(other, policy.max_chars) == text
-    assert render_prompt({"messages": [{"role": "user", "content": "x" * 10**7}]},
-                         policy.max_chars).startswith("user\x1fxxx")  # fmt: skip
+    assert render_prompt(
+        {"messages": [{"role": "user", "content": "x" * 10**7}]}, policy.max_chars
+    ).startswith("user\x1fxxx")
 
 
 def test_rendering_costs_what_the_limit_allows_whatever_the_body():
@@ -173,11 +177,13 @@ def test_rendering_costs_what_the_limit_allows_whatever_the_body():
         inner = inner[0]
     bodies = [
         {"prompt": list(range(3_000_000))},
-        {"tools": [{"function": {"name": "f" * 100}}] * 100_000,
-         "messages": [{"role": "user", "content": "q"}]},
+        {
+            "tools": [{"function": {"name": "f" * 100}}] * 100_000,
+            "messages": [{"role": "user", "content": "q"}],
+        },
         {"messages": [{"role": "user", "content": deep}]},
         {"prompt": [deep]},
-    ]  # fmt: skip
+    ]
     for body in bodies:
         started = time.perf_counter()
         text = render_prompt(body, 131072)

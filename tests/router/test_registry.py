@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from vllm_disagg.wire.discovery import DISCOVERY_VERSION, Register, Role
 from vllm_disagg.router.registry import BreakerState, InstanceRegistry, RegistryRefused
+from vllm_disagg.wire.discovery import DISCOVERY_VERSION, Register, Role
 
 from .conftest import FakeClock
 
@@ -78,9 +78,14 @@ def test_a_heartbeat_refreshes_what_may_change_and_keeps_the_load():
     assert (instance.dp_rank, instance.dp_size, instance.outstanding) == (1, 2, 1)
 
 
-@pytest.mark.parametrize("change", [
-    {"port": 2}, {"model": "other"}, {"aliases": ("x",)},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"port": 2},
+        {"model": "other"},
+        {"aliases": ("x",)},
+    ],
+)
 def test_a_frame_under_a_known_id_that_moves_its_addresses_or_names_is_refused(change):
     """An incarnation keeps its addresses and names: without a token, a
     forged frame under a victim's id (ids are listed) moved its KV address."""
@@ -187,11 +192,21 @@ def test_snapshot_shows_role_age_load_and_breaker():
     clock.advance(1.0)
     [entry] = registry.snapshot()
     assert entry == {
-        "instance_id": "p", "role": "prefill", "http_addr": "10.0.0.1:20001",
-        "kv_addr": "10.0.0.1:21001", "model": "m", "aliases": [], "dp_rank": 1, "dp_size": 2, "static": False,
-        "age_s": 5.0, "last_heartbeat_s": 1.0, "outstanding": 1, "breaker": "closed",
+        "instance_id": "p",
+        "role": "prefill",
+        "http_addr": "10.0.0.1:20001",
+        "kv_addr": "10.0.0.1:21001",
+        "model": "m",
+        "aliases": [],
+        "dp_rank": 1,
+        "dp_size": 2,
+        "static": False,
+        "age_s": 5.0,
+        "last_heartbeat_s": 1.0,
+        "outstanding": 1,
+        "breaker": "closed",
         "consecutive_failures": 0,
-    }  # fmt: skip
+    }
 
 
 def test_registry_and_policy_import_neither_quart_nor_vllm():

@@ -10,44 +10,101 @@ from vllm_disagg.router.validation import _INVALID, decode_alone_reason, lax_boo
 BASE = {"model": "m", "prompt": "x", "max_tokens": 4}
 
 
-@pytest.mark.parametrize("value, expected", [
-    (True, True), (1, True), (1.0, True), ("yes", True), ("TRUE", True), ("on", True),
-    (False, False), (0, False), (0.0, False), ("no", False), ("f", False),
-    (" true", _INVALID), (2, _INVALID), (1.5, _INVALID), ("2", _INVALID), ([], _INVALID),
-    (None, _INVALID),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (True, True),
+        (1, True),
+        (1.0, True),
+        ("yes", True),
+        ("TRUE", True),
+        ("on", True),
+        (False, False),
+        (0, False),
+        (0.0, False),
+        ("no", False),
+        ("f", False),
+        (" true", _INVALID),
+        (2, _INVALID),
+        (1.5, _INVALID),
+        ("2", _INVALID),
+        ([], _INVALID),
+        (None, _INVALID),
+    ],
+)
 def test_booleans_as_pydantic_reads_them(value, expected):
     assert lax_bool(value) is expected
 
 
-@pytest.mark.parametrize("value, expected", [
-    (5, 5), (5.0, 5), ("5", 5), (" 5", 5), ("5.0", 5), (True, 1), ("-1", -1),
-    (5.5, _INVALID), ("x", _INVALID), ("1e3", _INVALID), (None, _INVALID), ([5], _INVALID),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (5, 5),
+        (5.0, 5),
+        ("5", 5),
+        (" 5", 5),
+        ("5.0", 5),
+        (True, 1),
+        ("-1", -1),
+        (5.5, _INVALID),
+        ("x", _INVALID),
+        ("1e3", _INVALID),
+        (None, _INVALID),
+        ([5], _INVALID),
+    ],
+)
 def test_integers_as_pydantic_reads_them(value, expected):
     assert lax_int(value) == expected if expected is not _INVALID else lax_int(value) is _INVALID
 
 
-@pytest.mark.parametrize("fields", [
-    {"stop": 5}, {"stop": ["a", 1]}, {"stop_token_ids": "a"}, {"stop_token_ids": [1, "x"]},
-    {"include_stop_str_in_output": "maybe"}, {"min_tokens": "x"}, {"min_tokens": -1},
-    {"stream_options": "bad", "stream": True}, {"stream_options": {"include_usage": True}},
-    {"max_tokens": -1.0}, {"max_tokens": 0}, {"max_tokens": "0"}, {"max_tokens": 2.5},
-    {"min_tokens": "5", "max_tokens": 2}, {"max_completion_tokens": 0},
-    {"stream": " true"}, {"stream": 2}, {"best_of": "x"}, {"use_beam_search": "maybe"},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"stop": 5},
+        {"stop": ["a", 1]},
+        {"stop_token_ids": "a"},
+        {"stop_token_ids": [1, "x"]},
+        {"include_stop_str_in_output": "maybe"},
+        {"min_tokens": "x"},
+        {"min_tokens": -1},
+        {"stream_options": "bad", "stream": True},
+        {"stream_options": {"include_usage": True}},
+        {"max_tokens": -1.0},
+        {"max_tokens": 0},
+        {"max_tokens": "0"},
+        {"max_tokens": 2.5},
+        {"min_tokens": "5", "max_tokens": 2},
+        {"max_completion_tokens": 0},
+        {"stream": " true"},
+        {"stream": 2},
+        {"best_of": "x"},
+        {"use_beam_search": "maybe"},
+    ],
+)
 def test_what_vllm_refuses_in_fields_the_prefill_leg_does_not_see_goes_to_the_decode(fields):
     """Each of these was prefilled (its KV pushed into the decode's buffer)
     and only then refused by the decode (an adversarial review's list)."""
     assert decode_alone_reason({**BASE, **fields}) == "invalid"
 
 
-@pytest.mark.parametrize("fields", [
-    {}, {"stop": "x"}, {"stop": ["a", "b"]}, {"stop_token_ids": [1, "2"]}, {"stop": None},
-    {"min_tokens": "2"}, {"min_tokens": 4}, {"max_tokens": 4.0}, {"max_tokens": None},
-    {"stream": "yes", "stream_options": {"include_usage": True}}, {"stream": 1.0},
-    {"include_stop_str_in_output": "true"}, {"use_beam_search": False},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"stop": "x"},
+        {"stop": ["a", "b"]},
+        {"stop_token_ids": [1, "2"]},
+        {"stop": None},
+        {"min_tokens": "2"},
+        {"min_tokens": 4},
+        {"max_tokens": 4.0},
+        {"max_tokens": None},
+        {"stream": "yes", "stream_options": {"include_usage": True}},
+        {"stream": 1.0},
+        {"include_stop_str_in_output": "true"},
+        {"use_beam_search": False},
+    ],
+)
 def test_valid_requests_keep_their_prefill_leg(fields):
     assert decode_alone_reason({**BASE, **fields}) is None
 

@@ -57,11 +57,20 @@ def _record(i, start, end, outcome):
 
 
 def test_recovery_figures():
-    records = [_record(0, 0, 1, "ok"), _record(1, 4, 5, "failed"), _record(2, 6, 6.5, "failed"),
-               _record(3, 7, 8, "ok"), _record(4, 9, 10, "ok")]  # fmt: skip
+    records = [
+        _record(0, 0, 1, "ok"),
+        _record(1, 4, 5, "failed"),
+        _record(2, 6, 6.5, "failed"),
+        _record(3, 7, 8, "ok"),
+        _record(4, 9, 10, "ok"),
+    ]
     rec = recovery(records, fault_at=3.0)
-    assert rec == {"recovered_s": 4.0, "errors_until_s": 3.5, "failed_after_fault": 2,
-                   "failed_before_fault": 0}  # fmt: skip
+    assert rec == {
+        "recovered_s": 4.0,
+        "errors_until_s": 3.5,
+        "failed_after_fault": 2,
+        "failed_before_fault": 0,
+    }
     assert recovery(records[:1], 3.0)["recovered_s"] == 0.0
     assert recovery(records[:3], 3.0)["recovered_s"] is None  # never recovered
     s = summarize(records)
@@ -102,8 +111,9 @@ def fake_server():
         if body["prompt"] == "hang":
             await asyncio.sleep(3)  # past the client timeout of 2 s
         if not body.get("stream"):
-            return web.json_response({"choices": [{"index": 0, "token_ids": [1, 2, 3],
-                                                   "finish_reason": "length"}]})  # fmt: skip
+            return web.json_response(
+                {"choices": [{"index": 0, "token_ids": [1, 2, 3], "finish_reason": "length"}]}
+            )
         resp = web.StreamResponse()
         await resp.prepare(request)
         for i, tok in enumerate((1, 2, 3)):
@@ -139,15 +149,34 @@ def fake_server():
 
 def test_the_driver_records_every_outcome(fake_server):
     def spec(i, prompt, stream=False, cancel=None):
-        return Spec(i, "completion", "/v1/completions", {"prompt": prompt, "stream": stream},
-                    (("ref", 0),), cancel_after=cancel)  # fmt: skip
+        return Spec(
+            i,
+            "completion",
+            "/v1/completions",
+            {"prompt": prompt, "stream": stream},
+            (("ref", 0),),
+            cancel_after=cancel,
+        )
 
-    specs = [spec(0, "a"), spec(1, "a", stream=True), spec(2, "b"), spec(3, "fail"),
-             spec(4, "hang"), spec(5, "a", stream=True, cancel=2)]  # fmt: skip
+    specs = [
+        spec(0, "a"),
+        spec(1, "a", stream=True),
+        spec(2, "b"),
+        spec(3, "fail"),
+        spec(4, "hang"),
+        spec(5, "a", stream=True, cancel=2),
+    ]
     refs = {"ref": [[1, 2, 3]]}
     refs_wrong = {"ref": [[1, 2, 4]]}
-    run = TrafficRun(fake_server, specs[:2] + specs[3:], refs, concurrency=3, duration_s=20,
-                     request_timeout_s=2, error_backoff_s=0.01).start()  # fmt: skip
+    run = TrafficRun(
+        fake_server,
+        specs[:2] + specs[3:],
+        refs,
+        concurrency=3,
+        duration_s=20,
+        request_timeout_s=2,
+        error_backoff_s=0.01,
+    ).start()
     assert run.wait(30)
     by_index = {r.index: r for r in run.records}
     assert by_index[0].outcome == by_index[1].outcome == "ok"

@@ -22,45 +22,82 @@ def _paths(diffs):
 
 
 def test_views_of_json_stream_and_text_answers():
-    view = compare.answer_view(200, {"Content-Type": "application/json; charset=utf-8"},
-                               b'{"a": 1}')  # fmt: skip
-    assert view == {"status": 200, "content_type": "application/json", "headers": {},
-                    "body": {"a": 1}}  # fmt: skip
+    view = compare.answer_view(
+        200, {"Content-Type": "application/json; charset=utf-8"}, b'{"a": 1}'
+    )
+    assert view == {
+        "status": 200,
+        "content_type": "application/json",
+        "headers": {},
+        "body": {"a": 1},
+    }
     stream = (
         b': ping\n\ndata: {"choices": [{"index": 0, "text": "a", "token_ids": [1]}]}\n\n'
         b'data: {"choices": [{"index": 1, "delta": {"content": "x"}}]}\r\n\r\n'
         b'data: {"choices": [{"index": 0, "text": "b", "token_ids": [2, 3]}]}\n\n'
         b"event: error\ndata: {}\n\ndata: [DONE]\n\n"
     )
-    view = compare.answer_view(200, {"content-type": "text/event-stream", "X-Request-Id": "r"},
-                               stream, keep_headers=("x-request-id",))  # fmt: skip
+    view = compare.answer_view(
+        200,
+        {"content-type": "text/event-stream", "X-Request-Id": "r"},
+        stream,
+        keep_headers=("x-request-id",),
+    )
     assert view["headers"] == {"x-request-id": "r"}
     assert view["stream"] == {
-        "merged": {"choices": [{"index": 0, "text": "ab", "token_ids": [1, 2, 3]},
-                               {"index": 1, "delta": {"content": "x"}}],
-                   "<other>": [{"<unparsed>": "event: error\ndata: {}"}]},
+        "merged": {
+            "choices": [
+                {"index": 0, "text": "ab", "token_ids": [1, 2, 3]},
+                {"index": 1, "delta": {"content": "x"}},
+            ],
+            "<other>": [{"<unparsed>": "event: error\ndata: {}"}],
+        },
         "done": True,
-    }  # fmt: skip
+    }
     assert len(view[compare.SSE_EVENTS]) == 5
     assert compare.answer_view(404, {"content-type": "text/plain"}, b"nope")["body"] == "nope"
     assert compare.answer_view(200, {}, b"")["body"] == ""
 
 
 def _chunk(index, text, finish=None, usage=None):
-    return {"id": "cmpl-1", "choices": [{"index": index, "text": text, "finish_reason": finish,
-                                         "logprobs": {"tokens": list(text)}}], "usage": usage}
+    return {
+        "id": "cmpl-1",
+        "choices": [
+            {
+                "index": index,
+                "text": text,
+                "finish_reason": finish,
+                "logprobs": {"tokens": list(text)},
+            }
+        ],
+        "usage": usage,
+    }
 
 
 def test_a_stream_is_the_same_however_its_events_are_grouped():
-    one_by_one = [_chunk(0, "a"), _chunk(1, "x"), _chunk(0, "b"), _chunk(1, "y", "stop"),
-                  _chunk(0, "c", "length"), {"id": "cmpl-1", "choices": [], "usage": {"n": 5}},
-                  "[DONE]"]  # fmt: skip
-    grouped = [_chunk(1, "xy", "stop", usage={"n": 2}), _chunk(0, "abc", "length"),
-               {"id": "cmpl-1", "choices": [], "usage": {"n": 5}}, "[DONE]"]  # fmt: skip
+    one_by_one = [
+        _chunk(0, "a"),
+        _chunk(1, "x"),
+        _chunk(0, "b"),
+        _chunk(1, "y", "stop"),
+        _chunk(0, "c", "length"),
+        {"id": "cmpl-1", "choices": [], "usage": {"n": 5}},
+        "[DONE]",
+    ]
+    grouped = [
+        _chunk(1, "xy", "stop", usage={"n": 2}),
+        _chunk(0, "abc", "length"),
+        {"id": "cmpl-1", "choices": [], "usage": {"n": 5}},
+        "[DONE]",
+    ]
     view = compare.stream_view(one_by_one)
     assert view == compare.stream_view(grouped)
-    assert view["merged"]["choices"][0] == {"index": 0, "text": "abc", "finish_reason": "length",
-                                            "logprobs": {"tokens": ["a", "b", "c"]}}  # fmt: skip
+    assert view["merged"]["choices"][0] == {
+        "index": 0,
+        "text": "abc",
+        "finish_reason": "length",
+        "logprobs": {"tokens": ["a", "b", "c"]},
+    }
     assert view["merged"]["usage"] == {"n": 5}
     assert compare.stream_view(grouped[:-1])["done"] is False
     assert compare.stream_view([*grouped, "[DONE]"])["done"] is False
@@ -68,10 +105,19 @@ def test_a_stream_is_the_same_however_its_events_are_grouped():
 
 
 def test_differences_name_every_field_path():
-    a = {"id": "cmpl-0123456789abcdef", "created": 1, "choices": [{"text": "a", "x": 1}],
-         "usage": None}  # fmt: skip
-    b = {"id": "cmpl-fedcba9876543210", "created": 2, "choices": [{"text": "b"}, {"text": "c"}],
-         "extra": True, "usage": {"n": 1}}  # fmt: skip
+    a = {
+        "id": "cmpl-0123456789abcdef",
+        "created": 1,
+        "choices": [{"text": "a", "x": 1}],
+        "usage": None,
+    }
+    b = {
+        "id": "cmpl-fedcba9876543210",
+        "created": 2,
+        "choices": [{"text": "b"}, {"text": "c"}],
+        "extra": True,
+        "usage": {"n": 1},
+    }
     diffs = compare.differences(a, b, RULES)
     assert diffs == [
         FieldDifference("choices[0].text", "a", "b"),
@@ -83,10 +129,12 @@ def test_differences_name_every_field_path():
     # Normalized fields are compared as they are when a case says so.
     assert _paths(compare.differences(a, b, RULES, exact={"id"}))[0] == "id"
     # An id's fixed part counts: another prefix, or an address in it.
-    assert _paths(compare.differences({"id": "cmpl-ab12cd34ef"}, {"id": "chatcmpl-ab12cd34ef"},
-                                      RULES)) == ["id"]  # fmt: skip
+    assert _paths(
+        compare.differences({"id": "cmpl-ab12cd34ef"}, {"id": "chatcmpl-ab12cd34ef"}, RULES)
+    ) == ["id"]
     assert compare.id_shape("cmpl-___prefill_addr_127.0.0.1:42111") == (
-        "cmpl-___prefill_addr_127.0.0.1:42111")
+        "cmpl-___prefill_addr_127.0.0.1:42111"
+    )
     # 1 and 1.0, True and 1 are different values; floats within a tolerance are equal.
     assert _paths(compare.differences([1, True], [1.0, 1])) == ["[0]", "[1]"]
     assert compare.differences(1.0, 1.0 + 1e-9, FieldRules(float_rel_tol=1e-6)) == []
@@ -108,16 +156,21 @@ def test_known_differences_cover_paths_and_stale_entries_are_reported():
     }
     known = {"a": (("body.y",), "why"), "b": (("body",), "why"), "gone": (("status",), "why")}
     unexpected, stale = compare.split_known(diffs, known)
-    assert unexpected == {"a": [FieldDifference("body.x", 1, 2)],
-                          "c": [FieldDifference("status", 200, 400)]}  # fmt: skip
+    assert unexpected == {
+        "a": [FieldDifference("body.x", 1, 2)],
+        "c": [FieldDifference("status", 200, 400)],
+    }
     assert stale == {"gone": ["<no such case>"], "b": ["body"]}
     report = compare.format_differences(unexpected, "router", "vllm", per_case=1)
     assert report.splitlines() == ["a: body.x: router=1 vllm=2", "c: status: router=200 vllm=400"]
     many = {"d": [FieldDifference(f"p{i}", "x" * 200, ABSENT) for i in range(3)]}
     lines = compare.format_differences(many, per_case=2, width=20).splitlines()
     cut = '"' + "x" * 16 + "..."  # 20 characters
-    assert lines == [f"d: p0: a={cut} b=<absent>", f"d: p1: a={cut} b=<absent>",
-                     "d: ... and 1 more"]  # fmt: skip
+    assert lines == [
+        f"d: p0: a={cut} b=<absent>",
+        f"d: p1: a={cut} b=<absent>",
+        "d: ... and 1 more",
+    ]
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -134,15 +187,22 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, raw):
         flavour = self.server.flavour
         if self.path == "/stream":
-            chunks = [{"id": f"cmpl-{flavour}0000000{i}", "choices": [{"index": 0, "text": t}]}
-                      for i, t in enumerate("ab")]  # fmt: skip
+            chunks = [
+                {"id": f"cmpl-{flavour}0000000{i}", "choices": [{"index": 0, "text": t}]}
+                for i, t in enumerate("ab")
+            ]
             payload = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
             if flavour == "a":
                 payload += "data: [DONE]\n\n"
             return self._send(200, payload.encode(), "text/event-stream")
-        body = {"path": self.path, "method": self.command, "got": raw.decode() if raw else None,
-                "content_type": self.headers.get("Content-Type"),
-                "id": f"cmpl-{flavour}00000000", "created": 1 if flavour == "a" else 2}  # fmt: skip
+        body = {
+            "path": self.path,
+            "method": self.command,
+            "got": raw.decode() if raw else None,
+            "content_type": self.headers.get("Content-Type"),
+            "id": f"cmpl-{flavour}00000000",
+            "created": 1 if flavour == "a" else 2,
+        }
         self._send(200, json.dumps(body).encode(), "application/json")
 
     def _send(self, status, payload, content_type):

@@ -23,8 +23,11 @@ async def post(fake: FakeInstance, body: dict) -> tuple[int, bytes]:
 
 
 def events(raw: bytes) -> list:
-    return [json.loads(e.removeprefix(b"data: ")) if e != b"data: [DONE]" else "[DONE]"
-            for e in raw.split(b"\n\n") if e]  # fmt: skip
+    return [
+        json.loads(e.removeprefix(b"data: ")) if e != b"data: [DONE]" else "[DONE]"
+        for e in raw.split(b"\n\n")
+        if e
+    ]
 
 
 async def test_token_stream_answers_max_tokens_streamed_with_usage():
@@ -33,8 +36,13 @@ async def test_token_stream_answers_max_tokens_streamed_with_usage():
     fake.handler = token_stream
     await fake.start()
     try:
-        body = {"prompt": "x", "max_tokens": 3, "stream": True, DELAY_KEY: 5,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "prompt": "x",
+            "max_tokens": 3,
+            "stream": True,
+            DELAY_KEY: 5,
+            "stream_options": {"include_usage": True},
+        }
         started = time.monotonic()
         status, raw = await post(fake, body)
         took = time.monotonic() - started
@@ -75,10 +83,21 @@ async def test_default_answer_is_the_name():
 def test_process_of_its_own_serves_until_stopped():
     port = get_free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_disagg.testing.fake_instance", "--name", "d",
-         "--port", str(port), "--model", "m", "--tokens"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "vllm_disagg.testing.fake_instance",
+            "--name",
+            "d",
+            "--port",
+            str(port),
+            "--model",
+            "m",
+            "--tokens",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -92,8 +111,11 @@ def test_process_of_its_own_serves_until_stopped():
             time.sleep(0.1)
         models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
         assert models["data"] == [{"id": "m"}]
-        answer = requests.post(f"http://127.0.0.1:{port}/v1/completions", timeout=5,
-                               json={"prompt": "x", "max_tokens": 4}).json()  # fmt: skip
+        answer = requests.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=5,
+            json={"prompt": "x", "max_tokens": 4},
+        ).json()
         assert answer["choices"][0]["text"] == " t0 t1 t2 t3"
     finally:
         proc.terminate()

@@ -102,7 +102,14 @@ def test_stream_can_be_closed_early(server):
 
 
 def test_sse_data_skips_everything_but_data_lines():
-    lines = [b"", b": keep-alive", b'data: {"a": 1}', b"event: x", b'data: {"b": 2}', b"data: [DONE]"]
+    lines = [
+        b"",
+        b": keep-alive",
+        b'data: {"a": 1}',
+        b"event: x",
+        b'data: {"b": 2}',
+        b"data: [DONE]",
+    ]
     assert list(openai_client.sse_data(lines)) == [{"a": 1}, {"b": 2}]
 
 

@@ -19,8 +19,9 @@ NOW = 1_800_000_000.0
 
 
 def peer(prefill: str = P, decode: str = D, key: str = "k1") -> PeerInfo:
-    return parse_peer_info("x", {"p2p_prefill_addr": prefill, "p2p_decode_addr": decode,
-                                 "p2p_request_key": key})  # fmt: skip
+    return parse_peer_info(
+        "x", {"p2p_prefill_addr": prefill, "p2p_decode_addr": decode, "p2p_request_key": key}
+    )
 
 
 def test_a_grant_verifies_for_its_peers_and_key_in_any_spelling():

@@ -21,7 +21,9 @@ def test_one_line_per_kind_per_interval_then_the_count_held_back(caplog, monkeyp
         now[0] += 10.0
         assert log.warning("a", "later %s", 2)
     assert [r.getMessage() for r in caplog.records] == [
-        "first 1", "other kind", "later 2 (2 more since the last report)",
+        "first 1",
+        "other kind",
+        "later 2 (2 more since the last report)",
     ]
 
 

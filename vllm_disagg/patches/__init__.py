@@ -28,9 +28,8 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from vllm_disagg.logger import init_logger
-
 from vllm_disagg import envs
+from vllm_disagg.logger import init_logger
 
 logger = init_logger(__name__)
 
@@ -84,8 +83,7 @@ PATCHES: tuple[Patch, ...] = (
         name="cpu-moe-dp-opaque",
         module="vllm_disagg.patches.model_executor.layers.fused_moe.runner.moe_runner",
         upstream=(
-            "vllm.model_executor.layers.fused_moe.runner.moe_runner."
-            "MoERunner._select_forward"
+            "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._select_forward"
         ),
         kind="enabler",
         why=(
@@ -108,18 +106,18 @@ PATCHES: tuple[Patch, ...] = (
         why=(
             "`vllm serve --data-parallel-backend ray` counts each Ray node's "
             "devices under the platform's Ray device key when it creates the "
-            "DP placement groups; CpuPlatform inherits \"\" (only CUDA, ROCm "
-            "and XPU set \"GPU\"), so on CPU it stops with \"No  found in "
-            "Ray cluster\"."
+            'DP placement groups; CpuPlatform inherits "" (only CUDA, ROCm '
+            'and XPU set "GPU"), so on CPU it stops with "No  found in '
+            'Ray cluster".'
         ),
         how=(
-            "Sets CpuPlatform.ray_device_key to \"CPU\": each DP rank's "
-            "placement group is world_size {\"CPU\": 1} bundles plus one for "
+            'Sets CpuPlatform.ray_device_key to "CPU": each DP rank\'s '
+            'placement group is world_size {"CPU": 1} bundles plus one for '
             "the engine actor, so the local Ray cluster needs "
             "dp_size * (world_size + 1) logical CPUs; on a small machine set "
             "RAY_OVERRIDE_RESOURCES='{\"CPU\": 8}' (Ray counts them "
             "logically). Each DP rank's workers must use the mp executor: "
-            "Ray's asks Ray for resources={\"CPU\": 1}, which Ray refuses. "
+            'Ray\'s asks Ray for resources={"CPU": 1}, which Ray refuses. '
             "Upstream defaults the executor to ray for the Ray DP backend; "
             "startup-validation turns that default into mp, as the CPU "
             "platform already turns its default uni into mp (the user asked "
@@ -142,7 +140,7 @@ PATCHES: tuple[Patch, ...] = (
             "for each request whose sampled token is discarded (a partial "
             "prefill chunk, discard_request_mask) _bookkeeping_sync rewinds "
             "it with gen.set_offset(gen.get_offset() - 4), which a CPU "
-            "generator refuses (\"CPU Generator does not use offset\"): the "
+            'generator refuses ("CPU Generator does not use offset"): the '
             "first seeded request longer than one chunk kills the engine "
             "(EngineDeadError)."
         ),
@@ -168,7 +166,7 @@ PATCHES: tuple[Patch, ...] = (
             "To form the DP group, DP rank 0 binds a listening socket to the "
             "DP master address to pick the group's port, always as IPv4: with "
             "--data-parallel-address ::1 (any IPv6 address) it fails with "
-            "\"Address family for hostname not supported\" and no DP engine "
+            '"Address family for hostname not supported" and no DP engine '
             "starts."
         ),
         how=(
@@ -210,7 +208,7 @@ PATCHES: tuple[Patch, ...] = (
             "kernel cannot run surface late, deep in an engine process, as "
             "pages of traceback (or as Hugging Face Hub look-ups on an "
             "offline machine). On CPU, Ray's executor cannot start workers "
-            "(Ray refuses resources={\"CPU\": 1}), yet upstream picks it by "
+            '(Ray refuses resources={"CPU": 1}), yet upstream picks it by '
             "default for --data-parallel-backend ray."
         ),
         how=(
@@ -302,9 +300,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="step-sync-clients",
         module="vllm_disagg.patches.v1.engine.core_client",
-        upstream=(
-            "vllm.v1.engine.core_client.SyncMPClient / DPAsyncMPClient / DPLBAsyncMPClient"
-        ),
+        upstream=("vllm.v1.engine.core_client.SyncMPClient / DPAsyncMPClient / DPLBAsyncMPClient"),
         kind="feature",
         why=(
             "The DP clients stamp every request with the current wave and, "
@@ -395,8 +391,7 @@ PATCHES: tuple[Patch, ...] = (
         name="p2p-kv-transfer-json",
         module="vllm_disagg.patches.engine.arg_utils_p2p",
         upstream=(
-            "vllm.engine.arg_utils.EngineArgs.add_cli_args / __post_init__ / "
-            "create_engine_config"
+            "vllm.engine.arg_utils.EngineArgs.add_cli_args / __post_init__ / create_engine_config"
         ),
         kind="feature",
         why=(
@@ -404,8 +399,8 @@ PATCHES: tuple[Patch, ...] = (
             "which puts kv_buffer_size (and the old kv_ip, kv_rank, "
             "kv_parallel_size) at the top level; 0.32's KVTransferConfig forbids "
             "unknown fields and has none of them, so `vllm serve "
-            "--kv-transfer-config '{...\"kv_buffer_size\":\"1e1\"...}'` exits 2 at "
-            "argument parsing with \"kv_buffer_size: Unexpected keyword argument\"."
+            '--kv-transfer-config \'{..."kv_buffer_size":"1e1"...}\'` exits 2 at '
+            'argument parsing with "kv_buffer_size: Unexpected keyword argument".'
         ),
         how=(
             "Wraps add_cli_args: the --kv-transfer-config argparse type (which the "

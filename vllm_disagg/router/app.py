@@ -23,15 +23,12 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from vllm_disagg import envs
-from vllm_disagg.wire.logs import RateLimitedLog
-from vllm_disagg.wire.peers import format_addr, is_loopback
 from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.client_limits import ClientLimits, limited_protocol
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import DiscoveryServer
 from vllm_disagg.router.metrics import CONTENT_TYPE, RouterMetrics
 from vllm_disagg.router.policy import Policies
-from vllm_disagg.wire.discovery import Role
 from vllm_disagg.router.proxy import (
     JSON,
     VALIDATION_ERROR_TYPE,
@@ -40,6 +37,9 @@ from vllm_disagg.router.proxy import (
     error_json,
 )
 from vllm_disagg.router.registry import InstanceRegistry
+from vllm_disagg.wire.discovery import Role
+from vllm_disagg.wire.logs import RateLimitedLog
+from vllm_disagg.wire.peers import format_addr, is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +89,18 @@ def _json(payload: object, status: int = 200) -> Response:
     return Response(msgspec.json.encode(payload), status=status, content_type=JSON)
 
 
-def _error(status: int, message: str, param: str | None = None,
-           error_type: str | None = None) -> Response:  # fmt: skip
-    return Response(error_json(status, message, param, error_type), status=status,
-                    content_type=JSON)  # fmt: skip
+def _error(
+    status: int, message: str, param: str | None = None, error_type: str | None = None
+) -> Response:
+    return Response(
+        error_json(status, message, param, error_type), status=status, content_type=JSON
+    )
 
 
 def _response(reply: Reply) -> Response:
-    return Response(reply.body, status=reply.status, content_type=reply.content_type,
-                    headers=reply.headers)  # fmt: skip
+    return Response(
+        reply.body, status=reply.status, content_type=reply.content_type, headers=reply.headers
+    )
 
 
 # vLLM's answer to a body that is not JSON (its validate_json_request
@@ -132,7 +135,10 @@ def create_app(
     registry = build_registry(config) if registry is None else registry
     policies = Policies.from_config(config) if policies is None else policies
     discovery = DiscoveryServer(
-        registry, host=config.discovery_host, port=config.discovery_port, token=config.token,
+        registry,
+        host=config.discovery_host,
+        port=config.discovery_port,
+        token=config.token,
         allow_remote_unsigned=config.insecure_discovery,
     )
     metrics = RouterMetrics(registry, discovery)
@@ -154,10 +160,13 @@ def create_app(
         await proxy.start()
         state.ready.set()
         logger.info(
-            "router: HTTP on http://%s discovery on %s (handoff %s, policies prefill=%s "
-            "decode=%s)", format_addr(config.host, state.http_port), discovery.endpoint,
-            config.handoff, config.policy_prefill, config.policy_decode,
-        )  # fmt: skip
+            "router: HTTP on http://%s discovery on %s (handoff %s, policies prefill=%s decode=%s)",
+            format_addr(config.host, state.http_port),
+            discovery.endpoint,
+            config.handoff,
+            config.policy_prefill,
+            config.policy_decode,
+        )
         if config.token is None:
             logger.warning(
                 "router: no registration token (--registration-token or %s): registrations "
@@ -209,8 +218,7 @@ def create_app(
         body, _ = _decode_body(raw)
         if not isinstance(body, dict):
             metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
-            return _error(400, "request body must be a JSON object", "body",
-                          VALIDATION_ERROR_TYPE)  # fmt: skip
+            return _error(400, "request body must be a JSON object", "body", VALIDATION_ERROR_TYPE)
         return _response(await proxy.relay(endpoint, "POST", request.path, body))
 
     @app.post("/tokenize")
@@ -230,8 +238,10 @@ def create_app(
         prefill = len(registry.healthy(Role.PREFILL))
         decode = len(registry.healthy(Role.DECODE))
         ready = prefill > 0 and decode > 0
-        return _json({"status": "ready" if ready else "unavailable",
-                      "prefill": prefill, "decode": decode}, 200 if ready else 503)  # fmt: skip
+        return _json(
+            {"status": "ready" if ready else "unavailable", "prefill": prefill, "decode": decode},
+            200 if ready else 503,
+        )
 
     @app.get("/instances")
     async def instances() -> Response:
@@ -256,8 +266,9 @@ def create_app(
         # A bug, but one a client may be able to trigger at will: counted,
         # and its traceback logged at most once per interval.
         metrics.requests.labels(request.path, outcomes.ROUTER_ERROR).inc()
-        unexpected_log.warning("unexpected", "router: unexpected error on %s",
-                               request.path, exc_info=error)  # fmt: skip
+        unexpected_log.warning(
+            "unexpected", "router: unexpected error on %s", request.path, exc_info=error
+        )
         return _error(500, f"router error: {type(error).__name__}")
 
     return app
@@ -293,8 +304,10 @@ def ensure_file_descriptors(max_connections: int) -> None:
         logger.warning(
             "router: the file-descriptor limit (%d) is below what --max-connections %d "
             "needs (%d): lower --max-connections or raise the limit (ulimit -n)",
-            soft, max_connections, needed,
-        )  # fmt: skip
+            soft,
+            max_connections,
+            needed,
+        )
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -337,11 +350,15 @@ async def _serve_uvicorn(
 
     state = router_state(app)
     config = uvicorn.Config(
-        app, lifespan="off", log_config=None, access_log=False,
+        app,
+        lifespan="off",
+        log_config=None,
+        access_log=False,
         http=limited_protocol(client_limits(state)),
-        timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
         backlog=1024,
-    )  # fmt: skip
+    )
     server = uvicorn.Server(config)
 
     async def stop_on_trigger() -> None:

@@ -53,9 +53,14 @@ WRITE_TIMEOUT = "write_timeout"
 INVALID_HTTP = "invalid_http"  # the parser refused the bytes (uvicorn answers 400)
 TOO_MANY_PIPELINED = "too_many_pipelined"
 REASONS = (
-    TOO_MANY_CONNECTIONS, HEADERS_TOO_LARGE, HEADER_TIMEOUT, BODY_TIMEOUT, WRITE_TIMEOUT,
-    INVALID_HTTP, TOO_MANY_PIPELINED,
-)  # fmt: skip
+    TOO_MANY_CONNECTIONS,
+    HEADERS_TOO_LARGE,
+    HEADER_TIMEOUT,
+    BODY_TIMEOUT,
+    WRITE_TIMEOUT,
+    INVALID_HTTP,
+    TOO_MANY_PIPELINED,
+)
 MAX_PIPELINED = 16
 
 
@@ -74,19 +79,24 @@ def _plain_response(status: HTTPStatus, message: str) -> bytes:
     body = error_json(status.value, message, error_type=status.phrase)
     return (
         f"HTTP/1.1 {status.value} {status.phrase}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+        + body
     )
 
 
 _TOO_MANY = _plain_response(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections")
-_TOO_LARGE = _plain_response(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
-                             "request headers too large")  # fmt: skip
+_TOO_LARGE = _plain_response(
+    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request headers too large"
+)
 
 
 # What uvicorn logs once per broken request, at WARNING, on "uvicorn.error".
-UVICORN_PER_REQUEST_WARNINGS = frozenset({
-    "Invalid HTTP request received.", "Unsupported upgrade request.",
-})  # fmt: skip
+UVICORN_PER_REQUEST_WARNINGS = frozenset(
+    {
+        "Invalid HTTP request received.",
+        "Unsupported upgrade request.",
+    }
+)
 
 
 class _RateLimitUvicornWarnings(logging.Filter):
@@ -101,8 +111,11 @@ class _RateLimitUvicornWarnings(logging.Filter):
         message = record.getMessage()
         if message not in UVICORN_PER_REQUEST_WARNINGS:
             return True
-        self._log.warning(message, "uvicorn: %s (every one is counted in "
-                          "client_connections_closed_total)", message)  # fmt: skip
+        self._log.warning(
+            message,
+            "uvicorn: %s (every one is counted in client_connections_closed_total)",
+            message,
+        )
         return False
 
 
@@ -280,8 +293,12 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
                 timer.cancel()
 
         def _cancel_timers(self) -> None:
-            for timer in (self._head_timer, self._body_timer, self._body_deadline,
-                          self._write_timer):  # fmt: skip
+            for timer in (
+                self._head_timer,
+                self._body_timer,
+                self._body_deadline,
+                self._write_timer,
+            ):
                 self._cancel(timer)
             self._head_timer = self._body_timer = self._body_deadline = self._write_timer = None
 

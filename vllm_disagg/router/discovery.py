@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from vllm_disagg import envs
-from vllm_disagg.wire.peers import format_addr, is_loopback, source_host
+from vllm_disagg.router.registry import InstanceRegistry, RegistryRefused
 from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
     MAX_FRAME_BYTES,
@@ -34,16 +34,22 @@ from vllm_disagg.wire.discovery import (
     open_frame,
     seal,
 )
-from vllm_disagg.router.registry import InstanceRegistry, RegistryRefused
 from vllm_disagg.wire.frames import MAC_BYTES, harden_listener
 from vllm_disagg.wire.logs import RateLimitedLog
+from vllm_disagg.wire.peers import format_addr, is_loopback, source_host
 
 logger = logging.getLogger(__name__)
 
 REJECTION_KINDS = (
-    "malformed", "oversized", "unauthenticated", "stale", "version", "replayed", "full",
+    "malformed",
+    "oversized",
+    "unauthenticated",
+    "stale",
+    "version",
+    "replayed",
+    "full",
     "conflict",
-)  # fmt: skip
+)
 # A peer sending a larger frame is disconnected by ZMQ before it is buffered;
 # up to this size a frame reaches open_frame and is counted as "oversized".
 MAX_ZMQ_FRAME_BYTES = 2 * MAX_FRAME_BYTES + MAC_BYTES
@@ -103,9 +109,11 @@ class DiscoveryServer:
         self._socket = sock
         self._task = asyncio.create_task(self._serve(), name="router-discovery")
         if self._token is None:
-            logger.warning("discovery on %s accepts unsigned registrations: set %s or "
-                           "--registration-token", self.endpoint,
-                           envs.VLLM_DISAGG_ROUTER_TOKEN)  # fmt: skip
+            logger.warning(
+                "discovery on %s accepts unsigned registrations: set %s or --registration-token",
+                self.endpoint,
+                envs.VLLM_DISAGG_ROUTER_TOKEN,
+            )
 
     async def close(self) -> None:
         if self._task is not None:
@@ -137,10 +145,17 @@ class DiscoveryServer:
         """One message (the frames after the sender's identity) -> the Ack
         frames; ``source``: the IP it came from, when known."""
         try:
-            if (self._token is None and not self.allow_remote_unsigned
-                    and source is not None and not is_loopback(source)):  # fmt: skip
-                raise DiscoveryError("unauthenticated", "unsigned registrations are accepted "
-                                     "from loopback only (set a registration token)")
+            if (
+                self._token is None
+                and not self.allow_remote_unsigned
+                and source is not None
+                and not is_loopback(source)
+            ):
+                raise DiscoveryError(
+                    "unauthenticated",
+                    "unsigned registrations are accepted "
+                    "from loopback only (set a registration token)",
+                )
             msg = open_frame(self._token, frames, now=self._wall_clock())
             if not isinstance(msg, Register | Deregister):
                 raise DiscoveryError("malformed", f"unexpected {type(msg).__name__}")
@@ -155,8 +170,15 @@ class DiscoveryServer:
             except RegistryRefused as e:
                 self.rejected[e.kind] += 1
                 self._log.warning(e.kind, "discovery: refused %s: %s", msg.instance_id, e)
-                return seal(self._token, Ack(DISCOVERY_VERSION, msg.instance_id, False,
-                                             f"{e.kind}: {e}"[:MAX_REASON_CHARS]))  # fmt: skip
+                return seal(
+                    self._token,
+                    Ack(
+                        DISCOVERY_VERSION,
+                        msg.instance_id,
+                        False,
+                        f"{e.kind}: {e}"[:MAX_REASON_CHARS],
+                    ),
+                )
             self.accepted["register"] += 1
         else:
             self.registry.deregister(msg.instance_id)

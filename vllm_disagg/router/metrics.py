@@ -41,55 +41,62 @@ class RouterMetrics:
     def __init__(self, registry: InstanceRegistry, discovery: DiscoveryServer) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            f"{PREFIX}_requests", "Requests by endpoint and outcome.",
-            ["endpoint", "outcome"], registry=self.registry,
-        )  # fmt: skip
-        self.prefill_retries = Counter(
-            f"{PREFIX}_prefill_retries", "Prefill attempts repeated on another instance.",
+            f"{PREFIX}_requests",
+            "Requests by endpoint and outcome.",
+            ["endpoint", "outcome"],
             registry=self.registry,
-        )  # fmt: skip
+        )
+        self.prefill_retries = Counter(
+            f"{PREFIX}_prefill_retries",
+            "Prefill attempts repeated on another instance.",
+            registry=self.registry,
+        )
         self.decode_retries = Counter(
             f"{PREFIX}_decode_retries",
             "Requests sent to another decode instance after one refused the connection.",
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.prefill_failures = Counter(
             f"{PREFIX}_prefill_failures",
             "Failed prefill attempts by reason (refused, connect_timeout, timeout, connection, "
             "status, error).",
-            ["reason"], registry=self.registry,
-        )  # fmt: skip
+            ["reason"],
+            registry=self.registry,
+        )
         self.decode_prefill_fallbacks = Counter(
             f"{PREFIX}_decode_prefill_fallbacks",
             "Requests the decode instance prefilled itself (--fallback-to-decode-prefill), "
             "by reason (no_prefill, prefill_failed, prompt_logprobs: vLLM computes such a "
             "prompt where it answers, invalid: vLLM refuses it in validation).",
-            ["reason"], registry=self.registry,
-        )  # fmt: skip
+            ["reason"],
+            registry=self.registry,
+        )
         self.concurrent_prefill_failures = Counter(
             f"{PREFIX}_concurrent_prefill_failures",
             "Concurrent hand-off: prefill failed after decode started (decode recomputes).",
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.client_connections_closed = Counter(
             f"{PREFIX}_client_connections_closed",
             "Client connections the router closed for a bound, by reason "
             "(too_many_connections, headers_too_large, header_timeout, body_timeout, "
             "write_timeout).",
-            ["reason"], registry=self.registry,
-        )  # fmt: skip
+            ["reason"],
+            registry=self.registry,
+        )
         self.health_probes = Counter(
             f"{PREFIX}_health_probes",
             "/health probes of instances that timed out a request, by result (failed: "
             "counted toward the instance's circuit breaker).",
-            ["result"], registry=self.registry,
-        )  # fmt: skip
+            ["result"],
+            registry=self.registry,
+        )
         self.added_latency = Histogram(
             f"{PREFIX}_added_latency_seconds",
             "Time to the client's first byte minus time spent waiting on instances.",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.registry.register(_StateCollector(registry, discovery))
 
     def render(self) -> bytes:
@@ -117,13 +124,15 @@ class _StateCollector(Collector):
             removals.add_metric([reason], count)
         yield removals
         yield CounterMetricFamily(
-            f"{PREFIX}_breaker_opens", "Circuit breakers opened.",
+            f"{PREFIX}_breaker_opens",
+            "Circuit breakers opened.",
             value=self._registry.breaker_opens,
-        )  # fmt: skip
+        )
         accepted = CounterMetricFamily(
-            f"{PREFIX}_discovery_accepted", "Discovery messages accepted, by type.",
+            f"{PREFIX}_discovery_accepted",
+            "Discovery messages accepted, by type.",
             labels=["type"],
-        )  # fmt: skip
+        )
         for kind, count in sorted(self._discovery.accepted.items()):
             accepted.add_metric([kind], count)
         yield accepted

@@ -70,9 +70,11 @@ def render_prompt(body: Mapping[str, Any], limit: int | None = None) -> str:
                 parts.append(render_value(message, limit))
             else:
                 rest = {k: v for k, v in message.items() if k not in ("role", "content")}
-                parts.append(f"{render_value(message.get('role'), limit)}\x1f"
-                             f"{render_value(message.get('content'), limit)}"
-                             f"{render_value(rest, limit) if rest else ''}")  # fmt: skip
+                parts.append(
+                    f"{render_value(message.get('role'), limit)}\x1f"
+                    f"{render_value(message.get('content'), limit)}"
+                    f"{render_value(rest, limit) if rest else ''}"
+                )
             size += len(parts[-1])
         return "\x1e".join(parts)[:limit]
     prompt = body.get("prompt")
@@ -90,8 +92,9 @@ def _prompt_text(prompt: Any, limit: int | None) -> str:
     if isinstance(prompt, list):
         # Every id renders to at least one character: ``limit`` ids suffice.
         ids = prompt if limit is None else prompt[:limit]
-        return ",".join(str(i) if isinstance(i, int) else render_value(i, limit)
-                        for i in ids)[:limit]  # fmt: skip
+        return ",".join(str(i) if isinstance(i, int) else render_value(i, limit) for i in ids)[
+            :limit
+        ]
     return "" if prompt is None else render_value(prompt, limit)
 
 
@@ -148,8 +151,11 @@ def render_value(value: Any, limit: int | None = None) -> str:
                 emit(opener)
                 stack.append([_children(item), closer, 0])
         else:
-            emit(str(item) if isinstance(item, int | float | bool) or item is None else
-                 type(item).__name__)  # fmt: skip
+            emit(
+                str(item)
+                if isinstance(item, int | float | bool) or item is None
+                else type(item).__name__
+            )
         item = _NEXT
     return "".join(out)
 
@@ -266,8 +272,11 @@ class Policies:
 
 def make_policy(name: str, config: RouterConfig) -> Policy:
     if name == PrefixAwarePolicy.name:
-        return PrefixAwarePolicy(config.prefix_index_max_entries, config.prefix_chunk_chars,
-                                 config.prefix_balance_threshold)  # fmt: skip
+        return PrefixAwarePolicy(
+            config.prefix_index_max_entries,
+            config.prefix_chunk_chars,
+            config.prefix_balance_threshold,
+        )
     simple = {p.name: p for p in (RoundRobinPolicy, LeastOutstandingPolicy)}
     if name not in simple:
         raise ValueError(f"unknown policy {name!r}; one of {', '.join(simple)}, prefix_aware")

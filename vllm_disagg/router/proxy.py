@@ -57,11 +57,26 @@ MODELS_CACHE_ENTRIES = 256
 EXPIRY_SWEEP_S = 1.0  # how often silent instances are looked for without traffic
 # Headers of the client's request that are not passed on: hop-by-hop ones,
 # those the router sets itself, and Quart's Remote-Addr.
-_NOT_FORWARDED = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-    "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-    "content-type", "accept-encoding", "expect", "x-request-id", "remote-addr",
-})  # fmt: skip
+_NOT_FORWARDED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-type",
+        "accept-encoding",
+        "expect",
+        "x-request-id",
+        "remote-addr",
+    }
+)
 # Body fields a prefill-only pass must not see: it is not streamed, produces
 # exactly one token, and must neither stop nor fail on the client's
 # generation options. What stays is validated by P exactly as D would
@@ -70,9 +85,15 @@ _NOT_FORWARDED = frozenset({
 # (min_tokens, and invalid values of the dropped fields) sends the request to
 # the decode alone (validation.decode_alone_reason).
 _PREFILL_DROPPED = (
-    "stream_options", "stop", "stop_token_ids", "min_tokens", "include_stop_str_in_output",
-    "best_of", "use_beam_search", "prompt_logprobs",
-)  # fmt: skip
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "best_of",
+    "use_beam_search",
+    "prompt_logprobs",
+)
 
 
 _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
@@ -103,10 +124,14 @@ class Reply:
 # vLLM's names for its own errors (entrypoints/serve/exception_handling), and
 # the same style for the gateway errors only a router has.
 ERROR_TYPES = {
-    400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
-    500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError",
+    400: "BadRequestError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
-}  # fmt: skip
+}
 # What vLLM calls a request its FastAPI layer refused (body, content type).
 VALIDATION_ERROR_TYPE = "Bad Request"
 
@@ -127,18 +152,27 @@ def sanitize_message(message: str) -> str:
     return message.strip()
 
 
-def error_json(status: int, message: str, param: str | None = None,
-               error_type: str | None = None) -> bytes:  # fmt: skip
+def error_json(
+    status: int, message: str, param: str | None = None, error_type: str | None = None
+) -> bytes:
     """vLLM's ErrorResponse: ``{"error": {message, type, param, code}}``,
     the message sanitized as vLLM sanitizes its own."""
     error_type = error_type or ERROR_TYPES.get(status, "InternalServerError")
-    return msgspec.json.encode({"error": {
-        "message": sanitize_message(message), "type": error_type, "param": param, "code": status,
-    }})  # fmt: skip
+    return msgspec.json.encode(
+        {
+            "error": {
+                "message": sanitize_message(message),
+                "type": error_type,
+                "param": param,
+                "code": status,
+            }
+        }
+    )
 
 
-def error_reply(status: int, message: str, param: str | None = None,
-                error_type: str | None = None) -> Reply:  # fmt: skip
+def error_reply(
+    status: int, message: str, param: str | None = None, error_type: str | None = None
+) -> Reply:
     return Reply(status, JSON, error_json(status, message, param, error_type))
 
 
@@ -181,7 +215,10 @@ def decode_body(body: Mapping[str, Any], peers: dict[str, str] | None) -> dict[s
 def _out_of_descriptors(error: BaseException) -> bool:
     os_error = error.os_error if isinstance(error, aiohttp.ClientConnectorError) else error
     return isinstance(os_error, OSError) and os_error.errno in (
-        errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM,
+        errno.EMFILE,
+        errno.ENFILE,
+        errno.ENOBUFS,
+        errno.ENOMEM,
     )
 
 
@@ -311,10 +348,12 @@ class RequestProxy:
         self, endpoint: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
     ) -> Reply:
         ex = _Exchange(
-            endpoint, path, body,
+            endpoint,
+            path,
+            body,
             {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED},
             deadline=time.monotonic() + self.config.request_timeout_s,
-        )  # fmt: skip
+        )
         client_id = client_request_id(headers.get("X-Request-Id"))
         if client_id is not None:
             ex.request_id = client_id
@@ -334,8 +373,9 @@ class RequestProxy:
         elapsed = time.monotonic() - ex.started
         self.metrics.added_latency.observe(max(0.0, elapsed - ex.upstream_s))
 
-    def _error(self, ex: _Exchange, outcome: str, status: int, message: str,
-               param: str | None = None) -> Reply:  # fmt: skip
+    def _error(
+        self, ex: _Exchange, outcome: str, status: int, message: str, param: str | None = None
+    ) -> Reply:
         self.count(ex, outcome)
         return error_reply(status, message, param)
 
@@ -344,19 +384,25 @@ class RequestProxy:
         model = ex.model
         if model is None or not len(self.registry) or self.registry.serves_model(model):
             return None
-        return self._error(ex, outcomes.NO_INSTANCE, 404,
-                           f"The model `{model}` does not exist. Valid aliases: "
-                           f"{', '.join(self.registry.model_names())}.", "model")  # fmt: skip
+        return self._error(
+            ex,
+            outcomes.NO_INSTANCE,
+            404,
+            f"The model `{model}` does not exist. Valid aliases: "
+            f"{', '.join(self.registry.model_names())}.",
+            "model",
+        )
 
     def _pick(
-        self, side: Role, ex: _Exchange, exclude: set[str] = frozenset(),
+        self,
+        side: Role,
+        ex: _Exchange,
+        exclude: set[str] = frozenset(),
         model: str | None = None,
     ) -> Instance | None:
         """An instance of ``side`` serving ``model`` (default: the request's)."""
         model = ex.model if model is None else model
-        candidates = [
-            i for i in self.registry.healthy(side, model) if i.instance_id not in exclude
-        ]
+        candidates = [i for i in self.registry.healthy(side, model) if i.instance_id not in exclude]
         if not candidates:
             return None
         policy = self.policies.prefill if side is Role.PREFILL else self.policies.decode
@@ -369,13 +415,18 @@ class RequestProxy:
         if model is None and len(self.registry.models()) > 1:
             # vllm serve takes a request without `model` for its one model;
             # with several, any choice could answer with the wrong one.
-            return self._error(ex, outcomes.BAD_REQUEST, 400,
-                               "`model` is required: this router serves "
-                               f"{', '.join(self.registry.models())}", "model")  # fmt: skip
+            return self._error(
+                ex,
+                outcomes.BAD_REQUEST,
+                400,
+                f"`model` is required: this router serves {', '.join(self.registry.models())}",
+                "model",
+            )
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
-            return self._error(ex, outcomes.NO_INSTANCE, 503,
-                               "no healthy decode instance is registered")
+            return self._error(
+                ex, outcomes.NO_INSTANCE, 503, "no healthy decode instance is registered"
+            )
         alone = decode_alone_reason(ex.body)
         if alone is not None:
             self.registry.begin(decode)
@@ -397,8 +448,9 @@ class RequestProxy:
             if not ex.decode_sent:
                 self.registry.finish(decode, None)
 
-    async def _decode_elsewhere(self, ex: _Exchange, refused_by: Instance,
-                                refused: _DecodeRefused) -> Reply:  # fmt: skip
+    async def _decode_elsewhere(
+        self, ex: _Exchange, refused_by: Instance, refused: _DecodeRefused
+    ) -> Reply:
         """D refused the connection before a byte reached the client: try
         other decodes of its model. They prefill themselves (the KV went to
         the one that refused), so the answer costs a recompute, not a 502."""
@@ -422,25 +474,33 @@ class RequestProxy:
         """A request with no prefill leg (``/tokenize``, ``/detokenize``,
         ``/version``): one healthy decode of the request's model answers it,
         relayed as it is."""
-        ex = _Exchange(endpoint, path, body or {}, {},
-                       deadline=time.monotonic() + self.config.request_timeout_s)  # fmt: skip
+        ex = _Exchange(
+            endpoint,
+            path,
+            body or {},
+            {},
+            deadline=time.monotonic() + self.config.request_timeout_s,
+        )
         if (unknown := self._unknown_model(ex)) is not None:
             return unknown
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
-            return self._error(ex, outcomes.NO_INSTANCE, 503,
-                               "no healthy decode instance is registered")
+            return self._error(
+                ex, outcomes.NO_INSTANCE, 503, "no healthy decode instance is registered"
+            )
         data = None if body is None else msgspec.json.encode(body)
         headers = {"Content-Type": JSON} if body is not None else {}
         try:
             async with asyncio.timeout(min(self.config.connect_timeout_s + 30.0, ex.remaining())):
-                async with self.session.request(method, f"http://{decode.http_addr}{path}",
-                                                data=data, headers=headers) as resp:  # fmt: skip
+                async with self.session.request(
+                    method, f"http://{decode.http_addr}{path}", data=data, headers=headers
+                ) as resp:
                     payload = await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             reason, _ = self._failed(decode, e)
-            return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
-                               f"the decode instance failed ({reason})")
+            return self._error(
+                ex, outcomes.UPSTREAM_ERROR, 502, f"the decode instance failed ({reason})"
+            )
         self.count(ex, outcomes.OK if resp.status < 400 else outcomes.UPSTREAM_CLIENT_ERROR)
         return Reply(resp.status, _content_type(resp), payload)
 
@@ -449,15 +509,17 @@ class RequestProxy:
         ``vllm serve`` refuses it (FastAPI's validation error names the
         position), before any compute; None when no decode can say (then
         the router answers itself). Only a 4xx is relayed."""
-        ex = _Exchange(endpoint, path, {}, {},
-                       deadline=time.monotonic() + self.config.connect_timeout_s + 5.0)  # fmt: skip
+        ex = _Exchange(
+            endpoint, path, {}, {}, deadline=time.monotonic() + self.config.connect_timeout_s + 5.0
+        )
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
             return None
         try:
             async with asyncio.timeout(ex.remaining()):
-                async with self.session.post(f"http://{decode.http_addr}{path}", data=raw,
-                                             headers={"Content-Type": JSON}) as resp:  # fmt: skip
+                async with self.session.post(
+                    f"http://{decode.http_addr}{path}", data=raw, headers={"Content-Type": JSON}
+                ) as resp:
                     payload = await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             self._failed(decode, e)
@@ -501,8 +563,9 @@ class RequestProxy:
         headers = {"Authorization": authorization} if authorization else {}
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
-                async with self.session.get(f"http://{instance.http_addr}/v1/models",
-                                            headers=headers) as resp:  # fmt: skip
+                async with self.session.get(
+                    f"http://{instance.http_addr}/v1/models", headers=headers
+                ) as resp:
                     payload = await resp.read()
             if resp.status in (401, 403):
                 return Reply(resp.status, _content_type(resp), payload)
@@ -514,8 +577,9 @@ class RequestProxy:
             pass
         if not entries:
             created = int(time.time())
-            entries = [{"id": n, "object": "model", "created": created, "owned_by": "vllm"}
-                       for n in names]  # fmt: skip
+            entries = [
+                {"id": n, "object": "model", "created": created, "owned_by": "vllm"} for n in names
+            ]
         else:
             if len(self._models_cache) >= MODELS_CACHE_ENTRIES:
                 self._models_cache.clear()  # many clients' keys: start over
@@ -543,8 +607,9 @@ class RequestProxy:
                 self.count(ex, result.outcome)
                 return result.reply
             failures.append(result.reason)
-            self.limited_log.warning("prefill-failed", "prefill on %s failed: %s",
-                                     prefill.http_addr, result.reason)  # fmt: skip
+            self.limited_log.warning(
+                "prefill-failed", "prefill on %s failed: %s", prefill.http_addr, result.reason
+            )
         return await self._without_prefill(ex, decode, failures)
 
     async def _concurrent(self, ex: _Exchange, decode: Instance) -> Reply:
@@ -561,8 +626,10 @@ class RequestProxy:
             self.limited_log.warning(
                 "concurrent-prefill",
                 "prefill on %s failed (%s) after decode on %s started: decode recomputes",
-                prefill.http_addr, result.reason, decode.http_addr,
-            )  # fmt: skip
+                prefill.http_addr,
+                result.reason,
+                decode.http_addr,
+            )
 
     async def _without_prefill(self, ex: _Exchange, decode: Instance, failures: list[str]) -> Reply:
         """No P could take the request: D prefills itself if allowed, else an error."""
@@ -570,23 +637,31 @@ class RequestProxy:
         if self.config.fallback_to_decode_prefill:
             self.metrics.decode_prefill_fallbacks.labels(reason).inc()
             self.limited_log.warning(
-                "fallback", "%s: %s prefills the request itself (%s)", reason,
-                decode.http_addr, "; ".join(failures) or "no prefill instance",
-            )  # fmt: skip
+                "fallback",
+                "%s: %s prefills the request itself (%s)",
+                reason,
+                decode.http_addr,
+                "; ".join(failures) or "no prefill instance",
+            )
             return await self._decode(ex, decode, None)
         if failures:
-            return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
-                               f"prefill failed on {len(failures)} instance(s): "
-                               + "; ".join(failures))
-        return self._error(ex, outcomes.NO_INSTANCE, 503,
-                           "no healthy prefill instance is registered")
+            return self._error(
+                ex,
+                outcomes.UPSTREAM_ERROR,
+                502,
+                f"prefill failed on {len(failures)} instance(s): " + "; ".join(failures),
+            )
+        return self._error(
+            ex, outcomes.NO_INSTANCE, 503, "no healthy prefill instance is registered"
+        )
 
     # --- legs --------------------------------------------------------------
 
     def _post(self, ex: _Exchange, instance: Instance, body: dict, request_id: str):
         headers = {**ex.headers, "Content-Type": JSON, "X-Request-Id": request_id}
-        return self.session.post(f"http://{instance.http_addr}{ex.path}",
-                                 data=msgspec.json.encode(body), headers=headers)  # fmt: skip
+        return self.session.post(
+            f"http://{instance.http_addr}{ex.path}", data=msgspec.json.encode(body), headers=headers
+        )
 
     def _failed(self, instance: Instance, error: BaseException) -> tuple[str, bool | None]:
         """Why a call to ``instance`` failed, and what that says about the
@@ -596,9 +671,13 @@ class RequestProxy:
             self.registry.mark_unreachable(instance.http_addr)
             return "refused", False
         if _out_of_descriptors(error):  # the router's own shortage, not the instance's
-            self.limited_log.warning("descriptors", "router: out of file descriptors or "
-                                     "buffers (%s); lower --max-connections or raise the "
-                                     "limit", error)  # fmt: skip
+            self.limited_log.warning(
+                "descriptors",
+                "router: out of file descriptors or "
+                "buffers (%s); lower --max-connections or raise the "
+                "limit",
+                error,
+            )
             return "local", None
         if isinstance(error, TimeoutError):  # aiohttp's ConnectionTimeoutError is one
             self.suspect(instance)
@@ -635,9 +714,12 @@ class RequestProxy:
             self._probing.discard(instance.instance_id)
         self.metrics.health_probes.labels("ok" if healthy else "failed").inc()
         if not healthy:
-            self.limited_log.warning("probe-failed", "instance %s (%s) timed out a request and "
-                                     "does not answer /health", instance.instance_id,
-                                     instance.http_addr)  # fmt: skip
+            self.limited_log.warning(
+                "probe-failed",
+                "instance %s (%s) timed out a request and does not answer /health",
+                instance.instance_id,
+                instance.http_addr,
+            )
             self.registry.report(instance, False)
 
     async def _sweep_expired(self) -> None:
@@ -695,8 +777,9 @@ class RequestProxy:
             return _PrefillResult(False, elapsed, f"status {resp.status}")
         if resp.status >= 400:  # the request itself is wrong: D would refuse it too
             reply = Reply(resp.status, _content_type(resp), data)
-            return _PrefillResult(False, elapsed, f"status {resp.status}", reply,
-                                  outcomes.UPSTREAM_CLIENT_ERROR)  # fmt: skip
+            return _PrefillResult(
+                False, elapsed, f"status {resp.status}", reply, outcomes.UPSTREAM_CLIENT_ERROR
+            )
         return _PrefillResult(True, elapsed)
 
     def _deadline_reply(self) -> Reply:
@@ -728,8 +811,8 @@ class RequestProxy:
         try:
             async with asyncio.timeout(first_byte_s):
                 resp = await self._post(ex, decode, body, request_id)
-                streamed = ex.stream and resp.status == 200 and (
-                    resp.content_type == "text/event-stream"
+                streamed = (
+                    ex.stream and resp.status == 200 and (resp.content_type == "text/event-stream")
                 )
                 data = await (resp.content.readany() if streamed else resp.read())
             ex.upstream_s += time.monotonic() - started
@@ -746,19 +829,24 @@ class RequestProxy:
             return Reply(resp.status, _content_type(resp), data, _relayed_headers(resp))
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             reason, ok = self._failed(decode, e)
-            self.limited_log.warning("decode-" + reason, "decode instance %s: %s: %s",
-                                     decode.http_addr, reason, e)  # fmt: skip
+            self.limited_log.warning(
+                "decode-" + reason, "decode instance %s: %s: %s", decode.http_addr, reason, e
+            )
             if reason == "refused":  # nothing was sent: another decode may take it
                 raise _DecodeRefused("the decode instance refused the connection") from None
             if reason != "timeout":
-                return self._error(ex, outcomes.UPSTREAM_ERROR, 502,
-                                   f"the decode instance failed ({reason})")
+                return self._error(
+                    ex, outcomes.UPSTREAM_ERROR, 502, f"the decode instance failed ({reason})"
+                )
             if ex.remaining() <= 0:
                 self.count(ex, outcomes.TIMEOUT)
                 return self._deadline_reply()
-            return self._error(ex, outcomes.TIMEOUT, 504,
-                               "the decode instance sent nothing within "
-                               f"{self.config.first_token_timeout_s:g}s")
+            return self._error(
+                ex,
+                outcomes.TIMEOUT,
+                504,
+                f"the decode instance sent nothing within {self.config.first_token_timeout_s:g}s",
+            )
         finally:
             if not handed_to_stream:  # else it owns D's response and the prefill task
                 self.registry.finish(decode, ok)  # ok None: cancelled, says nothing
@@ -810,16 +898,29 @@ class _RelayStream:
                 chunk = await self._resp.content.readany()
         except TimeoutError:
             if ex.remaining() <= 0:
-                return self._end(outcomes.TIMEOUT, None, 504,
-                                 f"request deadline ({config.request_timeout_s:g}s) exceeded")
+                return self._end(
+                    outcomes.TIMEOUT,
+                    None,
+                    504,
+                    f"request deadline ({config.request_timeout_s:g}s) exceeded",
+                )
             self._proxy.suspect(self._decode)
-            return self._end(outcomes.TIMEOUT, None, 504,
-                             f"the decode instance sent nothing for {config.chunk_timeout_s:g}s")
+            return self._end(
+                outcomes.TIMEOUT,
+                None,
+                504,
+                f"the decode instance sent nothing for {config.chunk_timeout_s:g}s",
+            )
         except (aiohttp.ClientError, OSError) as e:
-            self._proxy.limited_log.warning("stream-broken", "decode instance %s broke the "
-                                            "stream: %s", self._decode.http_addr, e)  # fmt: skip
-            return self._end(outcomes.UPSTREAM_ERROR, False, 502,
-                             "the decode instance broke the stream")
+            self._proxy.limited_log.warning(
+                "stream-broken",
+                "decode instance %s broke the stream: %s",
+                self._decode.http_addr,
+                e,
+            )
+            return self._end(
+                outcomes.UPSTREAM_ERROR, False, 502, "the decode instance broke the stream"
+            )
         if not chunk:
             self._close(outcomes.OK, True)
             raise StopAsyncIteration

@@ -76,9 +76,7 @@ class Instance:
 
     def answers_to(self, model: str | None) -> bool:
         """Whether a request for ``model`` (None: any) may go here."""
-        return model is None or self.model is None or model == self.model or (
-            model in self.aliases
-        )
+        return model is None or self.model is None or model == self.model or (model in self.aliases)
 
 
 class RegistryRefused(RuntimeError):
@@ -140,31 +138,42 @@ class InstanceRegistry:
         ):
             # An incarnation keeps its addresses and names: another frame
             # under its id that changes them is not from it.
-            raise RegistryRefused("stale", f"{msg.instance_id}: registered with other "
-                                  "addresses or names")  # fmt: skip
+            raise RegistryRefused(
+                "stale", f"{msg.instance_id}: registered with other addresses or names"
+            )
         if known is None and (name := self._name_conflict(msg)) is not None:
-            raise RegistryRefused("conflict", f"{msg.instance_id}: the name {name!r} already "
-                                  "names another model")  # fmt: skip
+            raise RegistryRefused(
+                "conflict", f"{msg.instance_id}: the name {name!r} already names another model"
+            )
         if known is not None and msg.seq < known.seq:
-            raise RegistryRefused("replayed", f"{msg.instance_id}: heartbeat {msg.seq} after "
-                                  f"{known.seq}")  # fmt: skip
+            raise RegistryRefused(
+                "replayed", f"{msg.instance_id}: heartbeat {msg.seq} after {known.seq}"
+            )
         until = self._retired.get(msg.instance_id)
         if known is None and until is not None and now < until:
-            raise RegistryRefused("stale", f"{msg.instance_id} was replaced by a newer "
-                                  "incarnation at its address")  # fmt: skip
+            raise RegistryRefused(
+                "stale", f"{msg.instance_id} was replaced by a newer incarnation at its address"
+            )
         # An address belongs to one instance: a newer incarnation (a later
         # sender clock) takes it over; an older one (a replayed frame) may not.
         others = [
             self._instances[i]
-            for i in sorted({
-                i for index, addr in ((self._by_http, msg.http_addr), (self._by_kv, msg.kv_addr))
-                for i in index.get(addr, ())
-            } - {msg.instance_id})
-        ]  # fmt: skip
+            for i in sorted(
+                {
+                    i
+                    for index, addr in ((self._by_http, msg.http_addr), (self._by_kv, msg.kv_addr))
+                    for i in index.get(addr, ())
+                }
+                - {msg.instance_id}
+            )
+        ]
         for other in others:
             if msg.sent_at < other.sent_at:
-                raise RegistryRefused("stale", f"{msg.instance_id}: {other.instance_id} holds "
-                                      "its address with a newer registration")  # fmt: skip
+                raise RegistryRefused(
+                    "stale",
+                    f"{msg.instance_id}: {other.instance_id} holds "
+                    "its address with a newer registration",
+                )
         for other in others:
             self._remove(other, "replaced")
             self._retired[other.instance_id] = now + RETIRED_TTL_S
@@ -180,15 +189,31 @@ class InstanceRegistry:
             known.last_seen, known.expires_after_s = now, expires_after_s
             return False
         instance = self._instances[msg.instance_id] = Instance(
-            msg.instance_id, msg.role, msg.http_addr, msg.kv_addr, msg.model,
-            msg.dp_rank, msg.dp_size, now, now, expires_after_s,
-            aliases=tuple(msg.aliases), seq=msg.seq, sent_at=msg.sent_at,
-        )  # fmt: skip
+            msg.instance_id,
+            msg.role,
+            msg.http_addr,
+            msg.kv_addr,
+            msg.model,
+            msg.dp_rank,
+            msg.dp_size,
+            now,
+            now,
+            expires_after_s,
+            aliases=tuple(msg.aliases),
+            seq=msg.seq,
+            sent_at=msg.sent_at,
+        )
         self._index(instance)
         logger.info(
-            "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d", msg.instance_id,
-            msg.role.value, msg.http_addr, msg.kv_addr, msg.model, msg.dp_rank, msg.dp_size,
-        )  # fmt: skip
+            "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d",
+            msg.instance_id,
+            msg.role.value,
+            msg.http_addr,
+            msg.kv_addr,
+            msg.model,
+            msg.dp_rank,
+            msg.dp_size,
+        )
         return True
 
     def add_static(self, role: Role, http_addr: str, kv_addr: str, model: str | None) -> Instance:
@@ -211,9 +236,10 @@ class InstanceRegistry:
         """Remove the instances whose heartbeats stopped; returns them."""
         now = self.clock()
         gone = [
-            i for i in self._instances.values()
+            i
+            for i in self._instances.values()
             if i.expires_after_s is not None and now - i.last_seen > i.expires_after_s
-        ]  # fmt: skip
+        ]
         for instance in gone:
             self._remove(instance, "expired")
         return gone
@@ -264,8 +290,13 @@ class InstanceRegistry:
         del self._instances[instance.instance_id]
         self._unindex(instance)
         self.removals[reason] += 1
-        logger.info("instance %s (%s %s) removed: %s", instance.instance_id,
-                    instance.role.value, instance.http_addr, reason)  # fmt: skip
+        logger.info(
+            "instance %s (%s %s) removed: %s",
+            instance.instance_id,
+            instance.role.value,
+            instance.http_addr,
+            reason,
+        )
         for callback in self.on_removed:
             callback(instance, reason)
 
@@ -277,9 +308,10 @@ class InstanceRegistry:
         self.expire()
         now = self.clock()
         return [
-            i for i in self._instances.values()
+            i
+            for i in self._instances.values()
             if i.serves(side) and i.answers_to(model) and self._admits(i, now)
-        ]  # fmt: skip
+        ]
 
     def serves_model(self, model: str) -> bool:
         """Whether any registered instance, healthy or not, serves ``model``."""
@@ -332,9 +364,13 @@ class InstanceRegistry:
     def _open(self, instance: Instance, now: float) -> None:
         instance.opened_at = now
         self.breaker_opens += 1
-        logger.warning("instance %s (%s): circuit breaker open for %.1fs after %d failure(s)",
-                       instance.instance_id, instance.http_addr, self.breaker_cooldown_s,
-                       instance.consecutive_failures)  # fmt: skip
+        logger.warning(
+            "instance %s (%s): circuit breaker open for %.1fs after %d failure(s)",
+            instance.instance_id,
+            instance.http_addr,
+            self.breaker_cooldown_s,
+            instance.consecutive_failures,
+        )
 
     # --- introspection -----------------------------------------------------
 

@@ -78,19 +78,23 @@ def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
     limit = lax_int(body[limit_name]) if body.get(limit_name) is not None else None
     low = lax_int(body["min_tokens"]) if body.get("min_tokens") is not None else None
     valid = (
-        limit is not _INVALID and (limit is None or limit >= 1)
-        and low is not _INVALID and (low is None or low >= 0)
+        limit is not _INVALID
+        and (limit is None or limit >= 1)
+        and low is not _INVALID
+        and (low is None or low >= 0)
         and (low is None or limit is None or low <= limit)
         and _optional(body, "stream", lambda v: lax_bool(v) is not _INVALID)
         and _optional(body, "stream_options", lambda v: isinstance(v, dict))
         # vLLM's own test (a "before" validator): the raw values, not coerced.
         and not (body.get("stream_options") and not body.get("stream"))
         and _optional(body, "stop", lambda v: isinstance(v, str) or _is_str_list(v))
-        and _optional(body, "stop_token_ids", lambda v: isinstance(v, list) and all(
-            lax_int(i) is not _INVALID for i in v))
-        and _optional(body, "include_stop_str_in_output",
-                      lambda v: lax_bool(v) is not _INVALID)
+        and _optional(
+            body,
+            "stop_token_ids",
+            lambda v: isinstance(v, list) and all(lax_int(i) is not _INVALID for i in v),
+        )
+        and _optional(body, "include_stop_str_in_output", lambda v: lax_bool(v) is not _INVALID)
         and _optional(body, "best_of", lambda v: lax_int(v) is not _INVALID)
         and _optional(body, "use_beam_search", lambda v: lax_bool(v) is not _INVALID)
-    )  # fmt: skip
+    )
     return None if valid else "invalid"

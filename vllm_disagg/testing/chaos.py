@@ -48,22 +48,37 @@ from vllm_disagg.testing import hostile
 from vllm_disagg.testing.fleet import Fleet, FleetError, ProcStat, instance_summary
 from vllm_disagg.testing.traffic import Record, Spec, TrafficRun, recovery, summarize
 
-SCENARIOS = ("steady", "hostile", "stop-peer", "kill-prefill", "kill-router", "kill-decode-rank",
-             "kill-decode")  # fmt: skip
+SCENARIOS = (
+    "steady",
+    "hostile",
+    "stop-peer",
+    "kill-prefill",
+    "kill-router",
+    "kill-decode-rank",
+    "kill-decode",
+)
 
 # Counters sampled on every vLLM member (summed over labels) ...
 MEMBER_COUNTERS = (
-    "vllm:p2p_failed_loads", "vllm:p2p_dropped", "vllm:p2p_failed_sends",
-    "vllm:p2p_rejected_messages", "vllm:p2p_bytes_received", "vllm:p2p_bytes_sent",
-    "vllm:external_prefix_cache_hits", "vllm:request_success",
-)  # fmt: skip
+    "vllm:p2p_failed_loads",
+    "vllm:p2p_dropped",
+    "vllm:p2p_failed_sends",
+    "vllm:p2p_rejected_messages",
+    "vllm:p2p_bytes_received",
+    "vllm:p2p_bytes_sent",
+    "vllm:external_prefix_cache_hits",
+    "vllm:request_success",
+)
 # ... and on the router, per label set.
 ROUTER_COUNTERS = (
-    "vllm_disagg_router_requests", "vllm_disagg_router_prefill_retries",
-    "vllm_disagg_router_decode_retries", "vllm_disagg_router_prefill_failures",
-    "vllm_disagg_router_instance_removals", "vllm_disagg_router_decode_prefill_fallbacks",
+    "vllm_disagg_router_requests",
+    "vllm_disagg_router_prefill_retries",
+    "vllm_disagg_router_decode_retries",
+    "vllm_disagg_router_prefill_failures",
+    "vllm_disagg_router_instance_removals",
+    "vllm_disagg_router_decode_prefill_fallbacks",
     "vllm_disagg_router_breaker_opens",
-)  # fmt: skip
+)
 
 
 @dataclass
@@ -142,8 +157,11 @@ class Sampler:
 
     def sample(self, baseline: bool = False) -> None:
         fleet = self.fleet
-        point: dict[str, Any] = {"t": round(time.monotonic() - self.t0, 3), "members": {},
-                                 "rss": {}}  # fmt: skip
+        point: dict[str, Any] = {
+            "t": round(time.monotonic() - self.t0, 3),
+            "members": {},
+            "rss": {},
+        }
         for name, stats in fleet.probes().items():
             point["members"][name] = {
                 "rss": sum(s.rss for s in stats),
@@ -161,8 +179,12 @@ class Sampler:
             except requests.RequestException:
                 continue
             for metric in MEMBER_COUNTERS:
-                total = sum(v for name, labels in values.items()
-                            if name in (metric, f"{metric}_total") for v in labels.values())  # fmt: skip
+                total = sum(
+                    v
+                    for name, labels in values.items()
+                    if name in (metric, f"{metric}_total")
+                    for v in labels.values()
+                )
                 self.counters.add((m.name, m.restarts, metric), total, baseline)
         try:
             values = fleet.metrics("router", prefix="vllm_disagg_router_")
@@ -177,8 +199,9 @@ class Sampler:
 
     def member_total(self, metric: str, role: str | None = None) -> float:
         names = {m.name for m in self.fleet.serving() if role is None or m.role == role}
-        return sum(v for key, v in self.counters.total.items()
-                   if key[0] in names and key[2] == metric)  # fmt: skip
+        return sum(
+            v for key, v in self.counters.total.items() if key[0] in names and key[2] == metric
+        )
 
     def router_total(self, metric: str) -> dict[str, float]:
         """{label string: total over router incarnations}."""
@@ -202,13 +225,20 @@ def growth(before: dict[str, list[ProcStat]], after: dict[str, list[ProcStat]]) 
             a = later.get(s.pid)
             if a is None:
                 continue
-            rows.append({
-                "member": member, "pid": s.pid, "name": s.name,
-                "rss_before": s.rss, "rss_after": a.rss,
-                "rss_change_pct": round(100.0 * (a.rss - s.rss) / max(1, s.rss), 2),
-                "threads_before": s.threads, "threads_after": a.threads,
-                "fds_before": s.fds, "fds_after": a.fds,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "member": member,
+                    "pid": s.pid,
+                    "name": s.name,
+                    "rss_before": s.rss,
+                    "rss_after": a.rss,
+                    "rss_change_pct": round(100.0 * (a.rss - s.rss) / max(1, s.rss), 2),
+                    "threads_before": s.threads,
+                    "threads_after": a.threads,
+                    "fds_before": s.fds,
+                    "fds_after": a.fds,
+                }
+            )
     return rows
 
 
@@ -227,9 +257,16 @@ def late_growth(series: list[dict[str, Any]], start: float, end: float) -> list[
         later = last.get("rss", {}).get(proc)
         if later is None:
             continue
-        rows.append({"process": proc, "t_middle": middle["t"], "t_end": last["t"],
-                     "rss_middle": rss, "rss_end": later,
-                     "rss_change_pct": round(100.0 * (later - rss) / max(1, rss), 2)})  # fmt: skip
+        rows.append(
+            {
+                "process": proc,
+                "t_middle": middle["t"],
+                "t_end": last["t"],
+                "rss_middle": rss,
+                "rss_end": later,
+                "rss_change_pct": round(100.0 * (later - rss) / max(1, rss), 2),
+            }
+        )
     return rows
 
 
@@ -299,8 +336,9 @@ def _fault_kill_decode_rank(fleet: Fleet, traffic: TrafficRun, opts: Options) ->
     at = fleet.kill_engine_core(victim)
     out: dict[str, Any] = {"victim": f"{victim} engine core", "at": at}
     # What the rest of the decode does about it (step sync: the group fails fast).
-    died = fleet.wait_dead([victim, *others],
-                           timeout_s=3 * fleet.config.step_sync_peer_timeout_s + 30)  # fmt: skip
+    died = fleet.wait_dead(
+        [victim, *others], timeout_s=3 * fleet.config.step_sync_peer_timeout_s + 30
+    )
     out["exited_after_s"] = {n: round(t - at, 3) for n, t in died.items()}
     out["still_running"] = sorted({victim, *others} - set(died))
     gone = set(died) | {victim}
@@ -353,8 +391,10 @@ _COORDINATOR_LINE = re.compile(r"step sync DP engine core .* coordinator=tcp://(
 _ROUTER_HTTP_COUNTERS = ("vllm_disagg_router_client_connections_closed_total",)
 # Requests refused: by the router (bad body, unknown model) or relayed from a decode (4xx).
 _REFUSED_OUTCOMES = ("bad_request", "no_instance", "upstream_client_error")
-_STEP_SYNC_COUNTERS = tuple(f"vllm_disagg:step_sync_coordinator_{k}_messages"
-                            for k in ("malformed", "unauthenticated", "stale"))  # fmt: skip
+_STEP_SYNC_COUNTERS = tuple(
+    f"vllm_disagg:step_sync_coordinator_{k}_messages"
+    for k in ("malformed", "unauthenticated", "stale")
+)
 
 
 @dataclass(frozen=True)
@@ -383,24 +423,42 @@ def hostile_targets(fleet: Fleet) -> list[Target]:
     assert router is not None
     targets = [
         Target("router http", "http", "http", f"127.0.0.1:{router.port}", "router http"),
-        Target("router discovery", "discovery", "zmq", f"127.0.0.1:{router.discovery_port}",
-               "router discovery", hostile.discovery_protocol()),
-    ]  # fmt: skip
+        Target(
+            "router discovery",
+            "discovery",
+            "zmq",
+            f"127.0.0.1:{router.discovery_port}",
+            "router discovery",
+            hostile.discovery_protocol(),
+        ),
+    ]
     control = hostile.p2p_control_protocol()
     for m in fleet.serving():
         if m.kv_addr is None:
             continue
-        targets.append(Target(f"{m.name} p2p control", "p2p control", "zmq", m.kv_addr,
-                              f"{m.name} p2p", control))  # fmt: skip
+        targets.append(
+            Target(
+                f"{m.name} p2p control", "p2p control", "zmq", m.kv_addr, f"{m.name} p2p", control
+            )
+        )
         for addr in _log_addresses(fleet, m.name, _DATA_PORT_LINE):
-            targets.append(Target(f"{m.name} p2p data {addr}", "p2p data", "stream", addr,
-                                  f"{m.name} p2p"))  # fmt: skip
+            targets.append(
+                Target(f"{m.name} p2p data {addr}", "p2p data", "stream", addr, f"{m.name} p2p")
+            )
     step_sync = hostile.step_sync_protocol()
     for m in fleet.decodes():
         for addr in _log_addresses(fleet, m.name, _COORDINATOR_LINE):
             if not any(t.address == addr for t in targets):
-                targets.append(Target(f"{m.name} step sync {addr}", "step sync", "zmq", addr,
-                                      f"{m.name} step sync", step_sync))  # fmt: skip
+                targets.append(
+                    Target(
+                        f"{m.name} step sync {addr}",
+                        "step sync",
+                        "zmq",
+                        addr,
+                        f"{m.name} step sync",
+                        step_sync,
+                    )
+                )
     return targets
 
 
@@ -415,15 +473,22 @@ def _counted(fleet: Fleet, counter: str) -> float:
             names = _ROUTER_HTTP_COUNTERS
         total = sum(v for n in names for v in values.get(n, {}).values())
         if what == "http":  # requests answered with an error (the router's or a decode's)
-            total += sum(v for labels, v in values.get("vllm_disagg_router_requests_total",
-                                                       {}).items()
-                         if any(f'outcome="{o}"' in labels for o in _REFUSED_OUTCOMES))  # fmt: skip
+            total += sum(
+                v
+                for labels, v in values.get("vllm_disagg_router_requests_total", {}).items()
+                if any(f'outcome="{o}"' in labels for o in _REFUSED_OUTCOMES)
+            )
         return total
     if what == "p2p":
         return fleet.metric_sum(member, "vllm:p2p_rejected_messages")
     values = fleet.metrics(member, prefix="vllm_disagg:step_sync_coordinator_")
-    return sum(v for n in _STEP_SYNC_COUNTERS for n2, labels in values.items()
-               if n2 in (n, f"{n}_total") for v in labels.values())  # fmt: skip
+    return sum(
+        v
+        for n in _STEP_SYNC_COUNTERS
+        for n2, labels in values.items()
+        if n2 in (n, f"{n}_total")
+        for v in labels.values()
+    )
 
 
 def _flood(target: Target, opts: Options, seed: int) -> hostile.Sent:
@@ -431,14 +496,20 @@ def _flood(target: Target, opts: Options, seed: int) -> hostile.Sent:
         assert target.protocol is not None
         # Strangers: no key (a captured frame replayed is refused by the
         # protocols' own replay rules, tested in their unit tests).
-        return hostile.flood_zmq(target.address, target.protocol, count=opts.hostile_per_port,
-                                 time_s=opts.hostile_time_s, seed=seed)  # fmt: skip
+        return hostile.flood_zmq(
+            target.address,
+            target.protocol,
+            count=opts.hostile_per_port,
+            time_s=opts.hostile_time_s,
+            seed=seed,
+        )
     payloads = hostile.http_payloads if target.kind == "http" else hostile.stream_payloads
     return _flood_tcp_parallel(target.address, payloads, opts, seed)
 
 
-def _flood_tcp_parallel(address: str, payloads, opts: Options, seed: int,
-                        parts: int = 8) -> hostile.Sent:  # fmt: skip
+def _flood_tcp_parallel(
+    address: str, payloads, opts: Options, seed: int, parts: int = 8
+) -> hostile.Sent:
     """``parts`` clients at a time. Each reads until the target closes the
     connection (a request it answered: every request sent says ``Connection:
     close``), except that a truncated message is abandoned after 0.2 s, as a
@@ -447,10 +518,15 @@ def _flood_tcp_parallel(address: str, payloads, opts: Options, seed: int,
     count = opts.hostile_per_port
 
     def one(i: int) -> hostile.Sent:
-        return hostile.flood_tcp(host.strip("[]"), int(port), payloads(random.Random(seed * 100 + i)),
-                                 count=count // parts + (i < count % parts),
-                                 time_s=opts.hostile_time_s, read_s=10.0,
-                                 read_s_by_kind={"truncated": 0.2})  # fmt: skip
+        return hostile.flood_tcp(
+            host.strip("[]"),
+            int(port),
+            payloads(random.Random(seed * 100 + i)),
+            count=count // parts + (i < count % parts),
+            time_s=opts.hostile_time_s,
+            read_s=10.0,
+            read_s_by_kind={"truncated": 0.2},
+        )
 
     with ThreadPoolExecutor(parts) as pool:
         sent = list(pool.map(one, range(parts)))
@@ -484,8 +560,14 @@ def _fault_hostile(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str
     pids_before = {name: sorted(s.pid for s in stats) for name, stats in fleet.probes().items()}
     at = fleet.note(f"hostile floods on {len(targets)} ports")
     with ThreadPoolExecutor(len(targets)) as pool:
-        sent = dict(zip(targets, pool.map(
-            lambda it: _flood(it[1], opts, opts.hostile_seed + it[0]), enumerate(targets))))  # fmt: skip
+        sent = dict(
+            zip(
+                targets,
+                pool.map(
+                    lambda it: _flood(it[1], opts, opts.hostile_seed + it[0]), enumerate(targets)
+                ),
+            )
+        )
     ended_at = fleet.note("hostile floods ended")
     bounds: dict[str, list[int]] = {c: [0, 0] for c in counters}
     for t, s in sent.items():
@@ -506,14 +588,30 @@ def _fault_hostile(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str
     return {
         "at": at,
         "ended_at": ended_at,
-        "ports": [{"target": t.label, "service": t.service, "kind": t.kind, "address": t.address,
-                   "counted_by": t.counter, "sent": s.total, "by_kind": s.by_kind,
-                   "seconds": round(s.seconds, 3)} for t, s in sent.items()],  # fmt: skip
-        "counted": {c: {"counted": now[c], "at_least": bounds[c][0], "at_most": bounds[c][1]}
-                    for c in counters},  # fmt: skip
+        "ports": [
+            {
+                "target": t.label,
+                "service": t.service,
+                "kind": t.kind,
+                "address": t.address,
+                "counted_by": t.counter,
+                "sent": s.total,
+                "by_kind": s.by_kind,
+                "seconds": round(s.seconds, 3),
+            }
+            for t, s in sent.items()
+        ],
+        "counted": {
+            c: {"counted": now[c], "at_least": bounds[c][0], "at_most": bounds[c][1]}
+            for c in counters
+        },
         "messages_sent": sum(s.total for s in sent.values()),
-        "processes_gone": sorted(f"{name} {pid}" for name, pids in pids_before.items()
-                                 for pid in pids if pid not in pids_after.get(name, ())),  # fmt: skip
+        "processes_gone": sorted(
+            f"{name} {pid}"
+            for name, pids in pids_before.items()
+            for pid in pids
+            if pid not in pids_after.get(name, ())
+        ),
     }
 
 
@@ -531,8 +629,9 @@ FAULTS: dict[str, Callable[[Fleet, TrafficRun, Options], dict[str, Any]]] = {
 # --- one scenario -------------------------------------------------------------------
 
 
-def run_scenario(name: str, fleet: Fleet, specs, references: dict[str, list[list[int]]],
-                 opts: Options) -> dict[str, Any]:  # fmt: skip
+def run_scenario(
+    name: str, fleet: Fleet, specs, references: dict[str, list[list[int]]], opts: Options
+) -> dict[str, Any]:
     """Run scenario ``name`` on a started fleet; its figures."""
     if name not in FAULTS:
         raise ValueError(f"unknown scenario {name!r}; one of {', '.join(SCENARIOS)}")
@@ -541,9 +640,15 @@ def run_scenario(name: str, fleet: Fleet, specs, references: dict[str, list[list
     probes_before = fleet.probes()
     load_before = fleet.load()
     flushes = len(fleet.gauge_flushes)
-    traffic = TrafficRun(fleet.url, specs, references, concurrency=opts.concurrency,
-                         duration_s=opts.duration_s, request_timeout_s=opts.request_timeout_s,
-                         t0=t0).start()  # fmt: skip
+    traffic = TrafficRun(
+        fleet.url,
+        specs,
+        references,
+        concurrency=opts.concurrency,
+        duration_s=opts.duration_s,
+        request_timeout_s=opts.request_timeout_s,
+        t0=t0,
+    ).start()
     fault: dict[str, Any] = {}
     fault_error = None
     try:
@@ -582,23 +687,29 @@ def run_scenario(name: str, fleet: Fleet, specs, references: dict[str, list[list
         "fault_error": fault_error,
         "events": [(round(t - t0, 3), what) for t, what in fleet.events if t >= t0],
         "router": {
-            "prefill_retries": sum(sampler.router_total("vllm_disagg_router_prefill_retries").values()),
-            "decode_retries": sum(sampler.router_total("vllm_disagg_router_decode_retries").values()),
+            "prefill_retries": sum(
+                sampler.router_total("vllm_disagg_router_prefill_retries").values()
+            ),
+            "decode_retries": sum(
+                sampler.router_total("vllm_disagg_router_decode_retries").values()
+            ),
             "prefill_failures": sampler.router_total("vllm_disagg_router_prefill_failures"),
             "instance_removals": sampler.router_total("vllm_disagg_router_instance_removals"),
             "requests": sampler.router_total("vllm_disagg_router_requests"),
             "decode_prefill_fallbacks": sampler.router_total(
-                "vllm_disagg_router_decode_prefill_fallbacks"),
+                "vllm_disagg_router_decode_prefill_fallbacks"
+            ),
             "breaker_opens": sum(sampler.router_total("vllm_disagg_router_breaker_opens").values()),
-        },  # fmt: skip
+        },
         "decode": {
             "failed_loads": sampler.member_total("vllm:p2p_failed_loads", "decode"),
             "dropped": sampler.member_total("vllm:p2p_dropped", "decode"),
             "bytes_received": sampler.member_total("vllm:p2p_bytes_received", "decode"),
             "external_prefix_cache_hits": sampler.member_total(
-                "vllm:external_prefix_cache_hits", "decode"),
+                "vllm:external_prefix_cache_hits", "decode"
+            ),
             "rejected_messages": sampler.member_total("vllm:p2p_rejected_messages", "decode"),
-        },  # fmt: skip
+        },
         "prefill": {
             "failed_sends": sampler.member_total("vllm:p2p_failed_sends", "prefill"),
             "bytes_sent": sampler.member_total("vllm:p2p_bytes_sent", "prefill"),
@@ -614,8 +725,9 @@ def run_scenario(name: str, fleet: Fleet, specs, references: dict[str, list[list
         "processes_before": _probe_dict(probes_before),
         "processes_after": _probe_dict(probes_after),
         "growth": growth(probes_before, probes_after),
-        "growth_second_half": late_growth(sampler.series, 0.0,
-                                          max((r.end for r in records), default=0.0)),
+        "growth_second_half": late_growth(
+            sampler.series, 0.0, max((r.end for r in records), default=0.0)
+        ),
         "series": sampler.series,
         "records": [r.as_dict() for r in records],
     }
@@ -624,11 +736,18 @@ def run_scenario(name: str, fleet: Fleet, specs, references: dict[str, list[list
     return result
 
 
-def warm_up(fleet: Fleet, specs: list[Spec], references: dict[str, list[list[int]]], *,
-            concurrency: int = 8, timeout_s: float = 300.0) -> list[Record]:  # fmt: skip
+def warm_up(
+    fleet: Fleet,
+    specs: list[Spec],
+    references: dict[str, list[list[int]]],
+    *,
+    concurrency: int = 8,
+    timeout_s: float = 300.0,
+) -> list[Record]:
     """Send ``specs`` through the router (every P-D channel set up, every
     thread pool grown); the records."""
-    run = TrafficRun(fleet.url, specs, references, concurrency=concurrency,
-                     duration_s=timeout_s).start()  # fmt: skip
+    run = TrafficRun(
+        fleet.url, specs, references, concurrency=concurrency, duration_s=timeout_s
+    ).start()
     run.wait()
     return run.records

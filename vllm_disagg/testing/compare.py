@@ -138,8 +138,9 @@ def send(
     if data is None and case.body is not None:
         data = json.dumps(case.body).encode()
     try:
-        response = requests.request(case.method, base_url + case.path, data=data,
-                                    headers=headers, timeout=timeout_s)  # fmt: skip
+        response = requests.request(
+            case.method, base_url + case.path, data=data, headers=headers, timeout=timeout_s
+        )
     except requests.RequestException as e:
         return {"exception": type(e).__name__}
     return answer_view(response.status_code, response.headers, response.content, keep_headers)
@@ -269,8 +270,9 @@ def differences(
     return out
 
 
-def _walk(a: Any, b: Any, path: str, rules: FieldRules, exact: frozenset[str],
-          out: list[FieldDifference]) -> None:  # fmt: skip
+def _walk(
+    a: Any, b: Any, path: str, rules: FieldRules, exact: frozenset[str], out: list[FieldDifference]
+) -> None:
     if isinstance(a, dict) and isinstance(b, dict):
         for k in [*a, *(k for k in b if k not in a)]:
             sub = f"{path}.{k}" if path else str(k)
@@ -286,8 +288,11 @@ def _walk(a: Any, b: Any, path: str, rules: FieldRules, exact: frozenset[str],
         for i in range(max(len(a), len(b))):
             sub = f"{path}[{i}]"
             if i >= len(a) or i >= len(b):
-                out.append(FieldDifference(sub, a[i] if i < len(a) else ABSENT,
-                                           b[i] if i < len(b) else ABSENT))  # fmt: skip
+                out.append(
+                    FieldDifference(
+                        sub, a[i] if i < len(a) else ABSENT, b[i] if i < len(b) else ABSENT
+                    )
+                )
             else:
                 _walk(a[i], b[i], sub, rules, exact, out)
     elif type(a) is float and type(b) is float and rules.float_rel_tol:
@@ -369,8 +374,9 @@ def format_differences(
     lines = []
     for name, found in diffs.items():
         for d in found[:per_case]:
-            lines.append(f"{name}: {d.path}: {a_name}={_short(d.a, width)} "
-                         f"{b_name}={_short(d.b, width)}")  # fmt: skip
+            lines.append(
+                f"{name}: {d.path}: {a_name}={_short(d.a, width)} {b_name}={_short(d.b, width)}"
+            )
         if len(found) > per_case:
             lines.append(f"{name}: ... and {len(found) - per_case} more")
     return "\n".join(lines)

@@ -83,8 +83,13 @@ class FakeInstance:
         return f"http://{self.http_addr}"
 
     def answer(self) -> bytes:
-        return json.dumps({"id": "cmpl-x", "object": "text_completion",
-                           "choices": [{"index": 0, "text": self.name}]}).encode()  # fmt: skip
+        return json.dumps(
+            {
+                "id": "cmpl-x",
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": self.name}],
+            }
+        ).encode()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -118,9 +123,17 @@ class FakeInstance:
         if self.record:
             self.requests.append(Seen(request.path, request.headers.copy(), body))
         if not isinstance(body, dict):  # as vLLM's FastAPI validation answers
-            return web.json_response({"error": {"message": f"{self.name}: not an object",
-                                                "type": "Bad Request", "param": "body",
-                                                "code": 400}}, status=400)  # fmt: skip
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"{self.name}: not an object",
+                        "type": "Bad Request",
+                        "param": "body",
+                        "code": 400,
+                    }
+                },
+                status=400,
+            )
         try:
             if self.handler is not None:
                 return await self.handler(self, request, body)
@@ -173,8 +186,14 @@ def _compact(payload: dict) -> bytes:
 
 
 def _completion(model: str, choices: list[dict], **extra: Any) -> dict:
-    return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": model,
-            "choices": choices, **extra}  # fmt: skip
+    return {
+        "id": "cmpl-fake",
+        "object": "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
 
 
 def _usage(n: int) -> dict:
@@ -184,8 +203,13 @@ def _usage(n: int) -> dict:
 @functools.cache
 def token_chunk(model: str, i: int) -> bytes:
     """The SSE event of token ``i`` (`` t<i>``), as vLLM streams a completion."""
-    choice = {"index": 0, "text": f" t{i}", "logprobs": None, "finish_reason": None,
-              "stop_reason": None}  # fmt: skip
+    choice = {
+        "index": 0,
+        "text": f" t{i}",
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+    }
     return b"data: " + _compact(_completion(model, [choice])) + b"\n\n"
 
 
@@ -197,8 +221,13 @@ def usage_chunk(model: str, n: int) -> bytes:
 @functools.cache
 def token_answer(model: str, n: int) -> bytes:
     """The JSON answer of ``n`` tokens, not streamed."""
-    choice = {"index": 0, "text": "".join(f" t{i}" for i in range(n)), "logprobs": None,
-              "finish_reason": "length", "stop_reason": None}  # fmt: skip
+    choice = {
+        "index": 0,
+        "text": "".join(f" t{i}" for i in range(n)),
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+    }
     return _compact(_completion(model, [choice], usage=_usage(n)))
 
 
@@ -234,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", default="fake")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="fake-model", help="what /v1/models lists")
-    parser.add_argument("--tokens", action="store_true",
-                        help="answer max_tokens tokens (token_stream), not the name")  # fmt: skip
+    parser.add_argument(
+        "--tokens",
+        action="store_true",
+        help="answer max_tokens tokens (token_stream), not the name",
+    )
     args = parser.parse_args(argv)
     fake = FakeInstance(args.name, port=args.port, record=False)
     fake.models = [{"id": args.model}]

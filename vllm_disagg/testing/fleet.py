@@ -42,9 +42,18 @@ from vllm_disagg.testing.server import VllmServer, cpu_test_env, get_free_port
 
 # Small, deterministic, eager float32: DP=2 greedy output equals DP=1's.
 SERVER_ARGS = (
-    "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0", "--dtype", "float32",
-    "--block-size", "32", "--enforce-eager",
-)  # fmt: skip
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "16",
+    "--seed",
+    "0",
+    "--dtype",
+    "float32",
+    "--block-size",
+    "32",
+    "--enforce-eager",
+)
 
 
 @dataclass
@@ -61,12 +70,17 @@ class FleetConfig:
     step_sync_peer_timeout_s: float = 10.0
     # The router's failure handling (see docs/router.md, Flags).
     router_args: tuple[str, ...] = (
-        "--heartbeat-timeout-s", "10",
-        "--prefill-timeout-s", "10",
-        "--first-token-timeout-s", "60",
-        "--chunk-timeout-s", "30",
-        "--request-timeout-s", "90",
-    )  # fmt: skip
+        "--heartbeat-timeout-s",
+        "10",
+        "--prefill-timeout-s",
+        "10",
+        "--first-token-timeout-s",
+        "60",
+        "--chunk-timeout-s",
+        "30",
+        "--request-timeout-s",
+        "90",
+    )
     server_args: tuple[str, ...] = SERVER_ARGS
     startup_timeout_s: float = 420.0
     # The P2P plane's shared secret, as a production fleet sets it: frames
@@ -126,8 +140,13 @@ class ProcStat:
     fds: int
 
     def as_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "name": self.name, "rss": self.rss,
-                "threads": self.threads, "fds": self.fds}  # fmt: skip
+        return {
+            "pid": self.pid,
+            "name": self.name,
+            "rss": self.rss,
+            "threads": self.threads,
+            "fds": self.fds,
+        }
 
 
 def _short_name(proc: psutil.Process) -> str:
@@ -160,8 +179,15 @@ def probe_tree(pid: int) -> list[ProcStat]:
     for proc in procs:
         try:
             with proc.oneshot():
-                stats.append(ProcStat(proc.pid, _short_name(proc), proc.memory_info().rss,
-                                      proc.num_threads(), proc.num_fds()))  # fmt: skip
+                stats.append(
+                    ProcStat(
+                        proc.pid,
+                        _short_name(proc),
+                        proc.memory_info().rss,
+                        proc.num_threads(),
+                        proc.num_fds(),
+                    )
+                )
         except (psutil.Error, OSError):
             continue
     return stats
@@ -215,8 +241,9 @@ class Fleet:
         self.events.append((now, what))
         return now
 
-    def _instance_args(self, role: str, kv_port: int, http_port: int,
-                       dp: tuple[int, int] | None) -> list[str]:  # fmt: skip
+    def _instance_args(
+        self, role: str, kv_port: int, http_port: int, dp: tuple[int, int] | None
+    ) -> list[str]:
         assert self.router is not None
         extra: dict[str, Any] = {
             "proxy_ip": "127.0.0.1",
@@ -227,46 +254,66 @@ class Fleet:
         }
         if role == "kv_consumer":
             extra["kv_load_timeout_s"] = self.config.kv_load_timeout_s
-        args = [*self.config.server_args,
-                "--kv-transfer-config", kv_transfer_config(role, kv_port, **extra)]  # fmt: skip
+        args = [
+            *self.config.server_args,
+            "--kv-transfer-config",
+            kv_transfer_config(role, kv_port, **extra),
+        ]
         if dp is not None:
             rank, rpc_port = dp
             options = {"step_sync_peer_timeout_s": self.config.step_sync_peer_timeout_s}
             args += [
-                "--data-parallel-size", str(self.config.decode_dp),
-                "--data-parallel-rank", str(rank),
-                "--data-parallel-address", "127.0.0.1",
-                "--data-parallel-rpc-port", str(rpc_port),
-                "--additional-config", json.dumps(options),
-            ]  # fmt: skip
+                "--data-parallel-size",
+                str(self.config.decode_dp),
+                "--data-parallel-rank",
+                str(rank),
+                "--data-parallel-address",
+                "127.0.0.1",
+                "--data-parallel-rpc-port",
+                str(rpc_port),
+                "--additional-config",
+                json.dumps(options),
+            ]
         return args
 
     def _server(self, name: str, args: list[str], port: int) -> VllmServer:
-        return VllmServer(self.model, args, log_path=self._log(name), env=self.env, port=port,
-                          startup_timeout_s=self.config.startup_timeout_s)  # fmt: skip
+        return VllmServer(
+            self.model,
+            args,
+            log_path=self._log(name),
+            env=self.env,
+            port=port,
+            startup_timeout_s=self.config.startup_timeout_s,
+        )
 
     def start(self) -> Fleet:
         """Start everything at once; return when every server answers /health
         and the router lists every prefill and every decode rank."""
         started = time.monotonic()
-        self.router = RouterProcess(list(self.config.router_args), log_path=self._log("router"),
-                                    model=self.model, env=self.env).start()  # fmt: skip
+        self.router = RouterProcess(
+            list(self.config.router_args),
+            log_path=self._log("router"),
+            model=self.model,
+            env=self.env,
+        ).start()
         for i in range(1, self.config.prefills + 1):
             kv_port, http_port = free_kv_port(), get_free_port()
             args = self._instance_args("kv_producer", kv_port, http_port, None)
-            self.members[f"p{i}"] = Member(f"p{i}", "prefill", self._server(f"p{i}", args, http_port),
-                                           kv_port)  # fmt: skip
+            self.members[f"p{i}"] = Member(
+                f"p{i}", "prefill", self._server(f"p{i}", args, http_port), kv_port
+            )
         kv_port, rpc_port = free_kv_port(max(4, self.config.decode_dp)), get_free_port()
         for rank in range(self.config.decode_dp):
             http_port = get_free_port()
             args = self._instance_args("kv_consumer", kv_port, http_port, (rank, rpc_port))
-            self.members[f"d{rank}"] = Member(f"d{rank}", "decode",
-                                              self._server(f"d{rank}", args, http_port),
-                                              kv_port + rank)  # fmt: skip
+            self.members[f"d{rank}"] = Member(
+                f"d{rank}", "decode", self._server(f"d{rank}", args, http_port), kv_port + rank
+            )
         if self.config.reference:
             port = get_free_port()
-            self.members["ref"] = Member("ref", "reference",
-                                         self._server("ref", list(self.config.server_args), port))
+            self.members["ref"] = Member(
+                "ref", "reference", self._server("ref", list(self.config.server_args), port)
+            )
         try:
             for member in self.members.values():
                 member.server.launch()
@@ -327,8 +374,9 @@ class Fleet:
             return set()
         return {by_addr[i["http_addr"]] for i in found if i["http_addr"] in by_addr}
 
-    def wait_registered(self, names: Iterable[str] | None = None, *, timeout_s: float,
-                        absent: Iterable[str] = ()) -> float:  # fmt: skip
+    def wait_registered(
+        self, names: Iterable[str] | None = None, *, timeout_s: float, absent: Iterable[str] = ()
+    ) -> float:
         """Wait until the router lists ``names`` (default: every serving
         member) and none of ``absent``; the seconds it took."""
         want = set(names) if names is not None else {m.name for m in self.serving()}
@@ -340,9 +388,11 @@ class Fleet:
             if want <= now and not (gone & now):
                 return time.monotonic() - started
             if time.monotonic() > deadline:
-                raise FleetError(f"router lists {sorted(now)}; wanted {sorted(want)}"
-                                 f"{f' without {sorted(gone)}' if gone else ''}"
-                                 f" within {timeout_s:.0f}s")  # fmt: skip
+                raise FleetError(
+                    f"router lists {sorted(now)}; wanted {sorted(want)}"
+                    f"{f' without {sorted(gone)}' if gone else ''}"
+                    f" within {timeout_s:.0f}s"
+                )
             time.sleep(0.2)
 
     def probes(self) -> dict[str, list[ProcStat]]:
@@ -372,8 +422,12 @@ class Fleet:
     def metric_sum(self, name: str, metric: str) -> float:
         """Sum over labels of ``metric`` (or ``metric_total``) on member ``name``."""
         values = self.metrics(name, prefix=metric)
-        return sum(v for m, labels in values.items() if m in (metric, f"{metric}_total")
-                   for v in labels.values())  # fmt: skip
+        return sum(
+            v
+            for m, labels in values.items()
+            if m in (metric, f"{metric}_total")
+            for v in labels.values()
+        )
 
     def log_tails(self, lines: int = 80) -> list[tuple[str, str]]:
         """(title, tail) of every log this fleet wrote, restarts included."""
@@ -443,9 +497,13 @@ class Fleet:
         self.old_routers.append(old)
         at = self.note("restart router")
         self.router = RouterProcess(
-            list(self.config.router_args), log_path=self._log("router", len(self.old_routers)),
-            model=self.model, env=self.env, port=old.port, discovery_port=old.discovery_port,
-        ).start()  # fmt: skip
+            list(self.config.router_args),
+            log_path=self._log("router", len(self.old_routers)),
+            model=self.model,
+            env=self.env,
+            port=old.port,
+            discovery_port=old.discovery_port,
+        ).start()
         return at
 
     def wait_dead(self, names: Iterable[str], *, timeout_s: float) -> dict[str, float]:
@@ -478,8 +536,12 @@ class Fleet:
                 continue
 
             def total(metric: str) -> float:
-                return sum(v for name, labels in values.items()
-                           if name in (metric, f"{metric}_total") for v in labels.values())  # fmt: skip
+                return sum(
+                    v
+                    for name, labels in values.items()
+                    if name in (metric, f"{metric}_total")
+                    for v in labels.values()
+                )
 
             out[m.name] = {
                 "running": total("vllm:num_requests_running"),
@@ -495,8 +557,9 @@ class Fleet:
         out["router"] = {"outstanding": float(sum(outstanding.values()))}
         return out
 
-    def wait_quiet(self, *, timeout_s: float,
-                   flush_every_s: float = 5.0) -> tuple[bool, dict[str, dict[str, float]]]:  # fmt: skip
+    def wait_quiet(
+        self, *, timeout_s: float, flush_every_s: float = 5.0
+    ) -> tuple[bool, dict[str, dict[str, float]]]:
         """Wait until nothing is held anywhere (see :meth:`load`); (quiet, last load).
 
         The P2P gauges reach /metrics only with an engine step: KV that the
@@ -514,15 +577,20 @@ class Fleet:
             quiet = all(v == 0 for member in load.values() for v in member.values())
             if quiet or time.monotonic() > deadline:
                 return quiet, load
-            idle = all(v.get("running", 0) == 0 and v.get("waiting", 0) == 0
-                       and v.get("outstanding", 0) == 0 for v in load.values())  # fmt: skip
+            idle = all(
+                v.get("running", 0) == 0
+                and v.get("waiting", 0) == 0
+                and v.get("outstanding", 0) == 0
+                for v in load.values()
+            )
             if idle:
                 for name, values in load.items():
                     held = values.get("p2p_buffer_bytes", 0) + values.get("p2p_pool_bytes", 0)
                     if held and time.monotonic() - last_flush.get(name, 0.0) >= flush_every_s:
                         last_flush[name] = time.monotonic()
-                        self.gauge_flushes.append({"t": time.monotonic(), "member": name,
-                                                   "before": dict(values)})  # fmt: skip
+                        self.gauge_flushes.append(
+                            {"t": time.monotonic(), "member": name, "before": dict(values)}
+                        )
                         self.flush(name)
             time.sleep(0.5)
 
@@ -530,8 +598,11 @@ class Fleet:
         """One token of a tiny prompt, straight to member ``name`` with no
         peers named (computed there): its engine steps and ships fresh stats."""
         try:
-            requests.post(f"{self.members[name].server.url}/v1/completions", timeout=30,
-                          json={"model": self.model, "prompt": [1, 2, 3], "max_tokens": 1})  # fmt: skip
+            requests.post(
+                f"{self.members[name].server.url}/v1/completions",
+                timeout=30,
+                json={"model": self.model, "prompt": [1, 2, 3], "max_tokens": 1},
+            )
         except requests.RequestException:
             pass
 
@@ -545,6 +616,12 @@ def instance_summary(fleet: Fleet) -> dict[str, Any]:
 
 
 __all__ = [
-    "Fleet", "FleetConfig", "FleetError", "Member", "ProcStat", "SERVER_ARGS",
-    "instance_summary", "probe_tree",
-]  # fmt: skip
+    "Fleet",
+    "FleetConfig",
+    "FleetError",
+    "Member",
+    "ProcStat",
+    "SERVER_ARGS",
+    "instance_summary",
+    "probe_tree",
+]

@@ -49,9 +49,9 @@ def _deep(depth: int) -> bytes:
     return b"\x91" * depth + b"\xc0"
 
 
-def hostile_frames(proto: ZmqProtocol, rng: random.Random, key: bytes | None) -> Iterator[
-    tuple[str, Frames]
-]:  # fmt: skip
+def hostile_frames(
+    proto: ZmqProtocol, rng: random.Random, key: bytes | None
+) -> Iterator[tuple[str, Frames]]:
     """Endless (kind, frames) of every family, in a seeded order."""
     wrong_key = bytes(rng.randrange(256) for _ in range(32))
     while True:
@@ -70,12 +70,14 @@ def hostile_frames(proto: ZmqProtocol, rng: random.Random, key: bytes | None) ->
             frames = proto.sample(rng, key) if key else proto.sample(rng, wrong_key)
         else:
             payload, mac = proto.sample(rng, key)
-            frames = rng.choice((
-                [_deep(rng.choice((100, 5000))), mac],
-                [payload + rng.randbytes(8), mac],  # trailing bytes
-                [msgspec.msgpack.encode({"type": "x", "v": [1.5, None, -(2**63)]}), mac],
-                [payload, mac, b"extra"],
-            ))  # fmt: skip
+            frames = rng.choice(
+                (
+                    [_deep(rng.choice((100, 5000))), mac],
+                    [payload + rng.randbytes(8), mac],  # trailing bytes
+                    [msgspec.msgpack.encode({"type": "x", "v": [1.5, None, -(2**63)]}), mac],
+                    [payload, mac, b"extra"],
+                )
+            )
         yield kind, frames
 
 
@@ -89,14 +91,19 @@ def discovery_protocol() -> ZmqProtocol:
         port = rng.randrange(1024, 65536)
         if rng.random() < 0.5:
             msg = d.Register(
-                version=d.DISCOVERY_VERSION, instance_id=f"fuzz-{rng.randrange(10**6)}",
-                role=rng.choice(list(d.Role)), http_addr=f"127.0.0.1:{port}",
-                kv_addr=f"127.0.0.1:{port + 1 if port < 65535 else 1024}", model="fuzz",
-                seq=rng.randrange(0, 10), sent_at=time.time() - rng.choice((0, 400, 10**6)),
-            )  # fmt: skip
+                version=d.DISCOVERY_VERSION,
+                instance_id=f"fuzz-{rng.randrange(10**6)}",
+                role=rng.choice(list(d.Role)),
+                http_addr=f"127.0.0.1:{port}",
+                kv_addr=f"127.0.0.1:{port + 1 if port < 65535 else 1024}",
+                model="fuzz",
+                seq=rng.randrange(0, 10),
+                sent_at=time.time() - rng.choice((0, 400, 10**6)),
+            )
         else:
-            msg = d.Deregister(version=d.DISCOVERY_VERSION,
-                               instance_id=f"fuzz-{rng.randrange(10**6)}")  # fmt: skip
+            msg = d.Deregister(
+                version=d.DISCOVERY_VERSION, instance_id=f"fuzz-{rng.randrange(10**6)}"
+            )
         return d.seal(key, msg)
 
     return ZmqProtocol("discovery", d.MAX_FRAME_BYTES, sample)
@@ -109,19 +116,32 @@ def p2p_control_protocol() -> ZmqProtocol:
         choice = rng.randrange(3)
         if choice == 0:
             msg = p.Hello(
-                version=p.PROTOCOL_VERSION, req_no=rng.randrange(1, 1000),
-                sender_addr="127.0.0.1:1", channel_id=rng.randbytes(8).hex(), transport="tcp",
-                setup=rng.randbytes(16), layout=p.LayoutSpec(2, 4096, 32, "float32"),
-                send_type="PUT_ASYNC", sent_at=time.time() - rng.choice((0, 1000)),
-            )  # fmt: skip
+                version=p.PROTOCOL_VERSION,
+                req_no=rng.randrange(1, 1000),
+                sender_addr="127.0.0.1:1",
+                channel_id=rng.randbytes(8).hex(),
+                transport="tcp",
+                setup=rng.randbytes(16),
+                layout=p.LayoutSpec(2, 4096, 32, "float32"),
+                send_type="PUT_ASYNC",
+                sent_at=time.time() - rng.choice((0, 1000)),
+            )
         elif choice == 1:
-            msg = p.Offer(req_no=rng.randrange(1, 1000), channel_id=rng.randbytes(8).hex(),
-                          key=rng.randbytes(16).hex(), xfer_id=rng.randrange(1, 100),
-                          num_blocks=rng.randrange(1, 10**6),
-                          prompt_digest=rng.randbytes(p.DIGEST_BYTES))  # fmt: skip
+            msg = p.Offer(
+                req_no=rng.randrange(1, 1000),
+                channel_id=rng.randbytes(8).hex(),
+                key=rng.randbytes(16).hex(),
+                xfer_id=rng.randrange(1, 100),
+                num_blocks=rng.randrange(1, 10**6),
+                prompt_digest=rng.randbytes(p.DIGEST_BYTES),
+            )
         else:
-            msg = p.Get(req_no=rng.randrange(1, 1000), sender_addr="127.0.0.1:1",
-                        key=rng.randbytes(16).hex(), skip_blocks=rng.randrange(0, 10))
+            msg = p.Get(
+                req_no=rng.randrange(1, 1000),
+                sender_addr="127.0.0.1:1",
+                key=rng.randbytes(16).hex(),
+                skip_blocks=rng.randrange(0, 10),
+            )
         return p.seal(key, msg)
 
     return ZmqProtocol("p2p_control", p.MAX_FRAME_BYTES, sample)
@@ -133,11 +153,20 @@ def step_sync_protocol() -> ZmqProtocol:
     def sample(rng: random.Random, key: bytes | None) -> Frames:
         if rng.random() < 0.8:
             msg = s.RankState(
-                version=s.PROTOCOL_VERSION, dp_rank=rng.randrange(0, 4), dp_size=2, lookahead=2,
-                incarnation=rng.randbytes(6).hex(), seq=rng.randrange(1, 100),
-                requested=rng.randrange(0, 10**6), local_step=rng.randrange(0, 10**6), intent=0,
-                want_pause=False, pause_ready=False, leaving=rng.random() < 0.2, left=False,
-            )  # fmt: skip
+                version=s.PROTOCOL_VERSION,
+                dp_rank=rng.randrange(0, 4),
+                dp_size=2,
+                lookahead=2,
+                incarnation=rng.randbytes(6).hex(),
+                seq=rng.randrange(1, 100),
+                requested=rng.randrange(0, 10**6),
+                local_step=rng.randrange(0, 10**6),
+                intent=0,
+                want_pause=False,
+                pause_ready=False,
+                leaving=rng.random() < 0.2,
+                left=False,
+            )
         else:
             msg = s.Abort(version=s.PROTOCOL_VERSION, seq=rng.randrange(1, 100), reason="fuzz")
         return s.seal(key or b"\0" * 32, s.TO_COORDINATOR, msg)
@@ -165,9 +194,15 @@ class Sent:
 
 
 def flood_zmq(
-    address: str, proto: ZmqProtocol, *, count: int, time_s: float, seed: int = 0,
-    key: bytes | None = None, per_socket: int = 50,
-) -> Sent:  # fmt: skip
+    address: str,
+    proto: ZmqProtocol,
+    *,
+    count: int,
+    time_s: float,
+    seed: int = 0,
+    key: bytes | None = None,
+    per_socket: int = 50,
+) -> Sent:
     """Send ``count`` hostile messages to the ZMQ ``address`` (``host:port``)
     within ``time_s``, ``per_socket`` per fresh DEALER (a new identity each
     time, as many strangers would); a full queue skips a message instead of
@@ -228,9 +263,10 @@ def flood_zmq(
 
 def _post(path: bytes, body: bytes, extra: bytes = b"") -> bytes:
     """A whole request; the server closes the connection once it answered."""
-    return (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Connection: close\r\n" + extra + b"Content-Length: %d\r\n\r\n" % len(body)
-            + body)  # fmt: skip
+    return (
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\n" + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
 
 
 # Well-framed HTTP with bodies a parser or a JSON decoder must refuse, and
@@ -255,12 +291,17 @@ def http_payloads(rng: random.Random) -> Iterator[tuple[str, bytes]]:
         if kind == "garbage":
             data = rng.randbytes(rng.randrange(1, 2000))
         elif kind == "truncated":
-            full = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                    b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+            full = (
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+            )
             data = full[: rng.randrange(1, len(full))]
         elif kind == "oversized":
-            data = (b"POST /v1/completions HTTP/1.1\r\nX-Big: " + b"a" * rng.choice((70_000,
-                    300_000)) + b"\r\n\r\n")  # fmt: skip
+            data = (
+                b"POST /v1/completions HTTP/1.1\r\nX-Big: "
+                + b"a" * rng.choice((70_000, 300_000))
+                + b"\r\n\r\n"
+            )
         else:
             data = rng.choice(_CONFUSED_HTTP)
         yield kind, data
@@ -281,9 +322,15 @@ def stream_payloads(rng: random.Random) -> Iterator[tuple[str, bytes]]:
 
 
 def flood_tcp(
-    host: str, port: int, payloads: Iterator[tuple[str, bytes]], *, count: int, time_s: float,
-    read_s: float = 1.0, read_s_by_kind: dict[str, float] | None = None,
-) -> Sent:  # fmt: skip
+    host: str,
+    port: int,
+    payloads: Iterator[tuple[str, bytes]],
+    *,
+    count: int,
+    time_s: float,
+    read_s: float = 1.0,
+    read_s_by_kind: dict[str, float] | None = None,
+) -> Sent:
     """Open a connection per payload, send it, read until the target closes
     it (at most ``read_s``, or ``read_s_by_kind[kind]``), close; ``count``
     connections within ``time_s``."""

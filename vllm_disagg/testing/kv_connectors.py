@@ -75,7 +75,11 @@ class DelayedLookupConnector(KVConnectorBase_V1):
     def _requested_delay(request: Request) -> float:
         params = request.kv_transfer_params or {}
         delay = params.get(DELAY_KEY, 0.0)
-        if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay):
+        if (
+            isinstance(delay, bool)
+            or not isinstance(delay, int | float)
+            or not math.isfinite(delay)
+        ):
             logger.warning("ignoring %s=%r: not a number", DELAY_KEY, delay)
             return 0.0
         return min(max(float(delay), 0.0), MAX_DELAY_S)

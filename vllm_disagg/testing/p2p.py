@@ -55,8 +55,12 @@ def free_kv_port(span: int = 4) -> int:
 
 
 def peer_naming(
-    prefill_addr: str, decode_addr: str, *, key: str | None = None,
-    via_params: bool = False, grant: bool = True,
+    prefill_addr: str,
+    decode_addr: str,
+    *,
+    key: str | None = None,
+    via_params: bool = False,
+    grant: bool = True,
 ) -> tuple[dict[str, str], dict[str, Any]]:
     """(headers, body fields) naming the peers of one request as a proxy
     does: the seed's ``X-Request-Id``, or (``via_params``) the peers in
@@ -87,13 +91,26 @@ def disaggregated_completion(
     **params: Any,
 ) -> dict:
     """Prefill on ``prefill`` (1 token), then the whole request on ``decode``: decode's response."""
-    headers, body_extra = peer_naming(prefill.kv_addr, decode.kv_addr, key=key,
-                                      via_params=via_params, grant=grant)  # fmt: skip
+    headers, body_extra = peer_naming(
+        prefill.kv_addr, decode.kv_addr, key=key, via_params=via_params, grant=grant
+    )
     openai_client.complete(
-        prefill, prompt, headers=headers, timeout_s=timeout_s,
-        max_tokens=1, temperature=0.0, **body_extra, **params,
-    )  # fmt: skip
+        prefill,
+        prompt,
+        headers=headers,
+        timeout_s=timeout_s,
+        max_tokens=1,
+        temperature=0.0,
+        **body_extra,
+        **params,
+    )
     return openai_client.complete(
-        decode, prompt, headers=headers, timeout_s=timeout_s,
-        max_tokens=max_tokens, temperature=0.0, **body_extra, **params,
-    )  # fmt: skip
+        decode,
+        prompt,
+        headers=headers,
+        timeout_s=timeout_s,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        **body_extra,
+        **params,
+    )

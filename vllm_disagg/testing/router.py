@@ -50,11 +50,19 @@ class RouterProcess(LoggedProcess):
         # Inherit the environment, with the test fleets' router token by default.
         self.env = env if env is not None else cpu_test_env()
         self.command = [
-            sys.executable, "-m", "vllm_disagg.router",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_port),
+            sys.executable,
+            "-m",
+            "vllm_disagg.router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--discovery-host",
+            "127.0.0.1",
+            "--discovery-port",
+            str(self.discovery_port),
             *(args or []),
-        ]  # fmt: skip
+        ]
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -65,9 +73,13 @@ class RouterProcess(LoggedProcess):
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env, start_new_session=True,
-            )  # fmt: skip
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -73,16 +73,24 @@ def _prompt_pool(seed: int) -> tuple[list[Any], list[list[dict]]]:
         prompts.append((heads[i % 3] + tail) if i % 3 == 0 or i % 4 == 0 else tail)
     for _ in range(6):
         prompts.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40))))
-    topics = ["prefill and decode", "a block of the KV cache", "step sync", "the router",
-              "data parallel ranks", "tiny models"]  # fmt: skip
+    topics = [
+        "prefill and decode",
+        "a block of the KV cache",
+        "step sync",
+        "the router",
+        "data parallel ranks",
+        "tiny models",
+    ]
     chats = []
     for i, topic in enumerate(topics):
         messages = [{"role": "user", "content": f"Tell me about {topic}."}]
         if i % 2:
             messages = [{"role": "system", "content": "Be brief."}, *messages]
         if i % 3 == 2:
-            messages += [{"role": "assistant", "content": "Which part?"},
-                         {"role": "user", "content": "All of it, " + " ".join(WORDS[:i + 4])}]  # fmt: skip
+            messages += [
+                {"role": "assistant", "content": "Which part?"},
+                {"role": "user", "content": "All of it, " + " ".join(WORDS[: i + 4])},
+            ]
         chats.append(messages)
     return prompts, chats
 
@@ -120,8 +128,9 @@ class Mix:
         return key
 
 
-def make_specs(seed: int, model: str, count: int | None = None,
-               start: int = 0) -> tuple[Iterator[Spec], Mix]:  # fmt: skip
+def make_specs(
+    seed: int, model: str, count: int | None = None, start: int = 0
+) -> tuple[Iterator[Spec], Mix]:
     """``count`` specs (None: endless), numbered from ``start``, drawn with
     ``seed``; and the :class:`Mix` whose references they name (every
     reference the mix can name is registered up front)."""
@@ -136,8 +145,15 @@ def make_specs(seed: int, model: str, count: int | None = None,
         return mix.reference(CHATS, {"model": model, "messages": messages, **greedy})
 
     def seeded_body(prompt, s) -> dict[str, Any]:
-        return {"model": model, "prompt": prompt, "n": 2, "seed": s, "temperature": 0.8,
-                "max_tokens": SEEDED_MAX_TOKENS, "return_token_ids": True}  # fmt: skip
+        return {
+            "model": model,
+            "prompt": prompt,
+            "n": 2,
+            "seed": s,
+            "temperature": 0.8,
+            "max_tokens": SEEDED_MAX_TOKENS,
+            "return_token_ids": True,
+        }
 
     for p in prompts:
         completion_ref(p)
@@ -154,33 +170,48 @@ def make_specs(seed: int, model: str, count: int | None = None,
         prompt = rng.choice(prompts)
         messages = rng.choice(chats)
         if shape in ("completion", "completion-stream"):
-            body = {"model": model, "prompt": prompt, **greedy,
-                    "stream": shape.endswith("stream")}  # fmt: skip
+            body = {"model": model, "prompt": prompt, **greedy, "stream": shape.endswith("stream")}
             return Spec(i, shape, COMPLETIONS, body, ((completion_ref(prompt), 0),))
         if shape in ("chat", "chat-stream"):
-            body = {"model": model, "messages": messages, **greedy,
-                    "stream": shape.endswith("stream")}  # fmt: skip
+            body = {
+                "model": model,
+                "messages": messages,
+                **greedy,
+                "stream": shape.endswith("stream"),
+            }
             return Spec(i, shape, CHATS, body, ((chat_ref(messages), 0),))
         if shape == "prompt-list":
             a, b = rng.sample([p for p in prompts if isinstance(p, list)], 2)
             body = {"model": model, "prompt": [a, b], **greedy}
-            return Spec(i, shape, COMPLETIONS, body, ((completion_ref(a), 0),
-                                                      (completion_ref(b), 0)))  # fmt: skip
+            return Spec(
+                i, shape, COMPLETIONS, body, ((completion_ref(a), 0), (completion_ref(b), 0))
+            )
         if shape == "n2-seeded":
             j = rng.randrange(6)
             body = seeded_body(prompts[j], SEEDS[j % len(SEEDS)])
             key = mix.reference(COMPLETIONS, body)
             return Spec(i, shape, COMPLETIONS, body, ((key, 0), (key, 1)))
-        cancel = {"max_tokens": CANCEL_MAX_TOKENS, "temperature": 0.0, "ignore_eos": True,
-                  "return_token_ids": True, "stream": True}  # fmt: skip
+        cancel = {
+            "max_tokens": CANCEL_MAX_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "stream": True,
+        }
         if shape == "cancel-completion":
             body = {"model": model, "prompt": prompt, **cancel}
             key = completion_ref(prompt)
         else:
             body = {"model": model, "messages": messages, **cancel}
             key = chat_ref(messages)
-        return Spec(i, shape, body=body, path=COMPLETIONS if "prompt" in body else CHATS,
-                    expect=((key, 0),), cancel_after=CANCEL_AFTER_CHUNKS)  # fmt: skip
+        return Spec(
+            i,
+            shape,
+            body=body,
+            path=COMPLETIONS if "prompt" in body else CHATS,
+            expect=((key, 0),),
+            cancel_after=CANCEL_AFTER_CHUNKS,
+        )
 
     def specs() -> Iterator[Spec]:
         i = start
@@ -225,8 +256,9 @@ class _Failed(Exception):
         self.detail = detail
 
 
-def _choice_tokens(choices: Iterable[dict], into: dict[int, list[int]],
-                   finished: dict[int, str]) -> int:  # fmt: skip
+def _choice_tokens(
+    choices: Iterable[dict], into: dict[int, list[int]], finished: dict[int, str]
+) -> int:
     """Add the token ids of ``choices`` (by index); the number of new tokens."""
     added = 0
     for choice in choices or []:
@@ -239,8 +271,9 @@ def _choice_tokens(choices: Iterable[dict], into: dict[int, list[int]],
     return added
 
 
-async def _send(session: aiohttp.ClientSession, url: str, spec: Spec,
-                timeout_s: float) -> tuple[int, dict[int, list[int]], bool, float | None]:  # fmt: skip
+async def _send(
+    session: aiohttp.ClientSession, url: str, spec: Spec, timeout_s: float
+) -> tuple[int, dict[int, list[int]], bool, float | None]:
     """(status, token ids by choice index, cancelled by us, time to first byte)."""
     started = time.monotonic()
     tokens: dict[int, list[int]] = {}
@@ -286,8 +319,12 @@ async def _send(session: aiohttp.ClientSession, url: str, spec: Spec,
         return 200, tokens, False, ttfb
 
 
-def judge(spec: Spec, tokens: dict[int, list[int]], cancelled: bool,
-          references: dict[str, list[list[int]]]) -> tuple[str, str]:  # fmt: skip
+def judge(
+    spec: Spec,
+    tokens: dict[int, list[int]],
+    cancelled: bool,
+    references: dict[str, list[list[int]]],
+) -> tuple[str, str]:
     """(outcome, detail) of a complete answer against the references."""
     for i, (key, ref_index) in enumerate(spec.expect):
         expected = references.get(key)
@@ -388,8 +425,10 @@ class TrafficRun:
         # stale pooled connection's (a restarted router would show those).
         connector = aiohttp.TCPConnector(limit=self.concurrency * 2, force_close=True)
         async with aiohttp.ClientSession(connector=connector) as session:
-            workers = [asyncio.create_task(self._worker(session, deadline))
-                       for _ in range(self.concurrency)]  # fmt: skip
+            workers = [
+                asyncio.create_task(self._worker(session, deadline))
+                for _ in range(self.concurrency)
+            ]
             await asyncio.gather(*workers)
 
     async def _worker(self, session: aiohttp.ClientSession, deadline: float) -> None:
@@ -426,19 +465,22 @@ class TrafficRun:
             outcome, detail = "failed", f"{type(e).__name__}: {e}"[:300]
         finally:
             self.in_flight -= 1
-        return Record(spec.index, spec.shape, start, self.now(), status, outcome, detail,
-                      ttfb, hang)  # fmt: skip
+        return Record(
+            spec.index, spec.shape, start, self.now(), status, outcome, detail, ttfb, hang
+        )
 
 
-def compute_references(url: str, mix: Mix, *, concurrency: int = 8,
-                       timeout_s: float = 120.0) -> dict[str, list[list[int]]]:  # fmt: skip
+def compute_references(
+    url: str, mix: Mix, *, concurrency: int = 8, timeout_s: float = 120.0
+) -> dict[str, list[list[int]]]:
     """Token ids per choice of every reference body, asked of ``url`` (a
     colocated server) once each; raises if any fails."""
 
     async def one(session, sem, key, path, body) -> tuple[str, list[list[int]]]:
         async with sem:
-            async with session.post(url + path, json=body,
-                                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:  # fmt: skip
+            async with session.post(
+                url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
                 text = await resp.text()
                 if resp.status != 200:
                     raise RuntimeError(f"reference {key[:120]}: HTTP {resp.status} {text[:300]}")
@@ -448,8 +490,12 @@ def compute_references(url: str, mix: Mix, *, concurrency: int = 8,
     async def main() -> dict[str, list[list[int]]]:
         sem = asyncio.Semaphore(concurrency)
         async with aiohttp.ClientSession() as session:
-            pairs = await asyncio.gather(*(one(session, sem, key, path, body)
-                                           for key, (path, body) in mix.references.items()))  # fmt: skip
+            pairs = await asyncio.gather(
+                *(
+                    one(session, sem, key, path, body)
+                    for key, (path, body) in mix.references.items()
+                )
+            )
         return dict(pairs)
 
     return asyncio.run(main())
@@ -477,8 +523,10 @@ def summarize(records: list[Record]) -> dict[str, Any]:
         "wrong": outcomes.get("wrong", 0),
         "cancelled": outcomes.get("cancelled", 0),
         "hangs": sum(r.hang for r in records),
-        "by_shape": {shape: dict(Counter(r.outcome for r in records if r.shape == shape))
-                     for shape in sorted({r.shape for r in records})},  # fmt: skip
+        "by_shape": {
+            shape: dict(Counter(r.outcome for r in records if r.shape == shape))
+            for shape in sorted({r.shape for r in records})
+        },
         "latency_s": {
             "p50": _round(percentile(ok_latency, 50)),
             "p90": _round(percentile(ok_latency, 90)),
@@ -503,8 +551,7 @@ def recovery(records: list[Record], fault_at: float) -> dict[str, Any]:
     """
     bad = [r for r in records if r.outcome in ("failed", "wrong")]
     after = sorted((r for r in records if r.start >= fault_at), key=lambda r: r.start)
-    last_bad_start = max((r.start for r in after if r.outcome in ("failed", "wrong")),
-                         default=None)  # fmt: skip
+    last_bad_start = max((r.start for r in after if r.outcome in ("failed", "wrong")), default=None)
     if last_bad_start is None:
         recovered = 0.0
     else:

@@ -59,9 +59,7 @@ class Role(str, enum.Enum):
 
     @classmethod
     def from_kv_role(cls, kv_role: str) -> Role:
-        return {"kv_producer": cls.PREFILL, "kv_consumer": cls.DECODE, "kv_both": cls.BOTH}[
-            kv_role
-        ]
+        return {"kv_producer": cls.PREFILL, "kv_consumer": cls.DECODE, "kv_both": cls.BOTH}[kv_role]
 
 
 class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True):
@@ -151,8 +149,10 @@ def validate(msg: Message) -> None:
     if isinstance(msg, Register):
         for name in ("http_addr", "kv_addr"):
             value = getattr(msg, name)
-            need(len(value) <= MAX_ADDR_CHARS and bool(_ADDR_RE.match(value)),
-                 f"{name} must be host:port")  # fmt: skip
+            need(
+                len(value) <= MAX_ADDR_CHARS and bool(_ADDR_RE.match(value)),
+                f"{name} must be host:port",
+            )
             need(0 < int(value.rsplit(":", 1)[1]) < 65536, f"{name} port out of range")
         need(len(msg.aliases) <= MAX_ALIASES, f"more than {MAX_ALIASES} aliases")
         for name in (msg.model, *msg.aliases):

@@ -57,8 +57,13 @@ def _mac(token: bytes, prefill_addr: str, decode_addr: str, key: str, expires: i
 
 
 def make_grant(
-    token: bytes, prefill_addr: str, decode_addr: str, key: str,
-    *, ttl_s: float = DEFAULT_GRANT_TTL_S, now: float | None = None,
+    token: bytes,
+    prefill_addr: str,
+    decode_addr: str,
+    key: str,
+    *,
+    ttl_s: float = DEFAULT_GRANT_TTL_S,
+    now: float | None = None,
 ) -> str:
     """The grant for one transfer of ``key`` from ``prefill_addr`` to ``decode_addr``."""
     if not token:

@@ -137,9 +137,7 @@ def split_addr(addr: Any, label: str = "address") -> tuple[str, int]:
 def _split_valid_addr(addr: str, label: str) -> tuple[str, int]:
     match = _ADDR_RE.fullmatch(addr)
     if match is None:
-        raise PeerInfoError(
-            f"{label}: {_show(addr)} is not 'host:port' (IPv6 as '[addr]:port')"
-        )
+        raise PeerInfoError(f"{label}: {_show(addr)} is not 'host:port' (IPv6 as '[addr]:port')")
     return _check_host(label, match["host"]), _check_port(label, match["port"])
 
 
@@ -193,9 +191,7 @@ def is_loopback(host: str) -> bool:
 
 def check_key(key: Any, label: str = "key") -> str:
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-        raise PeerInfoError(
-            f"{label}: {_show(key)} is not 1..{MAX_KEY_CHARS} letters or digits"
-        )
+        raise PeerInfoError(f"{label}: {_show(key)} is not 1..{MAX_KEY_CHARS} letters or digits")
     return key
 
 
@@ -221,8 +217,7 @@ def _from_params(params: dict) -> PeerInfo:
     for name in PEER_INFO_KEYS:
         if name not in params:
             raise PeerInfoError(
-                f"kv_transfer_params.{name}: missing; give "
-                f"{', '.join(PEER_INFO_KEYS)} together"
+                f"kv_transfer_params.{name}: missing; give {', '.join(PEER_INFO_KEYS)} together"
             )
     label = "kv_transfer_params."
     p_host, p_port = split_addr(params[PREFILL_ADDR_KEY], label + PREFILL_ADDR_KEY)
@@ -243,7 +238,7 @@ def _from_request_id(request_id: str) -> PeerInfo | None:
     match = _ID_RE.match(request_id, start)
     if match is None:
         raise PeerInfoError(
-            f"request id: {_show(request_id[start:start + 80])} is not "
+            f"request id: {_show(request_id[start : start + 80])} is not "
             f"'{PREFILL_MARKER}host:port{DECODE_MARKER}host:port_key' "
             f"(key: 1..{MAX_KEY_CHARS} letters or digits, IPv6 hosts in brackets)"
         )
@@ -271,4 +266,3 @@ def parse_peer_info(request_id: str, kv_transfer_params: dict | None) -> PeerInf
     if not isinstance(request_id, str):
         raise PeerInfoError(f"request id: {_show(request_id)} is not a string")
     return _from_request_id(request_id)
-

@@ -38,22 +38,43 @@ PROMPTS = [
 ]
 CHAT = [{"role": "user", "content": "Tell me about prefill and decode."}]
 SERVER_ARGS = [
-    "--max-model-len", "512", "--max-num-seqs", "8", "--dtype", "float32", "--seed", "0",
-    "--block-size", "32", "--enforce-eager",
-]  # fmt: skip
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "8",
+    "--dtype",
+    "float32",
+    "--seed",
+    "0",
+    "--block-size",
+    "32",
+    "--enforce-eager",
+]
 
 
-def _instance(model: Path, role: str, router: RouterProcess, log_dir: Path, name: str,
-              extra_args: list[str] = (), kv_port: int | None = None) -> VllmServer:  # fmt: skip
+def _instance(
+    model: Path,
+    role: str,
+    router: RouterProcess,
+    log_dir: Path,
+    name: str,
+    extra_args: list[str] = (),
+    kv_port: int | None = None,
+) -> VllmServer:
     port = get_free_port()
     config = kv_transfer_config(
-        role, kv_port or free_kv_port(), proxy_ip="127.0.0.1",
-        proxy_port=str(router.discovery_port), http_port=str(port),
-    )  # fmt: skip
+        role,
+        kv_port or free_kv_port(),
+        proxy_ip="127.0.0.1",
+        proxy_port=str(router.discovery_port),
+        http_port=str(port),
+    )
     return VllmServer(
-        model, [*SERVER_ARGS, *extra_args, "--kv-transfer-config", config],
-        log_path=log_dir / f"{name}.log", port=port,
-    )  # fmt: skip
+        model,
+        [*SERVER_ARGS, *extra_args, "--kv-transfer-config", config],
+        log_path=log_dir / f"{name}.log",
+        port=port,
+    )
 
 
 def _wait_with_progress(servers: dict[str, VllmServer], started: float) -> None:
@@ -80,15 +101,25 @@ def _completion_text(body: dict) -> str:
 def _ask_all(target, max_tokens: int) -> list[tuple[str, str]]:
     """(label, answer) for every request of the demo, sent to ``target``."""
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        texts = list(pool.map(
-            lambda p: _completion_text(openai_client.complete(
-                target, p, max_tokens=max_tokens, temperature=0.0)),
-            PROMPTS,
-        ))  # fmt: skip
+        texts = list(
+            pool.map(
+                lambda p: _completion_text(
+                    openai_client.complete(target, p, max_tokens=max_tokens, temperature=0.0)
+                ),
+                PROMPTS,
+            )
+        )
     answers = [(f"completion {p!r}", t) for p, t in zip(PROMPTS, texts)]
-    answers.append((f"streamed {PROMPTS[0]!r}", openai_client.streamed_text(
-        openai_client.stream_completion(target, PROMPTS[0], max_tokens=max_tokens, temperature=0.0)
-    )))
+    answers.append(
+        (
+            f"streamed {PROMPTS[0]!r}",
+            openai_client.streamed_text(
+                openai_client.stream_completion(
+                    target, PROMPTS[0], max_tokens=max_tokens, temperature=0.0
+                )
+            ),
+        )
+    )
     chat = openai_client.chat(target, CHAT, max_tokens=max_tokens, temperature=0.0)
     answers.append((f"chat {CHAT[0]['content']!r}", chat["choices"][0]["message"]["content"]))
     return answers
@@ -110,29 +141,46 @@ def main() -> int:
     print(f"  router at {router.url}, discovery on port {router.discovery_port}", flush=True)
 
     rpc_port, d_kv_port = get_free_port(), free_kv_port()
-    dp = ["--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
-          "--data-parallel-rpc-port", str(rpc_port)]  # fmt: skip
+    dp = [
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        str(rpc_port),
+    ]
     servers = {
         "prefill": _instance(model, "kv_producer", router, log_dir, "prefill"),
         **{
             f"decode DP rank {rank}": _instance(
-                model, "kv_consumer", router, log_dir, f"decode-rank{rank}",
-                [*dp, "--data-parallel-rank", str(rank)], kv_port=d_kv_port,
-            )  # fmt: skip
+                model,
+                "kv_consumer",
+                router,
+                log_dir,
+                f"decode-rank{rank}",
+                [*dp, "--data-parallel-rank", str(rank)],
+                kv_port=d_kv_port,
+            )
             for rank in (0, 1)
         },
     }
-    print(f"starting 1 prefill + 1 decode (DP=2) instance of {model.name} on CPU "
-          f"(logs: {log_dir}/); this takes a few minutes on 2 cores", flush=True)  # fmt: skip
+    print(
+        f"starting 1 prefill + 1 decode (DP=2) instance of {model.name} on CPU "
+        f"(logs: {log_dir}/); this takes a few minutes on 2 cores",
+        flush=True,
+    )
     try:
         for server in servers.values():
             server.launch()
         _wait_with_progress(servers, started)
-        router.wait_for_instances(lambda found: len(found) >= 3, timeout_s=30,
-                                  what="all three registrations")  # fmt: skip
+        router.wait_for_instances(
+            lambda found: len(found) >= 3, timeout_s=30, what="all three registrations"
+        )
         for inst in router.instances():
-            print(f"  registered: {inst['role']:7} dp_rank {inst['dp_rank']} {inst['http_addr']} "
-                  f"(KV at {inst['kv_addr']})")  # fmt: skip
+            print(
+                f"  registered: {inst['role']:7} dp_rank {inst['dp_rank']} {inst['http_addr']} "
+                f"(KV at {inst['kv_addr']})"
+            )
 
         print("\ncolocated run (the prefill instance, requests naming no peers) ...", flush=True)
         colocated = _ask_all(servers["prefill"], args.max_tokens)
@@ -144,16 +192,24 @@ def main() -> int:
         for (label, expected), (_, got) in zip(colocated, routed):
             same = got == expected
             matches += same
-            print(f"\n{label}\n  router:    {got!r}\n  colocated: {expected!r}\n  "
-                  f"{'same' if same else 'DIFFERENT'}")  # fmt: skip
+            print(
+                f"\n{label}\n  router:    {got!r}\n  colocated: {expected!r}\n  "
+                f"{'same' if same else 'DIFFERENT'}"
+            )
         received = sum(
-            sum(servers[f"decode DP rank {rank}"].metrics("vllm:p2p_bytes_received").get(
-                name, {}).values())
+            sum(
+                servers[f"decode DP rank {rank}"]
+                .metrics("vllm:p2p_bytes_received")
+                .get(name, {})
+                .values()
+            )
             for rank in (0, 1)
             for name in ("vllm:p2p_bytes_received", "vllm:p2p_bytes_received_total")
-        )  # fmt: skip
-        print(f"\n{matches} of {len(routed)} answers through the router match the colocated run"
-              + ("" if matches == len(routed) else " (MISMATCH)"))
+        )
+        print(
+            f"\n{matches} of {len(routed)} answers through the router match the colocated run"
+            + ("" if matches == len(routed) else " (MISMATCH)")
+        )
         print(f"the decode ranks received {received / 1024:.0f} KiB of KV from the prefill")
         return 0 if matches == len(routed) else 1
     except (ServerStartupError, TimeoutError) as exc:

@@ -38,6 +38,8 @@ from vllm_disagg.testing.openai_client import (
     complete,
     random_prompt,
     stream_completion,
+)
+from vllm_disagg.testing.openai_client import (
     token_ids as chunk_token_ids,
 )
 from vllm_disagg.testing.server import VllmServer, get_free_port
@@ -48,8 +50,15 @@ pytestmark = pytest.mark.e2e
 
 NUM_REQUESTS = 200
 COMMON_ARGS = [
-    "--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--dtype", "float32",
-]  # fmt: skip
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "32",
+    "--seed",
+    "0",
+    "--dtype",
+    "float32",
+]
 # torch.compile is the subject of the DP=1 reference and the shared DP=2
 # server only (their outputs must agree, test_200_mixed_...). The other
 # servers test step sync, and compiling the tiny MoE for each DP=2 start
@@ -153,8 +162,9 @@ def run_all(server: VllmServer, jobs: list[Job], workers: int = 48) -> dict[int,
         return dict(results)
 
 
-def wait_until_still(read, timeout_s: float, what: str, ok=lambda value: True,
-                     interval_s: float = 1.0):
+def wait_until_still(
+    read, timeout_s: float, what: str, ok=lambda value: True, interval_s: float = 1.0
+):
     """Read until two reads ``interval_s`` apart are equal (and ``ok``);
     return that value, or fail after ``timeout_s`` naming ``what``."""
     deadline = time.monotonic() + timeout_s
@@ -184,8 +194,9 @@ def wait_for_settled_steps(servers: list[VllmServer], timeout_s: float = DRAIN_T
         local, coord = steps
         return bool(local) and local == coord and len(set(local.values())) == 1
 
-    local, _ = wait_until_still(read, timeout_s, "ranks did not settle (local, coordinator)",
-                                ok=settled)  # fmt: skip
+    local, _ = wait_until_still(
+        read, timeout_s, "ranks did not settle (local, coordinator)", ok=settled
+    )
     return local
 
 
@@ -196,9 +207,14 @@ def dp1_reference(tiny_models, start_server):
         jobs = [
             Job(j.index, j.prompt, j.max_tokens, "plain")
             for j in [
-                *_workload(), *PAUSE_JOBS, HELD_JOB, *BUSY_JOBS, DRAIN_STREAM_JOB,
-                DRAIN_HELD_JOB, *SLEEP_JOBS,
-            ]  # fmt: skip
+                *_workload(),
+                *PAUSE_JOBS,
+                HELD_JOB,
+                *BUSY_JOBS,
+                DRAIN_STREAM_JOB,
+                DRAIN_HELD_JOB,
+                *SLEEP_JOBS,
+            ]
         ]
         return run_all(server, jobs)
     finally:
@@ -256,8 +272,9 @@ def test_no_wave_traffic_on_the_wire(dp2_server):
 
 
 def _coordinator_address(server: VllmServer) -> str:
-    match = re.search(r"step sync DP engine core dp_rank=0/\d+ .*coordinator=(tcp://\S+)",
-                      server.log_text())  # fmt: skip
+    match = re.search(
+        r"step sync DP engine core dp_rank=0/\d+ .*coordinator=(tcp://\S+)", server.log_text()
+    )
     assert match, "rank 0 did not log its coordinator address"
     return match.group(1)
 
@@ -267,12 +284,20 @@ def _stranger_frames(rng: random.Random) -> list[bytes]:
     garbage, truncated or oversized frames, and registrations and step
     requests for the real ranks with made-up MACs."""
     state = RankState(
-        version=PROTOCOL_VERSION, dp_rank=rng.randrange(2), dp_size=2, lookahead=2,
-        incarnation=rng.choice(["intruder", "restarted"]), seq=rng.randint(1, 2**40),
-        requested=rng.randint(0, 10**6), local_step=0, intent=rng.randint(0, 9),
-        want_pause=rng.random() < 0.5, pause_ready=rng.random() < 0.5,
-        leaving=rng.random() < 0.2, left=rng.random() < 0.2,
-    )  # fmt: skip
+        version=PROTOCOL_VERSION,
+        dp_rank=rng.randrange(2),
+        dp_size=2,
+        lookahead=2,
+        incarnation=rng.choice(["intruder", "restarted"]),
+        seq=rng.randint(1, 2**40),
+        requested=rng.randint(0, 10**6),
+        local_step=0,
+        intent=rng.randint(0, 9),
+        want_pause=rng.random() < 0.5,
+        pause_ready=rng.random() < 0.5,
+        leaving=rng.random() < 0.2,
+        left=rng.random() < 0.2,
+    )
     payload = msgspec.msgpack.encode(state)
     kind = rng.randrange(3)
     if kind == 0:
@@ -424,13 +449,17 @@ def dp2_delayed_lookup_server(tiny_models, start_server):
         [
             *COMMON_ARGS,
             *EAGER_ARGS,
-            "--data-parallel-size", "2",
-            "--kv-transfer-config", json.dumps(connector),
+            "--data-parallel-size",
+            "2",
+            "--kv-transfer-config",
+            json.dumps(connector),
             # Drain on SIGTERM; one API server, which upstream drains too
             # (with one per rank, upstream's API servers cut streams at once).
-            "--shutdown-timeout", str(int(SHUTDOWN_TIMEOUT_S)),
-            "--api-server-count", "1",
-        ],  # fmt: skip
+            "--shutdown-timeout",
+            str(int(SHUTDOWN_TIMEOUT_S)),
+            "--api-server-count",
+            "1",
+        ],
         name="stepsync-dp2-delayed-lookup",
     )
     yield server
@@ -510,12 +539,17 @@ def test_sigterm_drains_in_flight_work_and_the_group_leaves_at_one_step(
         started = threading.Event()
         progress: dict[int, int] = {}
         stream = pool.submit(
-            run_job, server, DRAIN_STREAM_JOB, on_first_chunk=started.set, dp_rank=1,
+            run_job,
+            server,
+            DRAIN_STREAM_JOB,
+            on_first_chunk=started.set,
+            dp_rank=1,
             progress=progress,
-        )  # fmt: skip
+        )
         release = tmp_path / "release-held"
-        held = pool.submit(run_job, server, DRAIN_HELD_JOB, dp_rank=1,
-                           kv_transfer_params=_hold(release))  # fmt: skip
+        held = pool.submit(
+            run_job, server, DRAIN_HELD_JOB, dp_rank=1, kv_transfer_params=_hold(release)
+        )
         assert started.wait(60), "the stream never started"
         deadline = time.monotonic() + 30
         while waiting_requests(server, 1) < 1:
@@ -539,8 +573,13 @@ def test_sigterm_drains_in_flight_work_and_the_group_leaves_at_one_step(
     log = server.log_text()
     assert returncode == 0, server.log_tail()
     assert "step sync: DP group leaves at step" in log, server.log_tail()
-    for failure in ("StepSyncFailure", "silent for", "aborted the DP group", "did not stop",
-                    "leaves the DP group alone"):  # fmt: skip
+    for failure in (
+        "StepSyncFailure",
+        "silent for",
+        "aborted the DP group",
+        "did not stop",
+        "leaves the DP group alone",
+    ):
         assert failure not in log, f"{failure!r} in the log of a clean shutdown"
 
 
@@ -562,12 +601,17 @@ def external_lb(tiny_models, start_server):
             [
                 *COMMON_ARGS,
                 *EAGER_ARGS,
-                "--data-parallel-size", "2",
-                "--data-parallel-rank", str(rank),
-                "--data-parallel-address", "127.0.0.1",
-                "--data-parallel-rpc-port", str(rpc_port),
-                "--additional-config", options,
-            ],  # fmt: skip
+                "--data-parallel-size",
+                "2",
+                "--data-parallel-rank",
+                str(rank),
+                "--data-parallel-address",
+                "127.0.0.1",
+                "--data-parallel-rpc-port",
+                str(rpc_port),
+                "--additional-config",
+                options,
+            ],
             name=f"stepsync-extlb-rank{rank}",
             wait=False,
         )

@@ -66,15 +66,23 @@ def _run_example(model: Path, dp_size: int, workdir: Path) -> tuple[dict, str, f
     out = workdir / f"tokens-dp{dp_size}.json"
     log_path = workdir / f"offline-dp{dp_size}.log"
     cmd = [
-        sys.executable, str(EXAMPLE),
-        "--model", str(model),
-        "--dp-size", str(dp_size),
-        "--dtype", "float32",
-        "--max-model-len", "512",
-        "--output", str(out),
-        "--startup-timeout", str(STARTUP_TIMEOUT_S),
-        "--timeout", str(GENERATE_TIMEOUT_S),
-    ]  # fmt: skip
+        sys.executable,
+        str(EXAMPLE),
+        "--model",
+        str(model),
+        "--dp-size",
+        str(dp_size),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--output",
+        str(out),
+        "--startup-timeout",
+        str(STARTUP_TIMEOUT_S),
+        "--timeout",
+        str(GENERATE_TIMEOUT_S),
+    ]
     started = time.monotonic()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

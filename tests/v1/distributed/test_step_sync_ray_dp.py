@@ -33,12 +33,21 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.e2e
 
 ARGS = [
-    "--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0", "--dtype", "float32",
-    "--data-parallel-size", "2",
-    "--data-parallel-backend", "ray",
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "32",
+    "--seed",
+    "0",
+    "--dtype",
+    "float32",
+    "--data-parallel-size",
+    "2",
+    "--data-parallel-backend",
+    "ray",
     # Step sync over Ray is the subject, not torch.compile (about 45 s of it).
     "--enforce-eager",
-]  # fmt: skip
+]
 RAY_ENV = {
     # 2 DP ranks x (1 worker bundle + 1 engine-actor bundle) logical CPUs.
     "RAY_OVERRIDE_RESOURCES": '{"CPU": 8}',

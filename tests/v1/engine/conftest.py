@@ -37,5 +37,3 @@ def group():
             engine.close()
         if proxy is not None:
             proxy.close()
-
-

@@ -6,6 +6,8 @@ import random
 import time
 
 import pytest
+from step_sync_helpers import settled as _settled
+from step_sync_helpers import wait_until
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.v1.engine.step_sync import (
@@ -18,9 +20,6 @@ from vllm_disagg.v1.engine.step_sync import (
     new_group_secret,
     seal,
 )
-
-from step_sync_helpers import settled as _settled
-from step_sync_helpers import wait_until
 
 
 @pytest.mark.parametrize("lookahead", [1, 2, 8])
@@ -65,10 +64,20 @@ def _seal(secret, msg):
 
 def _rank_state(rank, seq, requested=0, local_step=0, **overrides):
     fields = dict(
-        version=2, dp_rank=rank, dp_size=2, lookahead=2, incarnation="intruder", seq=seq,
-        requested=requested, local_step=local_step, intent=0, want_pause=False,
-        pause_ready=False, leaving=False, left=False,
-    )  # fmt: skip
+        version=2,
+        dp_rank=rank,
+        dp_size=2,
+        lookahead=2,
+        incarnation="intruder",
+        seq=seq,
+        requested=requested,
+        local_step=local_step,
+        intent=0,
+        want_pause=False,
+        pause_ready=False,
+        leaving=False,
+        left=False,
+    )
     fields.update(overrides)
     return RankState(**fields)
 

@@ -26,6 +26,7 @@ from vllm_disagg.v1.engine.core_client import (
     StepSyncSyncMPClient,
 )
 
+
 def _upstream_class(name: str) -> type:
     """Upstream's class even when the patch is applied in this process."""
     cls = getattr(upstream, name)

@@ -42,11 +42,20 @@ class Rank:
     def __init__(self, rank: int, config: StepSyncConfig = CONFIG, incarnation: str = ""):
         self.route = f"route-{rank}".encode()
         self.fields = dict(
-            version=PROTOCOL_VERSION, dp_rank=rank, dp_size=config.dp_size,
-            lookahead=config.lookahead, incarnation=incarnation or f"rank{rank}", seq=0,
-            requested=0, local_step=0, intent=0, want_pause=False, pause_ready=False,
-            leaving=False, left=False,
-        )  # fmt: skip
+            version=PROTOCOL_VERSION,
+            dp_rank=rank,
+            dp_size=config.dp_size,
+            lookahead=config.lookahead,
+            incarnation=incarnation or f"rank{rank}",
+            seq=0,
+            requested=0,
+            local_step=0,
+            intent=0,
+            want_pause=False,
+            pause_ready=False,
+            leaving=False,
+            left=False,
+        )
         self.sent: list[RankState] = []
         self.granted = 0  # the highest step that reached it
         self.group: GroupState | None = None
@@ -136,9 +145,10 @@ class Checked:
             return out
         missing = [r for r in range(cfg.dp_size) if r not in core.members]
         silent = [
-            r for r, s in self.accepted.items()
+            r
+            for r, s in self.accepted.items()
             if not s.left and self.now - self.last_seen[r] > cfg.peer_timeout_s
-        ]  # fmt: skip
+        ]
         late = missing and self.now > cfg.peer_timeout_s
         # A peer silent past its timeout (or a rank that never joined) fails the group; nothing
         # else does on a tick.
@@ -200,8 +210,9 @@ class Checked:
         elif core.failed is None:
             # No rank is granted a step the others were not: every member was told G.
             assert all(self.sent_step.get(route) == core.step for route in routes), (
-                self.sent_step, core.step,
-            )  # fmt: skip
+                self.sent_step,
+                core.step,
+            )
 
 
 # --- coordinator: random schedules ---------------------------------------------------------------
@@ -428,12 +439,14 @@ def test_a_rank_with_other_options_is_told_why_and_the_group_fails():
         ([b"route", b"payload", b"not a mac"], "unauthenticated_messages"),
         ([b"route", *seal(b"x" * 32, TO_COORDINATOR, Rank(0).state())], "unauthenticated_messages"),
         ([b"route", *seal(SECRET, TO_PARTICIPANT, Rank(0).state())], "unauthenticated_messages"),
-        ([b"route", *seal(SECRET, TO_COORDINATOR, Abort(PROTOCOL_VERSION, 1, "no"))],
-         "malformed_messages"),
+        (
+            [b"route", *seal(SECRET, TO_COORDINATOR, Abort(PROTOCOL_VERSION, 1, "no"))],
+            "malformed_messages",
+        ),
         ([b"route", *seal(SECRET, TO_COORDINATOR, Abort(1, 1, "old"))], "malformed_messages"),
         ([b"route", *seal(SECRET, TO_COORDINATOR, Rank(7).state())], "malformed_messages"),
     ],
-)  # fmt: skip
+)
 def test_frames_the_coordinator_drops_are_counted_and_change_nothing(frames, counter):
     group, _ = _joined()
     before = group.core.counters.snapshot()
@@ -543,25 +556,34 @@ class SimRank:
 
 def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank]]:
     rng = random.Random(seed)
-    cfg = StepSyncConfig(dp_size=rng.randint(2, 4), lookahead=rng.choice([1, 2, 8]),
-                         peer_timeout_s=1.0)  # fmt: skip
+    cfg = StepSyncConfig(
+        dp_size=rng.randint(2, 4), lookahead=rng.choice([1, 2, 8]), peer_timeout_s=1.0
+    )
     loss = rng.choice([0.0, 0.05, 0.2])
     coord = CoordinatorCore(cfg, SECRET)
     coord.start(0.0)
-    ranks = [SimRank(ParticipantCore(cfg, r, f"i{r}", SECRET), rng.randint(0, 40))
-             for r in range(cfg.dp_size)]  # fmt: skip
+    ranks = [
+        SimRank(ParticipantCore(cfg, r, f"i{r}", SECRET), rng.randint(0, 40))
+        for r in range(cfg.dp_size)
+    ]
     wire: list[tuple[float, int | None, list[bytes]]] = []  # (arrives at, to rank, frames)
 
     def to_coord(now: float, rank: int, msg: RankState | None) -> None:
         if msg is not None and rng.random() >= loss:
-            wire.append((now + rng.uniform(0, 0.01), None, [bytes([rank])] + seal(
-                SECRET, TO_COORDINATOR, msg)))  # fmt: skip
+            wire.append(
+                (
+                    now + rng.uniform(0, 0.01),
+                    None,
+                    [bytes([rank])] + seal(SECRET, TO_COORDINATOR, msg),
+                )
+            )
 
     def to_ranks(now: float, out: list) -> None:
         for route, msg in out:
             if rng.random() >= loss:
-                wire.append((now + rng.uniform(0, 0.01), route[0], seal(SECRET, TO_PARTICIPANT,
-                                                                        msg)))  # fmt: skip
+                wire.append(
+                    (now + rng.uniform(0, 0.01), route[0], seal(SECRET, TO_PARTICIPANT, msg))
+                )
 
     now = 0.0
     for r, sim in enumerate(ranks):

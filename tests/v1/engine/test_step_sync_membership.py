@@ -121,10 +121,20 @@ def test_a_participant_without_the_secret_cannot_join():
 
 def _state(rank, seq, **overrides):
     fields = dict(
-        version=2, dp_rank=rank, dp_size=2, lookahead=2, incarnation="intruder", seq=seq,
-        requested=0, local_step=0, intent=0, want_pause=False, pause_ready=False,
-        leaving=False, left=False,
-    )  # fmt: skip
+        version=2,
+        dp_rank=rank,
+        dp_size=2,
+        lookahead=2,
+        incarnation="intruder",
+        seq=seq,
+        requested=0,
+        local_step=0,
+        intent=0,
+        want_pause=False,
+        pause_ready=False,
+        leaving=False,
+        left=False,
+    )
     fields.update(overrides)
     return RankState(**fields)
 
@@ -196,8 +206,9 @@ def test_a_flood_of_foreign_forged_and_malformed_frames_changes_nothing(group, c
 
     def dropped():
         counts = coord.counters.snapshot()
-        return sum(counts[k] for k in ("unauthenticated_messages", "malformed_messages",
-                                       "stale_messages"))  # fmt: skip
+        return sum(
+            counts[k] for k in ("unauthenticated_messages", "malformed_messages", "stale_messages")
+        )
 
     flooder = threading.Thread(target=flood, daemon=True)
     flooder.start()

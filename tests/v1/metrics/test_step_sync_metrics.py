@@ -38,17 +38,32 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # runs the coordinator; "not_a_metric" must be ignored.
 SNAPSHOTS = {
     0: [
-        {"forward_steps": 3, "dummy_steps": 1, "local_step": 4, "coord_step": 4,
-         "coordinator_grants_sent": 2},
-        {"forward_steps": 10, "dummy_steps": 2, "local_step": 12, "coord_step": 12,
-         "coordinator_grants_sent": 9},
+        {
+            "forward_steps": 3,
+            "dummy_steps": 1,
+            "local_step": 4,
+            "coord_step": 4,
+            "coordinator_grants_sent": 2,
+        },
+        {
+            "forward_steps": 10,
+            "dummy_steps": 2,
+            "local_step": 12,
+            "coord_step": 12,
+            "coordinator_grants_sent": 9,
+        },
     ],
     1: [
         {"forward_steps": 0, "dummy_steps": 4, "local_step": 4, "coord_step": 4},
-        {"forward_steps": 5, "dummy_steps": 7, "local_step": 12, "coord_step": 12,
-         "not_a_metric": 99},
+        {
+            "forward_steps": 5,
+            "dummy_steps": 7,
+            "local_step": 12,
+            "coord_step": 12,
+            "not_a_metric": 99,
+        },
     ],
-}  # fmt: skip
+}
 EXPECTED = {
     f"{PREFIX}forward_steps_total": {0: 10.0, 1: 5.0},
     f"{PREFIX}dummy_steps_total": {0: 2.0, 1: 7.0},
@@ -225,7 +240,11 @@ def test_the_vllm_command_never_shares_an_inherited_snapshot_directory(tmp_path)
     env = clean_env(**{envs.VLLM_DISAGG_METRICS_DIR: str(inherited)})
     dirs = [
         subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
             check=True,
         ).stdout.strip()
         for _ in range(2)

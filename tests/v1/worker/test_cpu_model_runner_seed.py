@@ -234,10 +234,20 @@ def test_seeded_chunked_prompt_on_a_real_server(tiny_models, start_server):
     and the answer equals the one the same seed gives the same prompt from
     the prefix cache (one chunk, no discarded sample)."""
     args = [
-        "--max-model-len", "1024", "--max-num-seqs", "16", "--seed", "0",
-        "--dtype", "float32", "--block-size", "32", "--max-num-batched-tokens", "64",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "16",
+        "--seed",
+        "0",
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--max-num-batched-tokens",
+        "64",
         "--enforce-eager",
-    ]  # fmt: skip
+    ]
     server = start_server(tiny_models["tiny-llama"], args, name="cpu-seeded-requests")
     rng = random.Random(1)
     prompt = [rng.randrange(3, 500) for _ in range(200)]
@@ -250,8 +260,11 @@ def test_seeded_chunked_prompt_on_a_real_server(tiny_models, start_server):
 
     chunked = seeded()  # 64 + 64 + 64 + 8: three discarded samples
     cached = seeded()  # 192 tokens from the prefix cache, then 8: none
-    hits = sum(server.metrics(prefix="vllm:prefix_cache_hits_total").get(
-        "vllm:prefix_cache_hits_total", {}).values())  # in tokens
+    hits = sum(
+        server.metrics(prefix="vllm:prefix_cache_hits_total")
+        .get("vllm:prefix_cache_hits_total", {})
+        .values()
+    )  # in tokens
     assert server.proc.poll() is None, server.log_tail()
     assert hits >= 192, f"the second request should come from the prefix cache ({hits})"
     assert len(chunked) == 12 and chunked == cached

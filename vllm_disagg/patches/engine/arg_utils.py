@@ -82,11 +82,7 @@ def looks_like_local_path(model: str) -> bool:
     Hub ids are ``name`` or ``org/name``; anything absolute, starting with
     ``.`` or ``~``, or with more than one ``/`` is a path.
     """
-    return (
-        os.path.isabs(model)
-        or model.startswith((".", "~"))
-        or model.count("/") > 1
-    )
+    return os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
 
 
 def check_model_path(model: str) -> None:

@@ -34,6 +34,8 @@ from vllm.engine.arg_utils import EngineArgs, _expand_json_human_readable_number
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
     CONNECTOR_NAME as P2P_CONNECTOR_NAME,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
     P2pConfig,
     check_p2p_config,
     normalize_kv_transfer_json,
@@ -102,9 +104,7 @@ functools.update_wrapper(add_cli_args, _upstream_add_cli_args)
 def normalize_engine_args_kv_transfer(engine_args) -> None:
     """``EngineArgs(kv_transfer_config={...})``: the seed's spelling as a dict."""
     if isinstance(engine_args.kv_transfer_config, dict):
-        engine_args.kv_transfer_config = normalize_kv_transfer_json(
-            engine_args.kv_transfer_config
-        )
+        engine_args.kv_transfer_config = normalize_kv_transfer_json(engine_args.kv_transfer_config)
 
 
 def apply() -> None:

@@ -301,11 +301,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         if not self.has_work():
             # About to block: publish the state the group settled at.
             self._metrics.maybe_write(force=True)
-        elif (
-            not self.is_running()
-            and self._locally_drained()
-            and not self._dummy_due()
-        ):
+        elif not self.is_running() and self._locally_drained() and not self._dummy_due():
             # Shutting down with nothing to run but the group's decision to
             # come: wait for it (upstream's loop does not block once
             # shutdown was requested).

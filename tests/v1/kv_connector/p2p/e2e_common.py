@@ -22,12 +22,22 @@ from vllm_disagg.testing.server import get_free_port
 BLOCK_SIZE = 32
 MAX_BATCHED = 256
 COMMON_ARGS = [
-    "--max-model-len", "1024", "--max-num-seqs", "16", "--seed", "0", "--dtype", "float32",
-    "--block-size", str(BLOCK_SIZE), "--max-num-batched-tokens", str(MAX_BATCHED),
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "16",
+    "--seed",
+    "0",
+    "--dtype",
+    "float32",
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--max-num-batched-tokens",
+    str(MAX_BATCHED),
     # No torch.compile: a compile of a new shape at run time holds the worker's
     # GIL for tens of seconds on these 2-core machines and starves the P2P threads.
     "--enforce-eager",
-]  # fmt: skip
+]
 # Shorter than a block, one block, three blocks + 5, longer than one chunk.
 PROMPT_LENGTHS = (1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, MAX_BATCHED + 2 * BLOCK_SIZE + 7)
 MAX_TOKENS = 12
@@ -62,11 +72,16 @@ def colocated_reference(instance: P2pInstance, prompts: list[list[int]]) -> dict
     """Greedy outputs of ``instance`` asked with no peers named (the connector
     then does nothing: a plain `vllm serve` run), by ``key(prompt)``."""
     with ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(
-            lambda p: ids(instance.server.complete(p, max_tokens=MAX_TOKENS, temperature=0.0,
-                                                   return_token_ids=True)),
-            prompts,
-        ))  # fmt: skip
+        outs = list(
+            pool.map(
+                lambda p: ids(
+                    instance.server.complete(
+                        p, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+                    )
+                ),
+                prompts,
+            )
+        )
     return {key(p): o for p, o in zip(prompts, outs)}
 
 
@@ -95,8 +110,12 @@ def wait_all(instances: dict[str, P2pInstance]) -> None:
 
 def metric(inst: P2pInstance, name: str) -> float:
     values = inst.server.metrics(prefix=name)
-    return sum(v for metric, labels in values.items() if metric in (name, f"{name}_total")
-               for v in labels.values())  # fmt: skip
+    return sum(
+        v
+        for metric, labels in values.items()
+        if metric in (name, f"{name}_total")
+        for v in labels.values()
+    )
 
 
 def wait_metric(inst: P2pInstance, name: str, at_least: float, timeout_s: float = 15.0) -> float:
@@ -115,7 +134,11 @@ def check_lengths(prefill, decode, reference, *, prompts=None, via_params=False)
     equals the colocated run."""
     for prompt in LENGTH_PROMPTS if prompts is None else prompts:
         out = disaggregated_completion(
-            prefill, decode, prompt, max_tokens=MAX_TOKENS, via_params=via_params,
+            prefill,
+            decode,
+            prompt,
+            max_tokens=MAX_TOKENS,
+            via_params=via_params,
             return_token_ids=True,
-        )  # fmt: skip
+        )
         assert ids(out) == reference[key(prompt)], f"prompt of {len(prompt)} tokens"

@@ -31,10 +31,13 @@ from vllm_disagg.wire.peers import (
 KEY = "0123456789abcdef0123456789abcdef"
 ADDRS = [
     ("10.0.0.1:21001", "10.0.0.2:22001", ("10.0.0.1", 21001, "10.0.0.2", 22001)),
-    ("prefill-0.svc.local:21001", "decode-1:22001",
-     ("prefill-0.svc.local", 21001, "decode-1", 22001)),
+    (
+        "prefill-0.svc.local:21001",
+        "decode-1:22001",
+        ("prefill-0.svc.local", 21001, "decode-1", 22001),
+    ),
     ("[::1]:21001", "[2001:db8::2]:22001", ("::1", 21001, "2001:db8::2", 22001)),
-]  # fmt: skip
+]
 
 
 def test_protocol_version_and_keys():
@@ -85,8 +88,10 @@ def test_params_win_over_the_id():
     params = {**make_kv_transfer_params("10.9.9.9:1", "10.8.8.8:2", "fromparams"), "x": 1}
     peer = parse_peer_info(request_id, params)
     assert (peer.prefill_addr, peer.decode_addr, peer.key) == (
-        "10.9.9.9:1", "10.8.8.8:2", "fromparams"
-    )  # fmt: skip
+        "10.9.9.9:1",
+        "10.8.8.8:2",
+        "fromparams",
+    )
     # Other params (prompt_token_ids, ...) do not count as naming peers.
     assert parse_peer_info(request_id, {"prompt_token_ids": [1, 2]}).key == "fromid"
     assert parse_peer_info(request_id, ["not", "a", "dict"]).key == "fromid"
@@ -163,8 +168,10 @@ def test_fields_never_run_into_each_other():
     other = make_request_id("10.0.0.3:1", "10.0.0.4:2", "second")
     peer = parse_peer_info(f"cmpl-{proxy_id}_{other}-0-af5c0d3e", None)
     assert (peer.prefill_addr, peer.decode_addr, peer.key) == (
-        "10.0.0.1:21001", "10.0.0.2:22001", "first"
-    )  # fmt: skip
+        "10.0.0.1:21001",
+        "10.0.0.2:22001",
+        "first",
+    )
     assert parse_peer_info(f"{proxy_id[:-1]}-{'9' * 50}", None).key == "firs"
     assert parse_peer_info(make_request_id("h:1", "h:2", "k" * 128) + "-0", None).key == "k" * 128
 
@@ -212,9 +219,25 @@ def test_huge_inputs_are_cheap():
 
 
 _FRAGMENTS = st.sampled_from(
-    [PREFILL_MARKER, DECODE_MARKER, "_", "-", ":", "[", "]", "::1", "10.0.0.1", "21001",
-     "99999", "abc", "host.name", "-0-af5c0d3e", "cmpl-", "%"]
-)  # fmt: skip
+    [
+        PREFILL_MARKER,
+        DECODE_MARKER,
+        "_",
+        "-",
+        ":",
+        "[",
+        "]",
+        "::1",
+        "10.0.0.1",
+        "21001",
+        "99999",
+        "abc",
+        "host.name",
+        "-0-af5c0d3e",
+        "cmpl-",
+        "%",
+    ]
+)
 _IDS = st.one_of(
     st.text(max_size=300),
     st.lists(st.one_of(_FRAGMENTS, st.text(max_size=8)), max_size=30).map("".join),
@@ -253,9 +276,7 @@ _HOSTS = st.sampled_from(
     ["10.0.0.1", "[::1]", "[2001:db8::7]", "node-1.example.com", "localhost", "a"]
 )
 _BAD_HOSTS = st.sampled_from(["::1", "[::x]", "a_b", "300.1.1.1", "-a", "", "[]", "a..b"])
-_KEYS = st.text(
-    st.sampled_from("0123456789abcdefXYZ"), min_size=1, max_size=MAX_KEY_CHARS
-)
+_KEYS = st.text(st.sampled_from("0123456789abcdefXYZ"), min_size=1, max_size=MAX_KEY_CHARS)
 _WRAPS = st.sampled_from(["{}", "cmpl-{}-0-af5c0d3e", "chatcmpl-{}-1a2b3c4d", "3_cmpl-{}-0-00"])
 
 
@@ -283,7 +304,9 @@ def test_fuzz_structured_ids(wrap, parts, damage):
         return
     if damage is None:
         assert (peer.prefill_addr, peer.decode_addr, peer.key) == (
-            f"{p_host}:{p_port}", f"{d_host}:{d_port}", key
-        )  # fmt: skip
+            f"{p_host}:{p_port}",
+            f"{d_host}:{d_port}",
+            key,
+        )
     else:
         assert peer is not None

@@ -176,9 +176,16 @@ def test_default_host_is_the_address_vllm_serve_listens_on(monkeypatch):
     monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_PORT, raising=False)
     monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
     export_serve_host(["serve", "m", "--host", "127.0.0.1"])
-    obj = {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both", "kv_port": 21001,
-           "kv_connector_extra_config": {"proxy_ip": "127.0.0.1", "proxy_port": 30001,
-                                         "http_port": 20001}}  # fmt: skip
+    obj = {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_role": "kv_both",
+        "kv_port": 21001,
+        "kv_connector_extra_config": {
+            "proxy_ip": "127.0.0.1",
+            "proxy_port": 30001,
+            "http_port": 20001,
+        },
+    }
     config = P2pConfig.from_kv_transfer_config(KVTransferConfig(**obj))
     assert config.host == "127.0.0.1" and config.http_addr == "127.0.0.1:20001"
     assert not config.binds_beyond_loopback
@@ -198,8 +205,7 @@ def test_serve_port_is_the_one_vllm_serve_listens_on():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("1e1", 10), ("8e9", 8 * 10**9), (" 1e9 ", 10**9), (1e9, 10**9), (5, 5), ("0", 0),
-     (2.5, 2)],  # fmt: skip
+    [("1e1", 10), ("8e9", 8 * 10**9), (" 1e9 ", 10**9), (1e9, 10**9), (5, 5), ("0", 0), (2.5, 2)],
 )
 def test_kv_buffer_size(value, expected):
     assert _config({"kv_buffer_size": value}).kv_buffer_size == expected
@@ -213,8 +219,12 @@ def test_bad_kv_buffer_size(value):
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("PUT", SendType.PUT), ("get", SendType.GET), ("Put_Async", SendType.PUT_ASYNC),
-     (SendType.GET, SendType.GET)],  # fmt: skip
+    [
+        ("PUT", SendType.PUT),
+        ("get", SendType.GET),
+        ("Put_Async", SendType.PUT_ASYNC),
+        (SendType.GET, SendType.GET),
+    ],
 )
 def test_send_type_is_case_insensitive(value, expected):
     assert _config({"send_type": value}).send_type is expected
@@ -263,8 +273,12 @@ def test_transport(value, expected):
 
 @pytest.mark.parametrize(
     "host, expected",
-    [("::1", "::1"), ("[::1]", "::1"), ("host-1.example.com", "host-1.example.com"),
-     ("10.0.0.1", "10.0.0.1")],  # fmt: skip
+    [
+        ("::1", "::1"),
+        ("[::1]", "::1"),
+        ("host-1.example.com", "host-1.example.com"),
+        ("10.0.0.1", "10.0.0.1"),
+    ],
 )
 def test_hosts(host, expected):
     assert _config({"kv_ip": host}).host == expected
@@ -358,9 +372,11 @@ def test_http_port_inside_the_kv_ports_is_refused():
 
 def _vllm_config(kv_transfer_config, dp=1, tp=1, pp=1, external_lb=False):
     parallel = SimpleNamespace(
-        data_parallel_size=dp, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         data_parallel_external_lb=external_lb,
-    )  # fmt: skip
+    )
     return SimpleNamespace(kv_transfer_config=kv_transfer_config, parallel_config=parallel)
 
 
@@ -372,9 +388,10 @@ def test_check_p2p_config():
     assert check_p2p_config(_vllm_config(good, dp=2, tp=2)) is None
     assert _error(check_p2p_config, _vllm_config(good, dp=50000)).startswith("kv_port: 21001")
     bad = KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_role="kv_both",
+        kv_connector=CONNECTOR_NAME,
+        kv_role="kv_both",
         kv_connector_extra_config={"send_type": "PUSH"},
-    )  # fmt: skip
+    )
     assert _error(check_p2p_config, _vllm_config(bad)).startswith(
         "kv_connector_extra_config.send_type"
     )
@@ -385,15 +402,22 @@ def test_check_p2p_config():
 
 def _ktc(role, send_type):
     return KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_role=role, kv_port=21001,
+        kv_connector=CONNECTOR_NAME,
+        kv_role=role,
+        kv_port=21001,
         kv_connector_extra_config={"kv_ip": "127.0.0.1", "send_type": send_type},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(
     "role, send_type",
-    [("kv_consumer", "PUT"), ("kv_consumer", "PUT_ASYNC"), ("kv_producer", "GET"),
-     ("kv_both", "PUT_ASYNC"), ("kv_both", "GET")],  # fmt: skip
+    [
+        ("kv_consumer", "PUT"),
+        ("kv_consumer", "PUT_ASYNC"),
+        ("kv_producer", "GET"),
+        ("kv_both", "PUT_ASYNC"),
+        ("kv_both", "GET"),
+    ],
 )
 def test_internal_lb_refuses_what_needs_the_named_rank(role, send_type):
     message = _error(check_p2p_config, _vllm_config(_ktc(role, send_type), dp=2))
@@ -428,34 +452,63 @@ def test_internal_lb_check_needs_more_than_one_rank():
     "extra, proxy_ip, routers",
     [
         ({"proxy_ip": "10.0.0.1", "proxy_port": 30001}, "10.0.0.1", [("10.0.0.1", 30001)]),
-        ({"proxy_ip": "10.0.0.1,10.0.0.2", "proxy_port": "30001"}, "10.0.0.1,10.0.0.2",
-         [("10.0.0.1", 30001), ("10.0.0.2", 30001)]),
-        ({"proxy_ip": " r1.example.com , 10.0.0.2:30002 ", "proxy_port": 30001},
-         "r1.example.com,10.0.0.2:30002", [("r1.example.com", 30001), ("10.0.0.2", 30002)]),
-        ({"proxy_ip": ["10.0.0.1", "[::1]:30002", "::2"], "proxy_port": 30001},
-         "10.0.0.1,[::1]:30002,::2", [("10.0.0.1", 30001), ("::1", 30002), ("::2", 30001)]),
-        ({"proxy_ip": '["10.0.0.1:1", "10.0.0.1:2"]'}, "10.0.0.1:1,10.0.0.1:2",
-         [("10.0.0.1", 1), ("10.0.0.1", 2)]),
+        (
+            {"proxy_ip": "10.0.0.1,10.0.0.2", "proxy_port": "30001"},
+            "10.0.0.1,10.0.0.2",
+            [("10.0.0.1", 30001), ("10.0.0.2", 30001)],
+        ),
+        (
+            {"proxy_ip": " r1.example.com , 10.0.0.2:30002 ", "proxy_port": 30001},
+            "r1.example.com,10.0.0.2:30002",
+            [("r1.example.com", 30001), ("10.0.0.2", 30002)],
+        ),
+        (
+            {"proxy_ip": ["10.0.0.1", "[::1]:30002", "::2"], "proxy_port": 30001},
+            "10.0.0.1,[::1]:30002,::2",
+            [("10.0.0.1", 30001), ("::1", 30002), ("::2", 30001)],
+        ),
+        (
+            {"proxy_ip": '["10.0.0.1:1", "10.0.0.1:2"]'},
+            "10.0.0.1:1,10.0.0.1:2",
+            [("10.0.0.1", 1), ("10.0.0.1", 2)],
+        ),
         ({"proxy_ip": "[::1]", "proxy_port": 30001}, "::1", [("::1", 30001)]),
     ],
-)  # fmt: skip
+)
 def test_proxy_ip_lists_one_or_several_routers(extra, proxy_ip, routers):
     config = _config({**extra, "http_port": 20001})
     assert config.proxy_ip == proxy_ip
     assert config.routers == tuple(routers)
     # The canonical text parses to the same routers (direct construction).
     again = P2pConfig(
-        role="kv_consumer", base_port=22001, proxy_ip=config.proxy_ip,
-        proxy_port=config.proxy_port, http_port=20001,
-    )  # fmt: skip
+        role="kv_consumer",
+        base_port=22001,
+        proxy_ip=config.proxy_ip,
+        proxy_port=config.proxy_port,
+        http_port=20001,
+    )
     assert again.routers == config.routers
 
 
 @pytest.mark.parametrize(
     "proxy_ip",
-    ["", ",", "10.0.0.1,", "a_b", "10.0.0.1:0", "10.0.0.1:x", "[::1]:70000", "[::1:1",
-     '["10.0.0.1", 5]', '["10.0.0.1"', "[]", [], 5, {"host": "10.0.0.1"}],
-)  # fmt: skip
+    [
+        "",
+        ",",
+        "10.0.0.1,",
+        "a_b",
+        "10.0.0.1:0",
+        "10.0.0.1:x",
+        "[::1]:70000",
+        "[::1:1",
+        '["10.0.0.1", 5]',
+        '["10.0.0.1"',
+        "[]",
+        [],
+        5,
+        {"host": "10.0.0.1"},
+    ],
+)
 def test_bad_proxy_ip_names_the_key_and_the_allowed_values(proxy_ip):
     message = _error(_config, {"proxy_ip": proxy_ip, "proxy_port": 30001, "http_port": 1})
     assert message.startswith("kv_connector_extra_config.proxy_ip: ")
@@ -481,9 +534,7 @@ def test_proxy_ip_refusals_with_their_own_reason():
 
 
 def test_proxy_port_may_be_left_out_only_when_every_router_has_its_port():
-    assert _config({"proxy_ip": "10.0.0.1:30001", "http_port": 1}).routers == (
-        ("10.0.0.1", 30001),
-    )
+    assert _config({"proxy_ip": "10.0.0.1:30001", "http_port": 1}).routers == (("10.0.0.1", 30001),)
     message = _error(_config, {"proxy_ip": "10.0.0.1:30001,10.0.0.2", "http_port": 1})
     assert message.startswith(
         "kv_connector_extra_config.proxy_ip, kv_connector_extra_config.proxy_port: give both"
@@ -532,10 +583,16 @@ def test_beyond_loopback_without_a_secret_refuses_to_start(monkeypatch):
     assert "\n" not in message
     # Loopback-only needs no secret; a secret or the explicit opt-in does.
     P2pConfig(role="kv_producer", base_port=21001, grant_token=b"t").check_security()
-    P2pConfig(role="kv_producer", base_port=21001, host="10.1.2.3", grant_token=b"t",
-              secret=b"s").check_security()  # fmt: skip
-    P2pConfig(role="kv_producer", base_port=21001, host="10.1.2.3", grant_token=b"t",
-              allow_unauthenticated=True).check_security()  # fmt: skip
+    P2pConfig(
+        role="kv_producer", base_port=21001, host="10.1.2.3", grant_token=b"t", secret=b"s"
+    ).check_security()
+    P2pConfig(
+        role="kv_producer",
+        base_port=21001,
+        host="10.1.2.3",
+        grant_token=b"t",
+        allow_unauthenticated=True,
+    ).check_security()
 
 
 def test_allow_unauthenticated_is_read_and_checked():
@@ -575,9 +632,16 @@ def test_secret_file(monkeypatch, tmp_path):
 
 def test_registering_beyond_loopback_needs_the_router_token(monkeypatch):
     monkeypatch.delenv(envs.VLLM_DISAGG_ROUTER_TOKEN, raising=False)
-    config = P2pConfig(role="kv_producer", base_port=21001, host="10.1.2.3", secret=b"s",
-                       allowed_peers="10.0.0.0/8", proxy_ip="10.0.0.1", proxy_port=30001,
-                       http_port=20001)  # fmt: skip
+    config = P2pConfig(
+        role="kv_producer",
+        base_port=21001,
+        host="10.1.2.3",
+        secret=b"s",
+        allowed_peers="10.0.0.0/8",
+        proxy_ip="10.0.0.1",
+        proxy_port=30001,
+        http_port=20001,
+    )
     message = _error(config.check_security)
     assert message.startswith("kv_connector_extra_config.proxy_ip: registrations")
     assert envs.VLLM_DISAGG_ROUTER_TOKEN in message

@@ -34,7 +34,6 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import (
     logger as engine_logger,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.recv_state import RecvState
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Hello,
     LayoutSpec,
@@ -42,6 +41,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Reply,
     Status,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.recv_state import RecvState
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import COUNTERS
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
     TransportError,
@@ -111,10 +111,15 @@ def make_engine():
         for attempt in range(5):
             try:
                 engine = P2pEngine(
-                    layout=KVLayout(kv, block_size), host=HOST, port=get_free_port(),
+                    layout=KVLayout(kv, block_size),
+                    host=HOST,
+                    port=get_free_port(),
                     transport=create_transport(transport, torch.device("cpu"), HOST),
-                    send_type=send_type, kv_buffer_size=buf, mem_pool_size_bytes=pool,
-                    hold_timeout_s=hold, secret=secret,
+                    send_type=send_type,
+                    kv_buffer_size=buf,
+                    mem_pool_size_bytes=pool,
+                    hold_timeout_s=hold,
+                    secret=secret,
                 )
                 break
             except OSError:  # the free port was taken in between
@@ -168,8 +173,9 @@ def assert_blocks_equal(dst: Node, dst_ids: list[int], src: Node, src_ids: list[
 def open_keys(node: Node) -> dict[str, RecvState]:
     """Receive-side keys not closed yet (closed ones only refuse late offers)."""
     with node.engine._lock:
-        return {k: e.state for k, e in node.engine._recv.keys.items()
-                if e.state is not RecvState.CLOSED}  # fmt: skip
+        return {
+            k: e.state for k, e in node.engine._recv.keys.items() if e.state is not RecvState.CLOSED
+        }
 
 
 def assert_nothing_held(node: Node) -> None:
@@ -183,16 +189,29 @@ def assert_nothing_allocated(node: Node) -> None:
         assert not [k for k, e in node.engine._recv.keys.items() if e.slot is not None]
 
 
-def send(sender: Node, receiver: Node, key: str, src_ids: list[int], *, mode: str,
-         skip: int = 0, expect: bool = True, exp_deadline: float | None = None):
+def send(
+    sender: Node,
+    receiver: Node,
+    key: str,
+    src_ids: list[int],
+    *,
+    mode: str,
+    skip: int = 0,
+    expect: bool = True,
+    exp_deadline: float | None = None,
+):
     """Start one transfer in ``mode``; returns the sender's SendTransfer."""
     if mode == "GET":
         xfer = sender.hold(key, f"req-{key}", src_ids, prompt_digest=DIGEST)
-        receiver.expect(key, skip, exp_deadline or deadline(), get_from=sender.addr, prompt_digest=DIGEST)
+        receiver.expect(
+            key, skip, exp_deadline or deadline(), get_from=sender.addr, prompt_digest=DIGEST
+        )
         return xfer
     if expect:
         receiver.expect(key, skip, exp_deadline or deadline(), get_from=None, prompt_digest=DIGEST)
-    xfer = sender.start_send(key, f"req-{key}", receiver.addr, src_ids, all_saved=mode == "PUT", prompt_digest=DIGEST)
+    xfer = sender.start_send(
+        key, f"req-{key}", receiver.addr, src_ids, all_saved=mode == "PUT", prompt_digest=DIGEST
+    )
     if mode == "PUT_ASYNC":
         for layer in range(sender.engine.layout.num_layers):
             xfer.layer_saved(layer, None)
@@ -244,7 +263,9 @@ def test_transfer_lands_byte_equal(make_engine, transport, mode, skip):
         # layers are saved one by one from this (the model) thread; the
         # transfer cannot complete before the last one is saved
         decode.expect("k", skip, deadline(), get_from=None, prompt_digest=DIGEST)
-        xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False, prompt_digest=DIGEST)
+        xfer = prefill.start_send(
+            "k", "req-k", decode.addr, src, all_saved=False, prompt_digest=DIGEST
+        )
         xfer.layer_saved(0, None)
         wait_for(lambda: decode.occupancy() == (nbytes, 0), "the offer to reserve room")
         xfer.layer_saved(1, None)
@@ -370,7 +391,9 @@ def test_an_offer_for_an_abandoned_key_is_not_wanted(make_engine):
     decode = make_engine("fake", "PUT", seed=2)
     decode.expect("k", 0, time.monotonic() + 5, None, prompt_digest=DIGEST)
     decode.abandon("k")
-    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True, prompt_digest=DIGEST)
+    xfer = prefill.start_send(
+        "k", "req-k", decode.addr, [1, 2, 3], all_saved=True, prompt_digest=DIGEST
+    )
     assert not wait_done(xfer).ok and Status.NOT_WANTED in xfer.reason
     assert_nothing_held(decode)
 
@@ -379,7 +402,9 @@ def test_no_room_before_decode_expects_the_key_fails_its_load_at_once(make_engin
     """PUT modes: the offer can beat decode's request; the failure waits for it."""
     prefill = make_engine("fake", "PUT", seed=1)
     decode = make_engine("fake", "PUT", buf=1, pool=0, seed=2)
-    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2], all_saved=True, prompt_digest=DIGEST)
+    xfer = prefill.start_send(
+        "k", "req-k", decode.addr, [1, 2], all_saved=True, prompt_digest=DIGEST
+    )
     assert not wait_done(xfer).ok and Status.NO_SPACE in xfer.reason
     decode.expect("k", 0, time.monotonic() + 60, None, prompt_digest=DIGEST)
     slot = wait_slot(decode, "k", timeout=10.0)
@@ -419,7 +444,9 @@ def test_a_key_abandoned_while_its_offer_takes_room_is_refused_and_freed(make_en
         return room
 
     decode.engine._allocate = allocate_then_give_up
-    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=False, prompt_digest=DIGEST)
+    xfer = prefill.start_send(
+        "k", "req-k", decode.addr, [1, 2, 3], all_saved=False, prompt_digest=DIGEST
+    )
     assert not wait_done(xfer).ok
     assert "not_wanted" in xfer.reason.lower(), xfer.reason
     assert decode.occupancy() == (0, 0)
@@ -433,7 +460,9 @@ def test_layers_never_saved_fail_at_the_sender_deadline(make_engine, transport, 
     prefill = make_engine(transport, "PUT_ASYNC", hold=hold, seed=1)
     decode = make_engine(transport, "PUT_ASYNC", hold=30.0, seed=2)
     src = [1, 2, 3]
-    decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST)  # the receiver waits long
+    decode.expect(
+        "k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST
+    )  # the receiver waits long
     start = time.monotonic()
     xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False, prompt_digest=DIGEST)
     nbytes = LAYERS * len(src) * PAGE
@@ -550,8 +579,9 @@ def test_layout_mismatch_refuses_the_hello(make_engine, transport, decode_kw, fi
     # The peer learns only the kind of refusal; the layout stays in the decode's log.
     assert "refused the channel (layout;" in xfer.reason, xfer.reason
     assert "KV layout mismatch" not in xfer.reason and field not in xfer.reason
-    assert any("KV layout mismatch" in r.getMessage() and field in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "KV layout mismatch" in r.getMessage() and field in r.getMessage() for r in caplog.records
+    )
     assert decode.totals()["rejected_messages"] == 1
     assert_nothing_allocated(decode)
     assert not decode.engine._inbound
@@ -560,8 +590,9 @@ def test_layout_mismatch_refuses_the_hello(make_engine, transport, decode_kw, fi
 @pytest.mark.parametrize(
     "prefill_kw, decode_kw, words",
     [
-        pytest.param(dict(send_type="PUT"), dict(send_type="PUT_ASYNC"), "send_type",
-                     id="send-type"),
+        pytest.param(
+            dict(send_type="PUT"), dict(send_type="PUT_ASYNC"), "send_type", id="send-type"
+        ),
         pytest.param(dict(transport="fake"), dict(transport="tcp"), "transport", id="transport"),
     ],
 )
@@ -596,8 +627,10 @@ def test_many_concurrent_transfers_land_in_the_right_blocks(make_engine, transpo
             plan.append((sender, f"s{s}-req{j}", src, skip, dst))
     for _, key, _, skip, _ in plan:
         decode.expect(key, skip, deadline(), get_from=None, prompt_digest=DIGEST)
-    xfers = [sender.start_send(key, key, decode.addr, src, all_saved=False, prompt_digest=DIGEST)
-             for sender, key, src, _, _ in plan]
+    xfers = [
+        sender.start_send(key, key, decode.addr, src, all_saved=False, prompt_digest=DIGEST)
+        for sender, key, src, _, _ in plan
+    ]
     for layer in range(LAYERS):  # interleaved layer saves, as two forward passes would
         order = list(xfers)
         rng.shuffle(order)
@@ -632,12 +665,32 @@ def _flood_frames(n: int, secret: bytes | None) -> list[list[bytes]]:
         lambda i: [msgspec.msgpack.encode(["nope", i]), b""],  # unknown tag
         lambda i: [b"\x92\xa5offer", b""],  # truncated
         # a well-formed message under another secret (or none)
-        lambda i: proto.seal(foreign, Offer(req_no=i, channel_id="feed", key=f"k{i}", prompt_digest=DIGEST,
-                                            xfer_id=0, num_blocks=2)),
+        lambda i: proto.seal(
+            foreign,
+            Offer(
+                req_no=i,
+                channel_id="feed",
+                key=f"k{i}",
+                prompt_digest=DIGEST,
+                xfer_id=0,
+                num_blocks=2,
+            ),
+        ),
         lambda i: proto.seal(None, Reply(req_no=i, status=Status.OK)),
-        lambda i: proto.seal(foreign, Hello(
-            version=-1, req_no=i, sender_addr="127.0.0.1:1", channel_id=f"c{i}",
-            transport="fake", setup=b"", layout=layout, send_type="PUT_ASYNC", sent_at=time.time())),
+        lambda i: proto.seal(
+            foreign,
+            Hello(
+                version=-1,
+                req_no=i,
+                sender_addr="127.0.0.1:1",
+                channel_id=f"c{i}",
+                transport="fake",
+                setup=b"",
+                layout=layout,
+                send_type="PUT_ASYNC",
+                sent_at=time.time(),
+            ),
+        ),
     ]
     if secret is not None:
         # out-of-bounds and garbage content with a valid MAC: "malformed"
@@ -683,8 +736,10 @@ def test_a_flood_of_bad_frames_does_not_disturb_a_transfer(make_engine, secret):
                 assert_blocks_equal(decode, [40 + k * 3, 41 + k * 3, 42 + k * 3], prefill, src)
             thread.join(WAIT_S)
             assert not thread.is_alive() and not flood_error, flood_error
-            wait_for(lambda: decode.totals()["rejected_messages"] >= n_frames,
-                     "the listener to reject every frame")
+            wait_for(
+                lambda: decode.totals()["rejected_messages"] >= n_frames,
+                "the listener to reject every frame",
+            )
             time.sleep(0.1)
         assert all(wait_done(x).ok for x in xfers), [x.reason for x in xfers]
         got = decode.totals()
@@ -705,8 +760,12 @@ def test_raw_tcp_garbage_at_the_listener_is_harmless(make_engine):
     prefill = make_engine("fake", "PUT", seed=1)
     decode = make_engine("fake", "PUT", seed=2)
     host, port = decode.addr.rsplit(":", 1)
-    for junk in [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", bytes(range(256)) * 4,
-                 b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00NULL" + b"\x00" * 60, b""]:
+    for junk in [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        bytes(range(256)) * 4,
+        b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00NULL" + b"\x00" * 60,
+        b"",
+    ]:
         with socket.create_connection((host, int(port)), timeout=5) as raw:
             raw.sendall(junk)
     xfer = send(prefill, decode, "k", [1, 2], mode="PUT")
@@ -732,7 +791,9 @@ def test_an_engine_with_another_secret_is_refused(make_engine, intruder_secret):
     decode = make_engine("fake", "PUT", secret=b"right", seed=2)
     intruder = make_engine("fake", "PUT", secret=intruder_secret, hold=0.5, seed=1)
     decode.expect("k", 0, deadline(), get_from=None, prompt_digest=DIGEST)
-    xfer = intruder.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True, prompt_digest=DIGEST)
+    xfer = intruder.start_send(
+        "k", "req-k", decode.addr, [1, 2, 3], all_saved=True, prompt_digest=DIGEST
+    )
     assert not wait_done(xfer).ok
     assert "no reply" in xfer.reason
     assert decode.totals()["rejected_messages"] == 1  # the Hello, unauthenticated
@@ -775,7 +836,9 @@ def test_an_outage_mid_transfer_fails_it_and_the_next_transfer_recovers(make_eng
     prefill = make_engine("fake", "PUT_ASYNC", seed=1)
     decode = make_engine("fake", "PUT_ASYNC", seed=2)
     decode.expect("a", 0, deadline(), get_from=None, prompt_digest=DIGEST)
-    x1 = prefill.start_send("a", "req-a", decode.addr, [1, 2, 3], all_saved=False, prompt_digest=DIGEST)
+    x1 = prefill.start_send(
+        "a", "req-a", decode.addr, [1, 2, 3], all_saved=False, prompt_digest=DIGEST
+    )
     x1.layer_saved(0, None)
     wait_for(lambda: decode.occupancy()[0] > 0, "the offer to reserve room")
     FakeTransport.break_all("injected outage")
@@ -859,8 +922,9 @@ def test_a_get_accepted_without_an_offer_is_asked_again_until_settled(make_engin
             msg = proto.open_frame(None, body)
             assert msg.key == "k"
             gets.append((route, time.monotonic()))
-            router.send_multipart([route, *proto.seal(None, Reply(req_no=msg.req_no,
-                                                                  status=status))])
+            router.send_multipart(
+                [route, *proto.seal(None, Reply(req_no=msg.req_no, status=status))]
+            )
         (first_route, first_at), (route, second_at) = gets
         assert route == first_route  # the same socket: nothing was lost
         assert second_at - first_at >= limits.GET_CONFIRM_INTERVAL_S - 0.05
@@ -894,8 +958,16 @@ def test_a_pool_block_is_read_before_copy_into_cache_returns():
     src = torch.empty(2 * n * layout.page_bytes, dtype=torch.uint8).pin_memory()
     src.view(torch.float32).copy_(torch.arange(src.numel() // 4, dtype=torch.float32))
     expected = src.clone()
-    slot = RecvSlot(key="k", num_blocks=n, skip_blocks=0, page_bytes=layout.page_bytes,
-                    num_layers=2, tensor=src, pool_alloc=None, deadline=time.monotonic() + 60)
+    slot = RecvSlot(
+        key="k",
+        num_blocks=n,
+        skip_blocks=0,
+        page_bytes=layout.page_bytes,
+        num_layers=2,
+        tensor=src,
+        pool_alloc=None,
+        deadline=time.monotonic() + 60,
+    )
     engine = P2pEngine.__new__(P2pEngine)  # only copy_into_cache's layout is used
     engine.layout = layout
     torch.cuda.synchronize()

@@ -71,8 +71,14 @@ def hello(decode, *, channel_id: str = "c0ffee", sender: str = "127.0.0.1:1", **
     """A Hello with a fresh fake-transport token (the stranger never joins)."""
     setup, _ = _fake.initiate()
     fields = dict(
-        version=proto.PROTOCOL_VERSION, req_no=1, sender_addr=sender, channel_id=channel_id,
-        transport="fake", setup=setup, layout=decode.engine.layout.spec, send_type="PUT_ASYNC",
+        version=proto.PROTOCOL_VERSION,
+        req_no=1,
+        sender_addr=sender,
+        channel_id=channel_id,
+        transport="fake",
+        setup=setup,
+        layout=decode.engine.layout.spec,
+        send_type="PUT_ASYNC",
         sent_at=time.time(),
     )
     fields.update(kw)
@@ -96,10 +102,12 @@ def test_offer_of_another_prompt_is_refused_and_the_load_fails_at_once(make_engi
     prefill = make_engine(transport, "PUT", seed=1)
     decode = make_engine(transport, "PUT", seed=2)
     before = [t.clone() for t in decode.layers]
-    decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST,
-                  prefill_addr=prefill.addr)  # the named prefill itself sends it
-    xfer = prefill.start_send("k", "req-k", decode.addr, [1, 2, 3], all_saved=True,
-                              prompt_digest=OTHER_DIGEST)  # fmt: skip
+    decode.expect(
+        "k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST, prefill_addr=prefill.addr
+    )  # the named prefill itself sends it
+    xfer = prefill.start_send(
+        "k", "req-k", decode.addr, [1, 2, 3], all_saved=True, prompt_digest=OTHER_DIGEST
+    )
     assert not wait_done(xfer).ok
     slot = wait_slot(decode, "k", timeout=5.0)  # fails now, not after 30 s
     assert slot.state is SlotState.FAILED and "digest" in slot.reason
@@ -115,10 +123,12 @@ def test_a_wrong_digest_from_another_host_does_not_kill_the_load(make_engine):
     intruder = make_engine("fake", "PUT", seed=1)
     prefill = make_engine("fake", "PUT", seed=3)
     decode = make_engine("fake", "PUT", seed=2)
-    decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST,
-                  prefill_addr="127.0.0.9:21001")  # fmt: skip
-    bad = intruder.start_send("k", "r", decode.addr, [1, 2], all_saved=True,
-                              prompt_digest=OTHER_DIGEST)  # fmt: skip
+    decode.expect(
+        "k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST, prefill_addr="127.0.0.9:21001"
+    )
+    bad = intruder.start_send(
+        "k", "r", decode.addr, [1, 2], all_saved=True, prompt_digest=OTHER_DIGEST
+    )
     assert not wait_done(bad).ok and "digest" in bad.reason
     assert decode.poll("k") is None  # still waiting
     good = prefill.start_send("k", "r", decode.addr, [1, 2], all_saved=True, prompt_digest=DIGEST)
@@ -151,8 +161,9 @@ def test_a_hello_or_get_naming_another_machine_is_refused(make_engine):
     try:
         reply = stranger.ask(hello(decode, sender="10.9.9.9:21001"))
         assert reply.status == Status.REJECTED and reply.reason == "address"
-        reply = stranger.ask(proto.Get(req_no=5, sender_addr="10.9.9.9:22001", key="k",
-                                       skip_blocks=0))  # fmt: skip
+        reply = stranger.ask(
+            proto.Get(req_no=5, sender_addr="10.9.9.9:22001", key="k", skip_blocks=0)
+        )
         assert reply.status == Status.REJECTED and reply.reason == "address"
     finally:
         stranger.close()
@@ -164,8 +175,12 @@ def test_a_refused_hello_names_the_kind_only(make_engine):
     stranger = Stranger(decode.addr)
     try:
         spec = decode.engine.layout.spec
-        wrong = proto.LayoutSpec(num_layers=spec.num_layers + 1, page_bytes=spec.page_bytes,
-                                 block_size=spec.block_size, dtype=spec.dtype)  # fmt: skip
+        wrong = proto.LayoutSpec(
+            num_layers=spec.num_layers + 1,
+            page_bytes=spec.page_bytes,
+            block_size=spec.block_size,
+            dtype=spec.dtype,
+        )
         reply = stranger.ask(hello(decode, layout=wrong))
         assert reply.status == Status.REJECTED and reply.reason == "layout"
         reply = stranger.ask(hello(decode, send_type="GET"))
@@ -192,8 +207,10 @@ def test_hello_flood_is_capped(make_engine, monkeypatch):
     threads = threading.active_count()
     stranger = Stranger(decode.addr)
     try:
-        replies = [stranger.ask(hello(decode, channel_id=f"c{i}", sender=f"127.0.0.1:{i + 1}"))
-                   for i in range(40)]  # fmt: skip
+        replies = [
+            stranger.ask(hello(decode, channel_id=f"c{i}", sender=f"127.0.0.1:{i + 1}"))
+            for i in range(40)
+        ]
     finally:
         stranger.close()
     assert [r.status for r in replies].count(Status.OK) == 8
@@ -254,8 +271,16 @@ def test_an_offer_must_come_on_its_channels_own_connection(make_engine):
     try:
         joined_hello(owner, decode, channel_id="theirs")
         wait_for(lambda: decode.engine._inbound["theirs"].channel is not None, "channel up")
-        reply = thief.ask(Offer(req_no=2, channel_id="theirs", key="stolen", xfer_id=0,
-                                num_blocks=1, prompt_digest=DIGEST))  # fmt: skip
+        reply = thief.ask(
+            Offer(
+                req_no=2,
+                channel_id="theirs",
+                key="stolen",
+                xfer_id=0,
+                num_blocks=1,
+                prompt_digest=DIGEST,
+            )
+        )
         assert reply.status == Status.REJECTED and reply.reason == "unknown_channel"
         assert decode.engine._recv.state("stolen") is None
     finally:
@@ -274,8 +299,11 @@ def test_a_channel_whose_sender_died_is_reclaimed(make_engine):
         assert wait_done(xfer).ok
         receive(decode, f"k{seed}", [10, 11], 0)
         prefill.engine.close()  # its sockets close, as when the process dies
-    wait_for(lambda: not decode.engine._inbound, "inbound channels of dead senders closed",
-             timeout=3 * limits.IDLE_CHECK_INTERVAL_S + 5)  # fmt: skip
+    wait_for(
+        lambda: not decode.engine._inbound,
+        "inbound channels of dead senders closed",
+        timeout=3 * limits.IDLE_CHECK_INTERVAL_S + 5,
+    )
     alive = [t.name for t in threading.enumerate() if t.name in senders]
     assert not alive, alive
 
@@ -285,13 +313,18 @@ def test_idle_peer_threads_retire(make_engine, monkeypatch):
     monkeypatch.setattr(limits, "PEER_IDLE_S", 0.3)
     prefill = make_engine("fake", "PUT", hold=0.3)
     dead = [f"127.0.0.{i + 1}:9" for i in range(50)]  # nothing listens on port 9
-    xfers = [prefill.start_send(f"k{i}", f"r{i}", addr, [1], all_saved=True, prompt_digest=DIGEST)
-             for i, addr in enumerate(dead)]  # fmt: skip
+    xfers = [
+        prefill.start_send(f"k{i}", f"r{i}", addr, [1], all_saved=True, prompt_digest=DIGEST)
+        for i, addr in enumerate(dead)
+    ]
     for xfer in xfers:
         assert not wait_done(xfer).ok
     wait_for(lambda: not prefill.engine._peers, "peer threads retired", timeout=10.0)
-    wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("p2p-peer-")],
-             "peer threads exited", timeout=10.0)  # fmt: skip
+    wait_for(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("p2p-peer-")],
+        "peer threads exited",
+        timeout=10.0,
+    )
     # A later transfer to a live peer starts a fresh thread and works.
     decode = make_engine("fake", "PUT")
     assert wait_done(send(prefill, decode, "later", [1, 2], mode="PUT")).ok
@@ -342,8 +375,16 @@ def test_an_offer_racing_a_channel_break_never_strands_its_slot(make_engine, mon
         joined_hello(stranger, decode)
         wait_for(lambda: decode.engine._inbound["c0ffee"].channel is not None, "channel up")
         monkeypatch.setattr(decode.engine, "_allocate", allocate_while_breaking)
-        reply = stranger.ask(Offer(req_no=2, channel_id="c0ffee", key="k", xfer_id=0,
-                                   num_blocks=2, prompt_digest=DIGEST))  # fmt: skip
+        reply = stranger.ask(
+            Offer(
+                req_no=2,
+                channel_id="c0ffee",
+                key="k",
+                xfer_id=0,
+                num_blocks=2,
+                prompt_digest=DIGEST,
+            )
+        )
     finally:
         stranger.close()
     assert reply.status == Status.REJECTED and reply.reason == "unknown_channel"
@@ -380,16 +421,18 @@ def test_a_silent_peer_costs_one_bounded_wait_and_stalls_no_other_peer(make_engi
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
         start = time.monotonic()
-        first = prefill.start_send("d1", "r1", f"127.0.0.1:{port}", [1], all_saved=True,
-                                   prompt_digest=DIGEST)  # fmt: skip
+        first = prefill.start_send(
+            "d1", "r1", f"127.0.0.1:{port}", [1], all_saved=True, prompt_digest=DIGEST
+        )
         good = send(prefill, live, "ok", [1, 2], mode="PUT")
         receive(live, "ok", [30, 31], 0)
         assert wait_done(good).ok and time.monotonic() - start < 3.0
         assert not wait_done(first).ok and "no reply to Hello" in first.reason
         assert time.monotonic() - start < 5.0  # not kv_hold_timeout_s (30 s)
         # Within PEER_RETRY_AFTER_S the next send to it fails at once.
-        again = prefill.start_send("d2", "r2", f"127.0.0.1:{port}", [1], all_saved=True,
-                                   prompt_digest=DIGEST)  # fmt: skip
+        again = prefill.start_send(
+            "d2", "r2", f"127.0.0.1:{port}", [1], all_saved=True, prompt_digest=DIGEST
+        )
         t = time.monotonic()
         assert not wait_done(again).ok and "unanswered" in again.reason
         assert time.monotonic() - t < 1.0
@@ -407,8 +450,11 @@ def test_an_unwanted_key_is_refused_or_freed_at_once(make_engine, arrived_first)
     decode = make_engine("fake", "PUT", seed=2, hold=60.0)
     if arrived_first:
         assert wait_done(send(prefill, decode, "k", [1, 2], mode="PUT", expect=False)).ok
-        wait_for(lambda: decode.engine._recv.state("k") is not None
-                 and decode.engine._recv.state("k").value == "ready", "the unexpected slot")
+        wait_for(
+            lambda: decode.engine._recv.state("k") is not None
+            and decode.engine._recv.state("k").value == "ready",
+            "the unexpected slot",
+        )
         decode.abandon("k")
         assert decode.occupancy() == (0, 0)
     else:

@@ -36,9 +36,18 @@ from vllm_disagg.testing.server import get_free_port
 pytestmark = pytest.mark.e2e
 
 COMMON_ARGS = [
-    "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0", "--dtype", "float32",
-    "--block-size", "32", "--enforce-eager",
-]  # fmt: skip
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "16",
+    "--seed",
+    "0",
+    "--dtype",
+    "float32",
+    "--block-size",
+    "32",
+    "--enforce-eager",
+]
 MAX_TOKENS = 10
 LOAD_TIMEOUT_S = 30.0  # the others must finish well before the orphan gives up
 
@@ -66,20 +75,30 @@ def xpyd_dp(tiny_models, start_server, start_router):
             http_port = get_free_port()
             # One kv_port for both ranks: each rank's worker listens on kv_port + dp_rank.
             config = kv_transfer_config(
-                role, kv_port, proxy_ip="127.0.0.1", proxy_port=str(router.discovery_port),
-                http_port=str(http_port), **extra,
-            )  # fmt: skip
+                role,
+                kv_port,
+                proxy_ip="127.0.0.1",
+                proxy_port=str(router.discovery_port),
+                http_port=str(http_port),
+                **extra,
+            )
             server = start_server(
                 model,
                 [
                     *COMMON_ARGS,
-                    "--data-parallel-size", "2",
-                    "--data-parallel-rank", str(rank),
-                    "--data-parallel-address", "127.0.0.1",
-                    "--data-parallel-rpc-port", str(rpc_port),
-                    "--additional-config", options,
-                    "--kv-transfer-config", config,
-                ],  # fmt: skip
+                    "--data-parallel-size",
+                    "2",
+                    "--data-parallel-rank",
+                    str(rank),
+                    "--data-parallel-address",
+                    "127.0.0.1",
+                    "--data-parallel-rpc-port",
+                    str(rpc_port),
+                    "--additional-config",
+                    options,
+                    "--kv-transfer-config",
+                    config,
+                ],
                 name=f"p2p-dp-{role}-rank{rank}",
                 wait=False,
                 port=http_port,
@@ -91,8 +110,9 @@ def xpyd_dp(tiny_models, start_server, start_router):
     decodes = instance("kv_consumer", kv_load_timeout_s=LOAD_TIMEOUT_S)
     for inst in (*prefills, *decodes):
         inst.server.wait_ready()
-    router.wait_for_instances(lambda found: len(found) == 4, timeout_s=30,
-                              what="4 registered DP ranks")  # fmt: skip
+    router.wait_for_instances(
+        lambda found: len(found) == 4, timeout_s=30, what="4 registered DP ranks"
+    )
     yield router, prefills, decodes
     for inst in (*prefills, *decodes):
         inst.server.stop()
@@ -103,11 +123,16 @@ def reference(xpyd_dp):
     _, prefills, _ = xpyd_dp
     server = prefills[0].server
     with ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(
-            lambda p: _ids(server.complete(p, max_tokens=MAX_TOKENS, temperature=0.0,
-                                           return_token_ids=True)),
-            [*PROMPTS, ORPHAN],
-        ))  # fmt: skip
+        outs = list(
+            pool.map(
+                lambda p: _ids(
+                    server.complete(
+                        p, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+                    )
+                ),
+                [*PROMPTS, ORPHAN],
+            )
+        )
     ref = {tuple(p): o for p, o in zip([*PROMPTS, ORPHAN], outs)}
     chat = openai_client.chat(server, CHAT, max_tokens=MAX_TOKENS, temperature=0.0)
     ref["chat"] = chat["choices"][0]["message"]["content"]
@@ -124,15 +149,21 @@ def test_the_router_serves_xpyd_on_dp_engines_without_knowing_dp(xpyd_dp, refere
     ranks = [*prefills, *decodes]
     before = [_served(r) for r in ranks]
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(
-            lambda p: _ids(openai_client.complete(router, p, max_tokens=MAX_TOKENS,
-                                                  temperature=0.0, return_token_ids=True)),
-            PROMPTS,
-        ))  # fmt: skip
+        outs = list(
+            pool.map(
+                lambda p: _ids(
+                    openai_client.complete(
+                        router, p, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+                    )
+                ),
+                PROMPTS,
+            )
+        )
     for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
         assert out == reference[tuple(prompt)], f"completion {i}"
-    chunks = openai_client.stream_completion(router, PROMPTS[0], max_tokens=MAX_TOKENS,
-                                             temperature=0.0, return_token_ids=True)  # fmt: skip
+    chunks = openai_client.stream_completion(
+        router, PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+    )
     assert [t for c in chunks for t in openai_client.token_ids(c)] == reference[tuple(PROMPTS[0])]
     chat = openai_client.chat(router, CHAT, max_tokens=MAX_TOKENS, temperature=0.0)
     assert chat["choices"][0]["message"]["content"] == reference["chat"]
@@ -159,17 +190,27 @@ def test_dp2_decode_loads_remote_kv_and_a_waiting_rank_never_stalls_the_group(xp
     with ThreadPoolExecutor(16) as pool:
         started = time.monotonic()
         orphan = pool.submit(
-            complete, decodes[1], ORPHAN, headers=orphan_headers, **orphan_params,
-            max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True,
-        )  # fmt: skip
+            complete,
+            decodes[1],
+            ORPHAN,
+            headers=orphan_headers,
+            **orphan_params,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            return_token_ids=True,
+        )
         orphan.add_done_callback(note_done("orphan"))
         time.sleep(0.5)
         # Meanwhile requests on both ranks go through the connector and finish.
         futures = [
             pool.submit(
-                disaggregated_completion, prefill, decodes[i % 2], prompt,
-                max_tokens=MAX_TOKENS, return_token_ids=True,
-            )  # fmt: skip
+                disaggregated_completion,
+                prefill,
+                decodes[i % 2],
+                prompt,
+                max_tokens=MAX_TOKENS,
+                return_token_ids=True,
+            )
             for i, prompt in enumerate(PROMPTS)
         ]
         for i, future in enumerate(futures):

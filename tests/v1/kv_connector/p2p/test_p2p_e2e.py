@@ -110,9 +110,14 @@ def put_async_set(tiny_models, start_server, routers):
         "p1": start("p1", "p2p-pa-p1", "kv_producer"),
         "p2": start("p2", "p2p-pa-p2", "kv_producer"),
         "d1": start("d1", "p2p-pa-d1", "kv_consumer"),
-        "d_pool": start("d_pool", "p2p-pa-dpool", "kv_consumer",
-                        kv_buffer_size="1", mem_pool_size_gb=SMALL_POOL_GIB),
-    }  # fmt: skip
+        "d_pool": start(
+            "d_pool",
+            "p2p-pa-dpool",
+            "kv_consumer",
+            kv_buffer_size="1",
+            mem_pool_size_gb=SMALL_POOL_GIB,
+        ),
+    }
     wait_all(instances)
     yield instances
     for inst in instances.values():
@@ -159,8 +164,9 @@ def test_1p2d_and_2p1d_with_many_requests_in_flight_have_no_cross_talk(put_async
     def run(i_prompt):
         i, prompt = i_prompt
         p, d = pairs[i % len(pairs)]
-        return ids(disaggregated_completion(p, d, prompt, max_tokens=MAX_TOKENS,
-                                             return_token_ids=True))
+        return ids(
+            disaggregated_completion(p, d, prompt, max_tokens=MAX_TOKENS, return_token_ids=True)
+        )
 
     failed_before = metric(put_async_set["d1"], "vllm:p2p_failed_loads")
     with ThreadPoolExecutor(16) as pool:
@@ -184,13 +190,15 @@ def _served(inst: P2pInstance) -> float:
 
 
 def _wait_registered(router, expected: int) -> None:
-    router.wait_for_instances(lambda found: len(found) >= expected, timeout_s=30,
-                              what=f"{expected} registered instances")  # fmt: skip
+    router.wait_for_instances(
+        lambda found: len(found) >= expected, timeout_s=30, what=f"{expected} registered instances"
+    )
 
 
 @pytest.mark.parametrize("name", list(ROUTER_PAIRS))
-def test_router_completions_streams_and_chats_equal_colocated(put_async_set, routers, reference,
-                                                              name):  # fmt: skip
+def test_router_completions_streams_and_chats_equal_colocated(
+    put_async_set, routers, reference, name
+):
     router = routers[name]
     prefills, decodes = ROUTER_PAIRS[name]
     _wait_registered(router, len(prefills) + len(decodes))
@@ -199,12 +207,16 @@ def test_router_completions_streams_and_chats_equal_colocated(put_async_set, rou
     prompts = [*LENGTH_PROMPTS, *MANY_PROMPTS[:4]]
 
     def completion(prompt):
-        return ids(openai_client.complete(router, prompt, max_tokens=MAX_TOKENS,
-                                           temperature=0.0, return_token_ids=True))  # fmt: skip
+        return ids(
+            openai_client.complete(
+                router, prompt, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+            )
+        )
 
     def streamed(prompt):
-        chunks = openai_client.stream_completion(router, prompt, max_tokens=MAX_TOKENS,
-                                                 temperature=0.0, return_token_ids=True)  # fmt: skip
+        chunks = openai_client.stream_completion(
+            router, prompt, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+        )
         return [t for chunk in chunks for t in openai_client.token_ids(chunk)]
 
     with ThreadPoolExecutor(4) as pool:
@@ -217,8 +229,7 @@ def test_router_completions_streams_and_chats_equal_colocated(put_async_set, rou
     for messages in CHATS:
         body = openai_client.chat(router, messages, max_tokens=MAX_TOKENS, temperature=0.0)
         assert body["choices"][0]["message"]["content"] == reference[_chat_key(messages)]
-        chunks = openai_client.stream_chat(router, messages, max_tokens=MAX_TOKENS,
-                                           temperature=0.0)  # fmt: skip
+        chunks = openai_client.stream_chat(router, messages, max_tokens=MAX_TOKENS, temperature=0.0)
         assert openai_client.streamed_text(chunks) == reference[_chat_key(messages)]
     # Round-robin: every prefill and every decode of this router took requests.
     for name_, member in zip((*prefills, *decodes), members):
@@ -250,9 +261,16 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
             i += 1
             sent = time.monotonic()
             try:
-                out = ids(openai_client.complete(router, prompt, max_tokens=MAX_TOKENS,
-                                                  temperature=0.0, return_token_ids=True,
-                                                  timeout_s=60))  # fmt: skip
+                out = ids(
+                    openai_client.complete(
+                        router,
+                        prompt,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0.0,
+                        return_token_ids=True,
+                        timeout_s=60,
+                    )
+                )
                 ok = out == reference[key(prompt)]
                 detail = "" if ok else f"wrong output: {out}"
             except Exception as e:  # noqa: BLE001 - recorded and judged below
@@ -263,8 +281,14 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
     workers = [threading.Thread(target=traffic, daemon=True)]
     for w in workers:
         w.start()
-    joined = start_instance(start_server, tiny_models["tiny-llama"], "p2p-pa-djoin", "kv_consumer",
-                    routers=[router], kv_load_timeout_s=LOAD_TIMEOUT_S)  # fmt: skip
+    joined = start_instance(
+        start_server,
+        tiny_models["tiny-llama"],
+        "p2p-pa-djoin",
+        "kv_consumer",
+        routers=[router],
+        kv_load_timeout_s=LOAD_TIMEOUT_S,
+    )
     try:
         joined.server.wait_ready()
         _wait_registered(router, 3)
@@ -276,8 +300,9 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
         killed_at = time.monotonic()
         router.wait_for_instances(
             lambda found: all(i["http_addr"] != f"127.0.0.1:{joined.server.port}" for i in found),
-            timeout_s=30, what="the killed instance removed",
-        )  # fmt: skip
+            timeout_s=30,
+            what="the killed instance removed",
+        )
         removed_at = time.monotonic()
         # Two requests sent after the removal must finish; count them, not seconds
         # (a loaded CI machine served one request in 3.4 s, so 5 s held only one).
@@ -314,15 +339,23 @@ def test_kv_of_one_prompt_is_never_filed_under_another(put_async_set, reference)
     mismatches = metric(d, "vllm:p2p_digest_mismatches")
     headers, params = peer_naming(p.kv_addr, d.kv_addr)
     openai_client.complete(p, poison, headers=headers, max_tokens=1, temperature=0.0, **params)
-    out = openai_client.complete(d, victim, headers=headers, max_tokens=MAX_TOKENS,
-                                 temperature=0.0, return_token_ids=True, **params)  # fmt: skip
+    out = openai_client.complete(
+        d,
+        victim,
+        headers=headers,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        return_token_ids=True,
+        **params,
+    )
     assert ids(out) == reference[key(victim)]
     assert wait_metric(d, "vllm:p2p_digest_mismatches", mismatches + 1) == mismatches + 1
     # Later users of the same prompt, through the normal flow and straight to D.
     again = disaggregated_completion(p, d, victim, max_tokens=MAX_TOKENS, return_token_ids=True)
     assert ids(again) == reference[key(victim)]
-    plain = openai_client.complete(d, victim, max_tokens=MAX_TOKENS, temperature=0.0,
-                                   return_token_ids=True)  # fmt: skip
+    plain = openai_client.complete(
+        d, victim, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+    )
     assert ids(plain) == reference[key(victim)]
 
 
@@ -340,8 +373,15 @@ def test_a_request_naming_peers_without_a_grant_connects_nowhere(put_async_set, 
     try:
         for via_params in (False, True):
             headers, params = peer_naming(p.kv_addr, target, via_params=via_params, grant=False)
-            out = openai_client.complete(p, prompt, headers=headers, max_tokens=MAX_TOKENS,
-                                         temperature=0.0, return_token_ids=True, **params)  # fmt: skip
+            out = openai_client.complete(
+                p,
+                prompt,
+                headers=headers,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                return_token_ids=True,
+                **params,
+            )
             assert ids(out) == reference[key(prompt)]
         # A grant for one decode does not vouch for another.
         headers, params = peer_naming(p.kv_addr, put_async_set["d1"].kv_addr)
@@ -361,23 +401,26 @@ def test_a_request_naming_peers_without_a_grant_connects_nowhere(put_async_set, 
     assert wait_metric(p, "vllm:p2p_refused_peers", refused + 3) == refused + 3
 
 
-def test_router_lists_of_prompts_and_n_above_1_are_right_and_never_wait(put_async_set, routers,
-                                                                        reference):  # fmt: skip
+def test_router_lists_of_prompts_and_n_above_1_are_right_and_never_wait(
+    put_async_set, routers, reference
+):
     """A list of prompts (one engine request per prompt, one transfer key) got
     another prompt's KV, and n > 1 waited kv_load_timeout_s per extra child."""
     router = routers["1p1d"]
     _wait_registered(router, 2)
     prompts = [LENGTH_PROMPTS[3], LENGTH_PROMPTS[2]]
     start = time.monotonic()
-    body = openai_client.complete(router, prompts, max_tokens=MAX_TOKENS, temperature=0.0,
-                                  return_token_ids=True)  # fmt: skip
+    body = openai_client.complete(
+        router, prompts, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+    )
     elapsed = time.monotonic() - start
     by_index = {c["index"]: list(c["token_ids"]) for c in body["choices"]}
     assert [by_index[i] for i in range(len(prompts))] == [reference[key(p)] for p in prompts]
     assert elapsed < LOAD_TIMEOUT_S, elapsed  # nothing waited for a transfer that never came
     start = time.monotonic()
-    body = openai_client.complete(router, LENGTH_PROMPTS[2], max_tokens=4, temperature=0.8,
-                                  n=3, seed=11)  # fmt: skip
+    body = openai_client.complete(
+        router, LENGTH_PROMPTS[2], max_tokens=4, temperature=0.8, n=3, seed=11
+    )
     assert len(body["choices"]) == 3
     assert time.monotonic() - start < LOAD_TIMEOUT_S
 
@@ -404,10 +447,12 @@ COMPAT_RULES = compare.FieldRules(normalize=FIELDS_THAT_DIFFER_BY_NATURE)
 # everything under it. Only what the router cannot or should not match belongs
 # here: an entry that no longer differs fails the test too (remove it).
 KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
-    "health": (("content_type", "body"),
-               "the router's /health reports the fleet (ready, prefill and decode counts) as JSON; "
-               "vLLM's is an empty 200"),
-}  # fmt: skip
+    "health": (
+        ("content_type", "body"),
+        "the router's /health reports the fleet (ready, prefill and decode counts) as JSON; "
+        "vLLM's is an empty 200",
+    ),
+}
 
 _COMPAT_PROMPT = "step sync keeps every data parallel engine in lockstep"
 _COMPAT_TOKENS = LENGTH_PROMPTS[2][:40]
@@ -429,39 +474,66 @@ def compat_cases(model: str, stop: str) -> list[compare.HttpCase]:
         case("completion stream 'true'", body={**cmpl, "stream": "true"}),
         case("completion stream 1", body={**cmpl, "stream": 1}),
         case("completion stream usage", body={**cmpl, "stream": True, **usage}),
-        case("completion stream continuous usage", body={**cmpl, "stream": True, "stream_options":
-             {"include_usage": True, "continuous_usage_stats": True}}),
+        case(
+            "completion stream continuous usage",
+            body={
+                **cmpl,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+        ),
         case("chat", chat, msgs),
         case("chat stream", chat, {**msgs, "stream": True}),
         case("chat stream usage", chat, {**msgs, "stream": True, **usage}),
-        case("chat max_completion_tokens", chat,
-             {**{k: v for k, v in msgs.items() if k != "max_tokens"}, "max_completion_tokens": 5}),
+        case(
+            "chat max_completion_tokens",
+            chat,
+            {**{k: v for k, v in msgs.items() if k != "max_tokens"}, "max_completion_tokens": 5},
+        ),
         case("completion seeded", body={**cmpl, **seeded, "top_p": 0.9}),
         case("completion logprobs", body={**cmpl, "logprobs": 3}),
         case("chat logprobs", chat, {**msgs, "logprobs": True, "top_logprobs": 3}),
-        case("chat stream logprobs", chat,
-             {**msgs, "logprobs": True, "top_logprobs": 2, "stream": True}),
+        case(
+            "chat stream logprobs",
+            chat,
+            {**msgs, "logprobs": True, "top_logprobs": 2, "stream": True},
+        ),
         case("completion echo", body={**cmpl, "echo": True}),
         case("completion echo logprobs", body={**cmpl, "echo": True, "logprobs": 2}),
         case("completion prompt_logprobs", body={**cmpl, "prompt_logprobs": 2}),
         case("completion stop", body={**cmpl, "max_tokens": 12, "stop": [stop]}),
-        case("completion stop included", body={**cmpl, "max_tokens": 12, "stop": [stop],
-                                                "include_stop_str_in_output": True}),
-        case("completion stream stop", body={**cmpl, "max_tokens": 12, "stop": [stop],
-                                              "stream": True}),
+        case(
+            "completion stop included",
+            body={**cmpl, "max_tokens": 12, "stop": [stop], "include_stop_str_in_output": True},
+        ),
+        case(
+            "completion stream stop",
+            body={**cmpl, "max_tokens": 12, "stop": [stop], "stream": True},
+        ),
         case("completion min_tokens", body={**cmpl, "min_tokens": 6, "ignore_eos": False}),
         case("completion 2 prompts", body={**cmpl, "prompt": [_COMPAT_PROMPT, "the proxy sends"]}),
         case("completion token ids", body={**cmpl, "prompt": _COMPAT_TOKENS}),
-        case("completion 2 token-id prompts", body={**cmpl, "prompt": [_COMPAT_TOKENS[:17],
-                                                                        _COMPAT_TOKENS]}),
+        case(
+            "completion 2 token-id prompts",
+            body={**cmpl, "prompt": [_COMPAT_TOKENS[:17], _COMPAT_TOKENS]},
+        ),
         case("completion n=2 seeded", body={**cmpl, **seeded, "n": 2}),
         case("chat stream n=2 seeded", chat, {**msgs, **seeded, "n": 2, "stream": True}),
         case("completion return_token_ids", body={**cmpl, "return_token_ids": True}),
         case("completion without model", body={k: v for k, v in cmpl.items() if k != "model"}),
-        case("completion X-Request-Id", body=cmpl, headers={"X-Request-Id": "client-id-1"},
-             exact=frozenset({"id"})),
-        case("chat stream X-Request-Id", chat, {**msgs, "stream": True},
-             headers={"X-Request-Id": "client-id-2"}, exact=frozenset({"id"})),
+        case(
+            "completion X-Request-Id",
+            body=cmpl,
+            headers={"X-Request-Id": "client-id-1"},
+            exact=frozenset({"id"}),
+        ),
+        case(
+            "chat stream X-Request-Id",
+            chat,
+            {**msgs, "stream": True},
+            headers={"X-Request-Id": "client-id-2"},
+            exact=frozenset({"id"}),
+        ),
         case("error unknown model", body={**cmpl, "model": "no-such-model"}),
         case("error max_tokens 0", body={**cmpl, "max_tokens": 0}),
         case("error max_tokens -1", body={**cmpl, "max_tokens": -1}),
@@ -494,7 +566,7 @@ def test_router_answers_like_vllm_serve_field_by_field(put_async_set, routers, t
     greedy = openai_client.complete(colocated, _COMPAT_PROMPT, max_tokens=12, temperature=0.0)
     text = greedy["choices"][0]["text"]
     # Two letters in the latter part of the greedy text: a stop string that occurs.
-    found = re.search(r"[A-Za-z]{2}", text[len(text) // 3:])
+    found = re.search(r"[A-Za-z]{2}", text[len(text) // 3 :])
     assert found, f"no stop string in {text!r}"
     cases = compat_cases(colocated.model, found.group())
     diffs, views = compare.compare_servers(router.url, colocated.url, cases, COMPAT_RULES)
@@ -504,13 +576,18 @@ def test_router_answers_like_vllm_serve_field_by_field(put_async_set, routers, t
         assert status >= 400 if name.startswith("error") else status == 200, (name, answer)
     assert views["completion stop"][1]["body"]["choices"][0]["finish_reason"] == "stop"
     dump = tmp_path / "answers.json"
-    dump.write_text(json.dumps({n: {"router": r, "vllm": v} for n, (r, v) in views.items()},
-                               indent=1, default=repr))  # fmt: skip
+    dump.write_text(
+        json.dumps(
+            {n: {"router": r, "vllm": v} for n, (r, v) in views.items()}, indent=1, default=repr
+        )
+    )
     unexpected, stale = compare.split_known(diffs, KNOWN_DIFFERENCES)
     message = []
     if unexpected:
-        message.append(f"{len(unexpected)} of {len(cases)} cases differ (router vs vLLM):\n"
-                       + compare.format_differences(unexpected, "router", "vllm"))  # fmt: skip
+        message.append(
+            f"{len(unexpected)} of {len(cases)} cases differ (router vs vLLM):\n"
+            + compare.format_differences(unexpected, "router", "vllm")
+        )
     if stale:
         message.append(f"KNOWN_DIFFERENCES entries that no longer differ (remove them): {stale}")
     assert not message, "\n".join(message) + f"\nboth sides' answers: {dump}"

@@ -97,9 +97,14 @@ def test_a_dead_prefill_costs_a_recompute_within_the_deadline(get_put_set, refer
     start = time.monotonic()
     headers, params = peer_naming(p.kv_addr, d.kv_addr)
     out = complete(
-        d, prompt, headers=headers, **params,
-        max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True,
-    )  # fmt: skip
+        d,
+        prompt,
+        headers=headers,
+        **params,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        return_token_ids=True,
+    )
     elapsed = time.monotonic() - start
     assert ids(out) == reference[key(prompt)]
     assert elapsed < LOAD_TIMEOUT_S + 10

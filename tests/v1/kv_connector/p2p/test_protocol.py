@@ -17,13 +17,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import PROTOCOL_VERSION
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     MAC_BYTES,
     MAX_ADDR_CHARS,
     MAX_FRAME_BYTES,
     MAX_KEY_CHARS,
     MAX_REASON_CHARS,
+    PROTOCOL_VERSION,
     FrameError,
     Get,
     Hello,
@@ -43,17 +43,30 @@ LAYOUT = LayoutSpec(num_layers=3, page_bytes=16384, block_size=32, dtype="float3
 
 def _hello(**kw) -> Hello:
     fields = dict(
-        version=PROTOCOL_VERSION, req_no=1, sender_addr="127.0.0.1:5000",
-        channel_id="0123456789abcdef", transport="tcp", setup=b"\x00" * 16,
-        layout=LAYOUT, send_type="PUT_ASYNC", sent_at=1.8e9,
+        version=PROTOCOL_VERSION,
+        req_no=1,
+        sender_addr="127.0.0.1:5000",
+        channel_id="0123456789abcdef",
+        transport="tcp",
+        setup=b"\x00" * 16,
+        layout=LAYOUT,
+        send_type="PUT_ASYNC",
+        sent_at=1.8e9,
     )
     fields.update(kw)
     return Hello(**fields)
 
 
 def _offer(**kw) -> Offer:
-    fields = dict(req_no=2, channel_id="0123456789abcdef", key="cmpl-1___127.0.0.1:5000",
-                  xfer_id=0, num_blocks=4, prompt_digest=b"d" * 16, request_id="req-1")
+    fields = dict(
+        req_no=2,
+        channel_id="0123456789abcdef",
+        key="cmpl-1___127.0.0.1:5000",
+        xfer_id=0,
+        num_blocks=4,
+        prompt_digest=b"d" * 16,
+        request_id="req-1",
+    )
     fields.update(kw)
     return Offer(**fields)
 
@@ -77,8 +90,9 @@ ALL_MESSAGES = [
     pytest.param(_get(), id="get"),
     pytest.param(_reply(), id="reply"),
     pytest.param(Reply(req_no=5, status=Status.NO_SPACE), id="reply-defaults"),
-    pytest.param(_reply(status=Status.REJECTED, reason="r" * MAX_REASON_CHARS),
-                 id="reply-max-reason"),
+    pytest.param(
+        _reply(status=Status.REJECTED, reason="r" * MAX_REASON_CHARS), id="reply-max-reason"
+    ),
     pytest.param(_offer(key="k" * MAX_KEY_CHARS), id="offer-max-key"),
     pytest.param(_get(sender_addr="h" * MAX_ADDR_CHARS, skip_blocks=0), id="get-max-addr"),
 ]
@@ -240,11 +254,17 @@ def test_out_of_bounds_fields_are_malformed(msg, secret):
 
 
 def test_bounds_limits_are_inclusive():
-    for msg in [_offer(key="k"), _offer(key="k" * MAX_KEY_CHARS), _offer(num_blocks=1),
-                _offer(channel_id="c" * 64), _offer(request_id="r" * 512),
-                _get(skip_blocks=0), _hello(sender_addr="h" * MAX_ADDR_CHARS),
-                _hello(transport="t" * 16, send_type="s" * 16, channel_id="c" * 64),
-                _reply(reason="r" * MAX_REASON_CHARS, skip_blocks=0)]:
+    for msg in [
+        _offer(key="k"),
+        _offer(key="k" * MAX_KEY_CHARS),
+        _offer(num_blocks=1),
+        _offer(channel_id="c" * 64),
+        _offer(request_id="r" * 512),
+        _get(skip_blocks=0),
+        _hello(sender_addr="h" * MAX_ADDR_CHARS),
+        _hello(transport="t" * 16, send_type="s" * 16, channel_id="c" * 64),
+        _reply(reason="r" * MAX_REASON_CHARS, skip_blocks=0),
+    ]:
         assert open_frame(None, seal(None, msg)) == msg
 
 
@@ -310,8 +330,12 @@ FUZZ = settings(
 
 _TAGS = st.sampled_from(["hello", "offer", "get", "reply", "Hello", "", "x" * 40])
 _LEAF = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
-    st.text(max_size=140), st.binary(max_size=40),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=140),
+    st.binary(max_size=40),
 )
 _VALUE = st.recursive(_LEAF, lambda inner: st.lists(inner, max_size=4), max_leaves=12)
 
@@ -366,13 +390,24 @@ def test_fuzz_structured_payloads_only_raise_frame_error(tag, fields, secret):
 @FUZZ
 @given(
     msg=st.one_of(
-        st.builds(_offer, key=st.text(max_size=MAX_KEY_CHARS + 4),
-                  num_blocks=st.integers(-5, 2**63 - 1), request_id=st.text(max_size=600)),
-        st.builds(_get, key=st.text(max_size=MAX_KEY_CHARS + 4),
-                  skip_blocks=st.integers(-(2**63), 2**63 - 1),
-                  sender_addr=st.text(max_size=MAX_ADDR_CHARS + 4)),
-        st.builds(_reply, reason=st.text(max_size=MAX_REASON_CHARS + 4),
-                  skip_blocks=st.integers(-3, 3), status=st.text(max_size=12)),
+        st.builds(
+            _offer,
+            key=st.text(max_size=MAX_KEY_CHARS + 4),
+            num_blocks=st.integers(-5, 2**63 - 1),
+            request_id=st.text(max_size=600),
+        ),
+        st.builds(
+            _get,
+            key=st.text(max_size=MAX_KEY_CHARS + 4),
+            skip_blocks=st.integers(-(2**63), 2**63 - 1),
+            sender_addr=st.text(max_size=MAX_ADDR_CHARS + 4),
+        ),
+        st.builds(
+            _reply,
+            reason=st.text(max_size=MAX_REASON_CHARS + 4),
+            skip_blocks=st.integers(-3, 3),
+            status=st.text(max_size=12),
+        ),
     ),
     secret=st.sampled_from([None, SECRET]),
 )
@@ -391,9 +426,13 @@ def test_fuzz_sealed_messages_open_iff_in_bounds(msg, secret):
 
 def _in_bounds(msg) -> bool:
     if isinstance(msg, Offer):
-        return 0 < len(msg.key) <= MAX_KEY_CHARS and msg.num_blocks > 0 \
-            and len(msg.request_id) <= 512
+        return (
+            0 < len(msg.key) <= MAX_KEY_CHARS and msg.num_blocks > 0 and len(msg.request_id) <= 512
+        )
     if isinstance(msg, Get):
-        return 0 < len(msg.key) <= MAX_KEY_CHARS and msg.skip_blocks >= 0 \
+        return (
+            0 < len(msg.key) <= MAX_KEY_CHARS
+            and msg.skip_blocks >= 0
             and len(msg.sender_addr) <= MAX_ADDR_CHARS
+        )
     return len(msg.reason) <= MAX_REASON_CHARS and msg.skip_blocks >= 0

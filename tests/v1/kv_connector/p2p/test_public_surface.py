@@ -33,8 +33,7 @@ def test_importing_the_package_or_its_options_stays_cheap():
         "         and m.split('.')[-1] in ('connector', 'engine', 'scheduler', 'worker')]\n"
         "assert not heavy, heavy\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

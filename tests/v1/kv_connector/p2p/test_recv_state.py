@@ -22,8 +22,12 @@ T = Timeouts(hold_s=60.0, grace_s=5.0, closed_s=300.0)
 def test_the_happy_paths():
     table = RecvTable(T)
     # decode first (PUT after the request, GET)
-    steps = [(Event.EXPECT, RecvState.EXPECTED), (Event.OFFER, RecvState.RECEIVING),
-             (Event.RECEIVED, RecvState.READY), (Event.TAKEN, RecvState.CLOSED)]  # fmt: skip
+    steps = [
+        (Event.EXPECT, RecvState.EXPECTED),
+        (Event.OFFER, RecvState.RECEIVING),
+        (Event.RECEIVED, RecvState.READY),
+        (Event.TAKEN, RecvState.CLOSED),
+    ]
     for t, (event, state) in enumerate(steps):
         given = 30.0 if event in (Event.EXPECT, Event.OFFER) else None
         table.apply("a", event, float(t), deadline=given)

@@ -81,12 +81,17 @@ class FakeRouter:
                 msg = open_frame(self.token, frames)
             except DiscoveryError as e:
                 self.rejected += 1
-                ack = Ack(version=DISCOVERY_VERSION, instance_id="unknown", accepted=False,
-                          reason=str(e))  # fmt: skip
+                ack = Ack(
+                    version=DISCOVERY_VERSION, instance_id="unknown", accepted=False, reason=str(e)
+                )
                 self.sock.send_multipart([identity, *seal(self.token, ack)])
                 continue
-            ack = Ack(version=DISCOVERY_VERSION, instance_id=msg.instance_id,
-                      accepted=self.accept, reason=self.reason)  # fmt: skip
+            ack = Ack(
+                version=DISCOVERY_VERSION,
+                instance_id=msg.instance_id,
+                accepted=self.accept,
+                reason=self.reason,
+            )
             self.sock.send_multipart([identity, *seal(self.token, ack)])
             if isinstance(msg, kind):
                 got.append(msg)
@@ -124,9 +129,14 @@ def clients():
 
     def make(router_addrs, **kwargs) -> RegistrationClient:
         kwargs = {
-            "role": Role.DECODE, "http_addr": HTTP_ADDR, "kv_addr": KV_ADDR, "model": "tiny",
-            "interval_s": INTERVAL, "wait_for_http": False, **kwargs,
-        }  # fmt: skip
+            "role": Role.DECODE,
+            "http_addr": HTTP_ADDR,
+            "kv_addr": KV_ADDR,
+            "model": "tiny",
+            "interval_s": INTERVAL,
+            "wait_for_http": False,
+            **kwargs,
+        }
         made.append(RegistrationClient(routers=router_addrs, **kwargs).start())
         return made[-1]
 
@@ -152,10 +162,18 @@ def test_registers_within_one_interval_and_deregisters_on_close(routers, clients
     [msg] = router.receive(1, timeout_s=5.0)
     assert time.monotonic() - started < 5.0  # at once, not after the first interval
     assert msg == Register(
-        version=DISCOVERY_VERSION, instance_id=client.instance_id, role=Role.DECODE,
-        http_addr=HTTP_ADDR, kv_addr=KV_ADDR, model="tiny", dp_rank=1, dp_size=2, seq=0,
-        interval_s=10.0, sent_at=msg.sent_at,
-    )  # fmt: skip
+        version=DISCOVERY_VERSION,
+        instance_id=client.instance_id,
+        role=Role.DECODE,
+        http_addr=HTTP_ADDR,
+        kv_addr=KV_ADDR,
+        model="tiny",
+        dp_rank=1,
+        dp_size=2,
+        seq=0,
+        interval_s=10.0,
+        sent_at=msg.sent_at,
+    )
     assert abs(msg.sent_at - time.time()) < 5
     client.close()
     [bye] = router.receive(1, kind=Deregister)
@@ -271,8 +289,13 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
     router = routers(token=b"tok")
     monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "tok")
     http_port = free_port()
-    config = P2pConfig(role="kv_producer", base_port=21001, host="127.0.0.1",
-                       proxy_ip=f"127.0.0.1:{router.port}", http_port=http_port)  # fmt: skip
+    config = P2pConfig(
+        role="kv_producer",
+        base_port=21001,
+        host="127.0.0.1",
+        proxy_ip=f"127.0.0.1:{router.port}",
+        http_port=http_port,
+    )
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(served_model_name=["served", "alias"], model="/m"),
         parallel_config=SimpleNamespace(
@@ -286,7 +309,12 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
         with socket.create_server(("127.0.0.1", http_port)):
             [msg] = router.receive(1, timeout_s=3.0)
         assert (msg.role, msg.model, msg.http_addr, msg.kv_addr, msg.dp_rank, msg.dp_size) == (
-            Role.PREFILL, "served", f"127.0.0.1:{http_port}", "127.0.0.1:21002", 1, 2
+            Role.PREFILL,
+            "served",
+            f"127.0.0.1:{http_port}",
+            "127.0.0.1:21002",
+            1,
+            2,
         )
         assert msg.aliases == ("alias",)  # --served-model-name's other names route too
     finally:
@@ -306,9 +334,11 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
 )
 def test_one_registration_per_api_server(external_lb, hybrid_lb, index, local_rank, registers):
     parallel = SimpleNamespace(
-        data_parallel_external_lb=external_lb, data_parallel_hybrid_lb=hybrid_lb,
-        data_parallel_index=index, data_parallel_rank_local=local_rank,
-    )  # fmt: skip
+        data_parallel_external_lb=external_lb,
+        data_parallel_hybrid_lb=hybrid_lb,
+        data_parallel_index=index,
+        data_parallel_rank_local=local_rank,
+    )
     assert registration.registers_for_its_api_server(parallel) is registers
 
 

@@ -21,10 +21,6 @@ from vllm.v1.request import RequestStatus
 
 from vllm_disagg import envs
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
-from vllm_disagg.wire.peers import (
-    make_kv_transfer_params,
-    make_request_id,
-)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
@@ -35,6 +31,10 @@ from vllm_disagg.errors import ConfigError
 from vllm_disagg.testing.scheduler import SchedulerHarness, tokens, write_model_config
 from vllm_disagg.testing.server import fleet_router_token
 from vllm_disagg.wire.grants import GRANT_KEY, make_grant
+from vllm_disagg.wire.peers import (
+    make_kv_transfer_params,
+    make_request_id,
+)
 
 BLOCK = 16
 BUDGET = 64  # max_num_batched_tokens
@@ -133,7 +133,7 @@ def test_decode_waits_for_remote_kv_then_runs(harness, num_prompt):
             first_block=0,
             block_ids=held,
             num_blocks=num_blocks,
-        prompt_digest=ANY,
+            prompt_digest=ANY,
         )
     ]
     assert metas(step).saves == []
@@ -366,10 +366,12 @@ UNUSABLE = [
     pytest.param("cmpl-x-0", {"do_remote_prefill": True}, id="foreign-params"),
     pytest.param("___prefill_addr_10.0.0.1___decode_addr_127.0.0.1:21001_k", None, id="no-port"),
     pytest.param("x___decode_addr_127.0.0.1:21001_k", None, id="decode-only-id"),
-    pytest.param("___prefill_addr_10.0.0.1:99999___decode_addr_127.0.0.1:21001_k", None,
-                 id="bad-port"),
-    pytest.param("___prefill_addr_10.0.0.1:21001___decode_addr_127.0.0.1:21001_", None,
-                 id="no-key"),
+    pytest.param(
+        "___prefill_addr_10.0.0.1:99999___decode_addr_127.0.0.1:21001_k", None, id="bad-port"
+    ),
+    pytest.param(
+        "___prefill_addr_10.0.0.1:21001___decode_addr_127.0.0.1:21001_", None, id="no-key"
+    ),
     pytest.param("cmpl-1", {"p2p_prefill_addr": PREFILL}, id="params-missing-keys"),
     pytest.param(
         "cmpl-2",
@@ -393,8 +395,9 @@ UNUSABLE = [
 @pytest.mark.parametrize(("req_id", "params"), UNUSABLE)
 def test_request_without_usable_peer_info_is_computed_locally(harness, role, req_id, params):
     h = harness(role)
-    h.add(h.request(req_id, tokens(3 * BLOCK + 5, seed=17), max_tokens=2,
-                    kv_transfer_params=params))
+    h.add(
+        h.request(req_id, tokens(3 * BLOCK + 5, seed=17), max_tokens=2, kv_transfer_params=params)
+    )
     step = h.step()
     assert step.scheduled == {req_id: 3 * BLOCK + 5}
     assert_no_transfer(step)
@@ -427,7 +430,13 @@ def test_prefill_saves_in_the_step_completing_the_prompt(harness, send_type, num
     num_blocks = cdiv(num_prompt, BLOCK)
     held = h.block_ids(rid)
     assert metas(step).saves == [
-        SaveSpec(request_id=rid, key="key9", decode_addr=DECODE, block_ids=held[:num_blocks], prompt_digest=ANY)
+        SaveSpec(
+            request_id=rid,
+            key="key9",
+            decode_addr=DECODE,
+            block_ids=held[:num_blocks],
+            prompt_digest=ANY,
+        )
     ]
     assert metas(step).loads == []
     # max_tokens=1: finished in this step, its blocks kept for the send.
@@ -690,8 +699,9 @@ def count_refusals(h, monkeypatch) -> list:
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
 @pytest.mark.parametrize("grant", NOT_VOUCHED)
-def test_peers_nobody_vouches_for_are_computed_locally_and_counted(harness, role, grant,
-                                                                   monkeypatch):
+def test_peers_nobody_vouches_for_are_computed_locally_and_counted(
+    harness, role, grant, monkeypatch
+):
     """A client naming peers itself (HTTP-only poisoning, outbound connections
     to any address) gets a plain local computation; nothing waits or sends."""
     h = harness(role)
@@ -699,8 +709,11 @@ def test_peers_nobody_vouches_for_are_computed_locally_and_counted(harness, role
     prefill, decode = (PREFILL, OWN) if role == "kv_consumer" else (OWN, DECODE)
     rid = wrapped_id(prefill, decode, "forged")
     params = None if grant is None else {GRANT_KEY: grant}
-    h.add(h.request(rid, tokens(2 * BLOCK, seed=41), max_tokens=2, grant=False,
-                    kv_transfer_params=params))  # fmt: skip
+    h.add(
+        h.request(
+            rid, tokens(2 * BLOCK, seed=41), max_tokens=2, grant=False, kv_transfer_params=params
+        )
+    )
     step = h.step()
     assert step.scheduled == {rid: 2 * BLOCK}
     assert_no_transfer(step)
@@ -715,8 +728,15 @@ def test_a_grant_is_bound_to_its_peers_and_key(harness, monkeypatch):
     refused = count_refusals(h, monkeypatch)
     good = make_grant(fleet_router_token(), OWN, DECODE, "k1")
     rid = wrapped_id(OWN, ANOTHER, "k1")
-    h.add(h.request(rid, tokens(BLOCK, seed=42), max_tokens=1, grant=False,
-                    kv_transfer_params={GRANT_KEY: good}))  # fmt: skip
+    h.add(
+        h.request(
+            rid,
+            tokens(BLOCK, seed=42),
+            max_tokens=1,
+            grant=False,
+            kv_transfer_params={GRANT_KEY: good},
+        )
+    )
     assert_no_transfer(h.step())
     assert refused == [1]
 

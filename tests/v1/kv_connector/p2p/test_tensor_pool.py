@@ -66,8 +66,14 @@ def _assert_disjoint(blocks: dict[int, int], capacity: int) -> None:
 
 @pytest.mark.parametrize(
     "capacity, expected",
-    [(256, 256), (511, 256), (512, 512), (1000, 512), (64 * 256 + 255, 64 * 256),
-     (127 * 256, 64 * 256)],
+    [
+        (256, 256),
+        (511, 256),
+        (512, 512),
+        (1000, 512),
+        (64 * 256 + 255, 64 * 256),
+        (127 * 256, 64 * 256),
+    ],
 )
 def test_capacity_is_rounded_down_to_a_power_of_two_number_of_blocks(capacity, expected):
     allocator = BuddyAllocator(capacity, MIN_BLOCK)
@@ -291,8 +297,12 @@ def test_concurrent_allocate_and_free():
 
 @pytest.mark.parametrize(
     "dtype, shape",
-    [(torch.float32, (3, 5)), (torch.bfloat16, (7,)), (torch.int64, (2, 2, 2)),
-     (torch.uint8, (1,))],
+    [
+        (torch.float32, (3, 5)),
+        (torch.bfloat16, (7,)),
+        (torch.int64, (2, 2, 2)),
+        (torch.uint8, (1,)),
+    ],
 )
 def test_copy_round_trip_on_cpu(dtype, shape):
     pool = _pool()

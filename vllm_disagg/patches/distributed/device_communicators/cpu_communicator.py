@@ -55,10 +55,7 @@ def _all_gatherv_one(
     communicator.dist_module.all_gather_into_tensor(
         gathered, padded, group=communicator.device_group
     )
-    pieces = [
-        gathered[rank * max_size : rank * max_size + size]
-        for rank, size in enumerate(sizes)
-    ]
+    pieces = [gathered[rank * max_size : rank * max_size + size] for rank, size in enumerate(sizes)]
     return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
 
 

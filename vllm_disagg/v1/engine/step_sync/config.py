@@ -42,8 +42,10 @@ class StepSyncConfig:
                 f"step_sync_lookahead must be an integer in [1, 1024], got {self.lookahead!r}"
             )
         timeout = self.peer_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
-            0.1 <= timeout <= 3600
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not (0.1 <= timeout <= 3600)
         ):
             raise ConfigError(
                 "step_sync_peer_timeout_s must be a number of seconds in [0.1, 3600], "

@@ -101,8 +101,8 @@ class CoordinatorCore:
             return []
         msg, why = open_frames(self._secret, TO_COORDINATOR, frames[1:])
         if msg is None:
-            counter = "unauthenticated_messages" if why == UNAUTHENTICATED else (
-                "malformed_messages"
+            counter = (
+                "unauthenticated_messages" if why == UNAUTHENTICATED else ("malformed_messages")
             )
             self._drop(counter, why, why)
             return []
@@ -208,7 +208,9 @@ class CoordinatorCore:
         self.members[msg.dp_rank] = Member(route, msg, now)
         self.registered = tuple(sorted(self.members))
         logger.info(
-            "step sync: DP rank %d registered (%d/%d)", msg.dp_rank, len(self.members),
+            "step sync: DP rank %d registered (%d/%d)",
+            msg.dp_rank,
+            len(self.members),
             cfg.dp_size,
         )
         # Everyone learns the new member count (the group starts at dp_size).

@@ -92,8 +92,11 @@ TO_COORDINATOR = FrameCodec(b"P2C", msgspec.msgpack.Decoder(ToCoordinator), MAX_
 TO_PARTICIPANT = FrameCodec(b"C2P", msgspec.msgpack.Decoder(ToParticipant), MAX_MESSAGE_BYTES)
 
 # FrameError kinds in the words of step sync's log lines.
-_REASONS = {"unauthenticated": "unauthenticated frame", "malformed": "undecodable message",
-            "oversized": "oversized frame"}  # fmt: skip
+_REASONS = {
+    "unauthenticated": "unauthenticated frame",
+    "malformed": "undecodable message",
+    "oversized": "oversized frame",
+}
 UNAUTHENTICATED = _REASONS["unauthenticated"]
 
 

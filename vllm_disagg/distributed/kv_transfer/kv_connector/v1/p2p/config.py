@@ -65,14 +65,14 @@ from pathlib import Path
 from typing import Any
 
 from vllm_disagg import envs
-from vllm_disagg.errors import ConfigError
-from vllm_disagg.logger import init_logger
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.roles import (
     KV_BOTH,
     KV_CONSUMER,
     KV_PRODUCER,
     KV_ROLES,
 )
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.peers import canonical_host, format_addr, is_loopback
 
 logger = init_logger(__name__)
@@ -231,8 +231,10 @@ def parse_advertised_host(key: str, value: Any) -> str:
     except ValueError:  # a host name
         wildcard = False
     if wildcard:
-        raise ConfigError(f"{key}: {_show(value)} is a wildcard address; give one that "
-                          "other machines can connect to")  # fmt: skip
+        raise ConfigError(
+            f"{key}: {_show(value)} is a wildcard address; give one that "
+            "other machines can connect to"
+        )
     return host
 
 
@@ -387,64 +389,141 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("send_type", "`PUT_ASYNC`, `PUT`, `GET` (any case)", SendType.PUT_ASYNC,
-           parse_send_type, "send mode; must match the peers'", "other strings"),
-    Option("kv_buffer_size", 'bytes: int, float or numeric string (`"1e9"`)', 10**9,
-           parse_byte_size, "D's receive-buffer budget (unused on P)",
-           "negative, non-numeric, > 1 PiB", shown_default="1e9"),
-    Option("mem_pool_size_gb", "number (GiB)", GIB, parse_gib,
-           "host pool for what does not fit the buffer, created on first spill; 0 disables it",
-           f"< 0, > {MAX_MEM_POOL_SIZE_GB:.0f}", field="mem_pool_size_bytes",
-           shown_default="1.0", check=parse_byte_size),
-    Option("kv_ip", "IPv4, IPv6 (brackets optional), host name", "127.0.0.1", parse_host,
-           "address the workers bind and put in their messages; must be reachable by peers",
-           "wildcard, `_` in names, IPv6 zone ids, bad IPs", field="host",
-           shown_default="the address of `vllm serve --host` when it names one (not a "
-           "wildcard; the `vllm` command passes it on as `VLLM_DISAGG_SERVE_HOST`), else "
-           "vLLM's `get_ip()` (`VLLM_HOST_IP`, else the default route's address; 127.0.0.1 "
-           "without a route)", absent=_default_host),
-    Option("transport", ", ".join(f"`{t}`" for t in TRANSPORTS), "auto",
-           lambda key, value: parse_choice(key, value, TRANSPORTS),
-           "data plane; must match the peers'", "other strings",
-           shown_default="`auto` (nccl on CUDA, tcp otherwise)"),
-    Option("kv_load_timeout_s", "seconds", 30.0, parse_seconds,
-           "D: how long a request waits for its KV before it is recomputed",
-           f"≤ 0, > {MAX_TIMEOUT_S:.0f}"),
-    Option("kv_hold_timeout_s", "seconds", 60.0, parse_seconds,
-           "P: how long a send may take / held blocks wait for a pull; D: how long unclaimed "
-           "KV is kept; channel set-up on D", f"≤ 0, > {MAX_TIMEOUT_S:.0f}"),
-    Option("skip_cached_blocks", "JSON `true`/`false`", True, parse_bool,
-           "D receives only blocks after its prefix hit (when it knows the request first)",
-           "anything but a boolean"),
-    Option("proxy_ip", "one router or several: a host or `host:port` (`[IPv6]:port`), or a "
-           'comma-separated string (`"10.0.0.1,10.0.0.2:30002"`) or JSON list of them; at '
-           f"most {MAX_ROUTERS}", None, parse_routers,
-           'routers this instance registers with (see "Registering with a router")',
-           "wildcard addresses, a router listed twice, an item without a port when "
-           "`proxy_port` is unset"),
-    Option("proxy_port", "port", None, parse_port,
-           "discovery port of every `proxy_ip` item that has none; needed unless every item "
-           "has its port", "given without `proxy_ip`"),
-    Option("http_port", "port", None, parse_port,
-           "this instance's API server port, which the routers forward to; required with "
-           "`proxy_ip`; must not be one of the KV ports; a port other than `vllm serve "
-           "--port` is reported at start (a warning: a port mapping may be in between)",
-           "missing with `proxy_ip`, inside the KV port range"),
-    Option("http_ip", "host (as `kv_ip`)", None, parse_advertised_host,
-           "the host of this instance's API server as the routers must reach it; one that is "
-           "not where `vllm serve --host` listens (or, with a wildcard `--host`, not an "
-           "address of this machine, or not resolvable) is reported at start",
-           "wildcard (`0.0.0.0`, `::`) and what `kv_ip` refuses",
-           shown_default="`kv_ip` (or its default)"),
-    Option("allowed_peers", "`host`, `host:port`, IP network; comma-separated string or "
-           "JSON list", None, parse_allowed_peers,
-           'peers a request may name without a router grant (see "Security")',
-           "anything else: `kv_connector_extra_config.allowed_peers: \'x\' is not peers: ...`",
-           shown_default="none"),
-    Option("allow_unauthenticated", "JSON `true`/`false`", False, parse_bool,
-           "start with a non-loopback `kv_ip` and no P2P secret (warned at start)",
-           "anything but a boolean"),
-)  # fmt: skip
+    Option(
+        "send_type",
+        "`PUT_ASYNC`, `PUT`, `GET` (any case)",
+        SendType.PUT_ASYNC,
+        parse_send_type,
+        "send mode; must match the peers'",
+        "other strings",
+    ),
+    Option(
+        "kv_buffer_size",
+        'bytes: int, float or numeric string (`"1e9"`)',
+        10**9,
+        parse_byte_size,
+        "D's receive-buffer budget (unused on P)",
+        "negative, non-numeric, > 1 PiB",
+        shown_default="1e9",
+    ),
+    Option(
+        "mem_pool_size_gb",
+        "number (GiB)",
+        GIB,
+        parse_gib,
+        "host pool for what does not fit the buffer, created on first spill; 0 disables it",
+        f"< 0, > {MAX_MEM_POOL_SIZE_GB:.0f}",
+        field="mem_pool_size_bytes",
+        shown_default="1.0",
+        check=parse_byte_size,
+    ),
+    Option(
+        "kv_ip",
+        "IPv4, IPv6 (brackets optional), host name",
+        "127.0.0.1",
+        parse_host,
+        "address the workers bind and put in their messages; must be reachable by peers",
+        "wildcard, `_` in names, IPv6 zone ids, bad IPs",
+        field="host",
+        shown_default="the address of `vllm serve --host` when it names one (not a "
+        "wildcard; the `vllm` command passes it on as `VLLM_DISAGG_SERVE_HOST`), else "
+        "vLLM's `get_ip()` (`VLLM_HOST_IP`, else the default route's address; 127.0.0.1 "
+        "without a route)",
+        absent=_default_host,
+    ),
+    Option(
+        "transport",
+        ", ".join(f"`{t}`" for t in TRANSPORTS),
+        "auto",
+        lambda key, value: parse_choice(key, value, TRANSPORTS),
+        "data plane; must match the peers'",
+        "other strings",
+        shown_default="`auto` (nccl on CUDA, tcp otherwise)",
+    ),
+    Option(
+        "kv_load_timeout_s",
+        "seconds",
+        30.0,
+        parse_seconds,
+        "D: how long a request waits for its KV before it is recomputed",
+        f"≤ 0, > {MAX_TIMEOUT_S:.0f}",
+    ),
+    Option(
+        "kv_hold_timeout_s",
+        "seconds",
+        60.0,
+        parse_seconds,
+        "P: how long a send may take / held blocks wait for a pull; D: how long unclaimed "
+        "KV is kept; channel set-up on D",
+        f"≤ 0, > {MAX_TIMEOUT_S:.0f}",
+    ),
+    Option(
+        "skip_cached_blocks",
+        "JSON `true`/`false`",
+        True,
+        parse_bool,
+        "D receives only blocks after its prefix hit (when it knows the request first)",
+        "anything but a boolean",
+    ),
+    Option(
+        "proxy_ip",
+        "one router or several: a host or `host:port` (`[IPv6]:port`), or a "
+        'comma-separated string (`"10.0.0.1,10.0.0.2:30002"`) or JSON list of them; at '
+        f"most {MAX_ROUTERS}",
+        None,
+        parse_routers,
+        'routers this instance registers with (see "Registering with a router")',
+        "wildcard addresses, a router listed twice, an item without a port when "
+        "`proxy_port` is unset",
+    ),
+    Option(
+        "proxy_port",
+        "port",
+        None,
+        parse_port,
+        "discovery port of every `proxy_ip` item that has none; needed unless every item "
+        "has its port",
+        "given without `proxy_ip`",
+    ),
+    Option(
+        "http_port",
+        "port",
+        None,
+        parse_port,
+        "this instance's API server port, which the routers forward to; required with "
+        "`proxy_ip`; must not be one of the KV ports; a port other than `vllm serve "
+        "--port` is reported at start (a warning: a port mapping may be in between)",
+        "missing with `proxy_ip`, inside the KV port range",
+    ),
+    Option(
+        "http_ip",
+        "host (as `kv_ip`)",
+        None,
+        parse_advertised_host,
+        "the host of this instance's API server as the routers must reach it; one that is "
+        "not where `vllm serve --host` listens (or, with a wildcard `--host`, not an "
+        "address of this machine, or not resolvable) is reported at start",
+        "wildcard (`0.0.0.0`, `::`) and what `kv_ip` refuses",
+        shown_default="`kv_ip` (or its default)",
+    ),
+    Option(
+        "allowed_peers",
+        "`host`, `host:port`, IP network; comma-separated string or JSON list",
+        None,
+        parse_allowed_peers,
+        'peers a request may name without a router grant (see "Security")',
+        "anything else: `kv_connector_extra_config.allowed_peers: 'x' is not peers: ...`",
+        shown_default="none",
+    ),
+    Option(
+        "allow_unauthenticated",
+        "JSON `true`/`false`",
+        False,
+        parse_bool,
+        "start with a non-loopback `kv_ip` and no P2P secret (warned at start)",
+        "anything but a boolean",
+    ),
+)
 OPTION = {option.key: option for option in OPTIONS}
 # Every key kv_connector_extra_config may hold; anything else is an error,
 # so a typo is never silently ignored.
@@ -460,8 +539,9 @@ def _check_cross_fields(fields: dict[str, Any], label: Callable[[str], str]) -> 
     ip_key, port_key = label("proxy_ip"), label("proxy_port")
     if items is None:
         if port is not None:
-            raise ConfigError(f"{ip_key}, {port_key}: give both (register with a router) "
-                              "or neither")  # fmt: skip
+            raise ConfigError(
+                f"{ip_key}, {port_key}: give both (register with a router) or neither"
+            )
         return {**fields, "routers": ()}
     routers: list[tuple[str, int]] = []
     for host, own_port in items:
@@ -625,10 +705,16 @@ class P2pConfig:
                 logger.warning(
                     "%s: allow_unauthenticated is set: the P2P ports on %s accept KV and "
                     "control messages from anyone who can reach them (no %s)",
-                    CONNECTOR_NAME, self.host, envs.VLLM_DISAGG_P2P_SECRET,
+                    CONNECTOR_NAME,
+                    self.host,
+                    envs.VLLM_DISAGG_P2P_SECRET,
                 )
-        if self.routers and self.grant_token is None and self.binds_beyond_loopback \
-                and not self.allow_unauthenticated:
+        if (
+            self.routers
+            and self.grant_token is None
+            and self.binds_beyond_loopback
+            and not self.allow_unauthenticated
+        ):
             raise ConfigError(
                 f"{_EXTRA}.proxy_ip: registrations with the router from {self.host} would be "
                 f"unsigned: set {envs.VLLM_DISAGG_ROUTER_TOKEN} to the router's token"
@@ -677,8 +763,7 @@ class P2pConfig:
         secret, grant_token = envs.p2p_secret(), envs.router_token()
         fields = _parse_options(extra, lambda key: f"{_EXTRA}.{key}", fields=False)
         del fields["routers"]
-        return cls(role=role, base_port=base_port, secret=secret, grant_token=grant_token,
-                   **fields)  # fmt: skip
+        return cls(role=role, base_port=base_port, secret=secret, grant_token=grant_token, **fields)
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> P2pConfig:
@@ -733,7 +818,6 @@ class P2pConfig:
             )
         return ports
 
-
     def check_dp_load_balancing(self, parallel_config) -> None:
         """Refuse the combinations that cannot work when one API server
         fronts several DP ranks (internal load balancing, hybrid included:
@@ -760,14 +844,20 @@ class P2pConfig:
             return
         push = self.send_type is not SendType.GET
         if self.role == KV_CONSUMER and push:
-            why = ("prefill pushes the KV to the decode rank the request names, but the "
-                   "API server may hand the request to another rank")  # fmt: skip
+            why = (
+                "prefill pushes the KV to the decode rank the request names, but the "
+                "API server may hand the request to another rank"
+            )
         elif self.role == KV_PRODUCER and not push:
-            why = ("decode pulls the KV from the prefill rank the request names, but the "
-                   "API server may have run the prefill on another rank")  # fmt: skip
+            why = (
+                "decode pulls the KV from the prefill rank the request names, but the "
+                "API server may have run the prefill on another rank"
+            )
         elif self.role == KV_BOTH:
-            why = ("kv_both picks its side by comparing the request's addresses with its "
-                   "own rank's, and the API server may hand the request to another rank")
+            why = (
+                "kv_both picks its side by comparing the request's addresses with its "
+                "own rank's, and the API server may hand the request to another rank"
+            )
         else:
             return
         raise ConfigError(
@@ -799,7 +889,6 @@ def dp_rank_of(parallel_config) -> int:
     """
     index = getattr(parallel_config, "data_parallel_index", None)
     return parallel_config.data_parallel_rank if index is None else index
-
 
 
 # --- docs/p2p_connector.md's key table, rendered from OPTIONS ---------------------

@@ -23,10 +23,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import P2pConnectorMetadata
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.scheduler import (
     P2pSchedulerConnector,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import P2pConnectorMetadata
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
     P2pKVConnectorStats,
     P2pPromMetrics,

@@ -53,6 +53,7 @@ def embeds_digest(embeds) -> bytes:
     h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
     return h.digest()[:DIGEST_BYTES]
 
+
 MAX_FRAME_BYTES = 8192
 MAX_ADDR_CHARS = 300
 MAX_REASON_CHARS = 300

@@ -124,15 +124,18 @@ class RecvTable:
     def allows(self, key: str, event: Event) -> bool:
         return (self.state(key), event) in TRANSITIONS
 
-    def apply(self, key: str, event: Event, now: float, *, deadline: float | None = None) -> RecvKey:
+    def apply(
+        self, key: str, event: Event, now: float, *, deadline: float | None = None
+    ) -> RecvKey:
         """Move ``key`` by ``event`` and set the new state's deadline (the
         decode's own ``deadline`` for EXPECT; else derived from the state)."""
         entry = self.keys.get(key)
         current = None if entry is None else entry.state
         target = TRANSITIONS.get((current, event))
         if target is None:
-            raise TransitionError(f"key {key}: {event.value} in state "
-                                  f"{current.value if current else 'none'}")  # fmt: skip
+            raise TransitionError(
+                f"key {key}: {event.value} in state {current.value if current else 'none'}"
+            )
         if entry is None:
             entry = self.keys[key] = RecvKey(key)
         if event is Event.EXPECT:

@@ -33,10 +33,13 @@ import msgspec
 import zmq
 
 from vllm_disagg import envs
-from vllm_disagg.wire.peers import format_addr
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import dp_rank_of
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
+    TransportError,
+    addresses_of,
+)
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
-from vllm_disagg.wire.logs import RateLimitedLog
 from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
     HEARTBEAT_INTERVAL_S,
@@ -51,12 +54,8 @@ from vllm_disagg.wire.discovery import (
     seal,
     validate,
 )
-
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import dp_rank_of
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
-    TransportError,
-    addresses_of,
-)
+from vllm_disagg.wire.logs import RateLimitedLog
+from vllm_disagg.wire.peers import format_addr
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -120,11 +119,17 @@ class RegistrationClient:
         self.interval_s = interval_s
         self.instance_id = make_instance_id(kv_addr)
         self._template = Register(
-            version=DISCOVERY_VERSION, instance_id=self.instance_id, role=role,
-            http_addr=http_addr, kv_addr=kv_addr, model=model, aliases=tuple(aliases),
+            version=DISCOVERY_VERSION,
+            instance_id=self.instance_id,
+            role=role,
+            http_addr=http_addr,
+            kv_addr=kv_addr,
+            model=model,
+            aliases=tuple(aliases),
             dp_rank=dp_rank,
-            dp_size=dp_size, interval_s=interval_s,
-        )  # fmt: skip
+            dp_size=dp_size,
+            interval_s=interval_s,
+        )
         try:
             validate(self._template)
         except DiscoveryError as e:
@@ -188,8 +193,9 @@ class RegistrationClient:
         except Exception:
             logger.exception(
                 "router registration of %s stopped; routers will drop this instance "
-                "when its heartbeats stop", self.instance_id,
-            )  # fmt: skip
+                "when its heartbeats stop",
+                self.instance_id,
+            )
         finally:
             # What is still queued (the Deregister) gets DEREGISTER_TIMEOUT_S
             # to leave: ctx.term() waits that long at most.
@@ -228,8 +234,11 @@ class RegistrationClient:
             logger.warning(
                 "this instance's API server %s (http_ip, http_port) does not accept "
                 "connections from here after %.0f s (%s); registering with the routers "
-                "anyway", self._template.http_addr, waited_s, e,
-            )  # fmt: skip
+                "anyway",
+                self._template.http_addr,
+                waited_s,
+                e,
+            )
         self._http_probe = None
         return True
 
@@ -243,8 +252,12 @@ class RegistrationClient:
             if router.down_since is None:
                 router.down_since = now
             elif now - router.down_since >= SILENT_HEARTBEATS * self.interval_s:
-                self._warn(router, "router %s is not reachable; still trying every %g s",
-                           router.addr, self.interval_s)  # fmt: skip
+                self._warn(
+                    router,
+                    "router %s is not reachable; still trying every %g s",
+                    router.addr,
+                    self.interval_s,
+                )
             return
         router.down_since = None
         router.seq += 1
@@ -252,10 +265,13 @@ class RegistrationClient:
         router.unanswered += 1
         if router.unanswered > SILENT_HEARTBEATS:
             self._warn(
-                router, "router %s has not answered %d registrations; is it a router's "
-                "discovery port, and does it use the same %s?", router.addr,
-                router.unanswered - 1, envs.VLLM_DISAGG_ROUTER_TOKEN,
-            )  # fmt: skip
+                router,
+                "router %s has not answered %d registrations; is it a router's "
+                "discovery port, and does it use the same %s?",
+                router.addr,
+                router.unanswered - 1,
+                envs.VLLM_DISAGG_ROUTER_TOKEN,
+            )
 
     def _read_answers(self, router: _Router) -> None:
         while True:
@@ -279,23 +295,33 @@ class RegistrationClient:
                 if not router.registered:
                     logger.info(
                         "registered with router %s as %s (%s, http %s, kv %s, DP rank %d/%d)",
-                        router.addr, self.instance_id, self._template.role.value,
-                        self._template.http_addr, self._template.kv_addr,
-                        self._template.dp_rank, self._template.dp_size,
-                    )  # fmt: skip
+                        router.addr,
+                        self.instance_id,
+                        self._template.role.value,
+                        self._template.http_addr,
+                        self._template.kv_addr,
+                        self._template.dp_rank,
+                        self._template.dp_size,
+                    )
                 router.registered = True
             else:
                 router.registered = False
                 reason = msg.reason or "no reason given"
-                self._warn(router, "router %s refused the registration of %s: %s",
-                           router.addr, self.instance_id, reason)  # fmt: skip
+                self._warn(
+                    router,
+                    "router %s refused the registration of %s: %s",
+                    router.addr,
+                    self.instance_id,
+                    reason,
+                )
 
     def _deregister(self, routers: list[_Router]) -> None:
         frames = seal(
             self.token,
-            Deregister(version=DISCOVERY_VERSION, instance_id=self.instance_id,
-                       sent_at=time.time()),
-        )  # fmt: skip
+            Deregister(
+                version=DISCOVERY_VERSION, instance_id=self.instance_id, sent_at=time.time()
+            ),
+        )
         for router in routers:
             if not router.seq:
                 continue  # never registered there
@@ -387,8 +413,9 @@ def start_registration(
             "%s: routers will send this instance's requests where its API server does not "
             "listen (unless a port mapping or NAT is in between); set "
             "kv_connector_extra_config.http_ip / http_port to the address clients of this "
-            "server use", problem,
-        )  # fmt: skip
+            "server use",
+            problem,
+        )
     return RegistrationClient(
         routers=config.routers,
         role=Role.from_kv_role(config.role),

@@ -32,18 +32,14 @@ from typing import TYPE_CHECKING, Any
 from vllm.utils.math_utils import cdiv
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig, dp_rank_of
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    LoadSpec,
+    P2pConnectorMetadata,
+    SaveSpec,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     embeds_digest,
     prompt_digest,
-)
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import P2pStatsRecorder
-from vllm_disagg.wire.grants import GRANT_KEY, GrantError, check_grant
-from vllm_disagg.wire.peers import (
-    canonical_addr,
-    format_addr,
-    PeerInfo,
-    PeerInfoError,
-    parse_peer_info,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import (
     start_registration,
@@ -53,12 +49,16 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.roles import (
     KV_CONSUMER,
     KV_PRODUCER,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
-    LoadSpec,
-    P2pConnectorMetadata,
-    SaveSpec,
-)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import P2pStatsRecorder
 from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.grants import GRANT_KEY, GrantError, check_grant
+from vllm_disagg.wire.peers import (
+    PeerInfo,
+    PeerInfoError,
+    canonical_addr,
+    format_addr,
+    parse_peer_info,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -87,7 +87,8 @@ class PeerVouching:
     def refusal(self, peer: PeerInfo, kv_transfer_params: dict | None) -> str | None:
         """None when vouched for, else why not (for a rate-limited log line)."""
         others = [
-            a for a in (canonical_addr(peer.prefill_addr), canonical_addr(peer.decode_addr))
+            a
+            for a in (canonical_addr(peer.prefill_addr), canonical_addr(peer.decode_addr))
             if a != self._own
         ]
         if not others:
@@ -236,8 +237,9 @@ class P2pSchedulerConnector:
         role: KVRole = self.config.role
         if role == KV_PRODUCER:
             return True
-        return (role == KV_BOTH and self._is_me(peer.prefill_addr)
-                and not self._is_me(peer.decode_addr))  # fmt: skip
+        return (
+            role == KV_BOTH and self._is_me(peer.prefill_addr) and not self._is_me(peer.decode_addr)
+        )
 
     # --- decode ---
 
@@ -289,8 +291,9 @@ class P2pSchedulerConnector:
     # --- every step ---
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
-        meta = P2pConnectorMetadata(loads=list(self._pending_loads.values()),
-                                    unwanted=self._unwanted)  # fmt: skip
+        meta = P2pConnectorMetadata(
+            loads=list(self._pending_loads.values()), unwanted=self._unwanted
+        )
         self._pending_loads.clear()
         self._unwanted = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -301,7 +304,9 @@ class P2pSchedulerConnector:
                 continue
             prefill = _Prefill(peer, new.prompt_len, list(new.block_ids[0]))
             self._prefills[new.req_id] = prefill
-            self._maybe_save(meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._maybe_save(
+                meta, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            )
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

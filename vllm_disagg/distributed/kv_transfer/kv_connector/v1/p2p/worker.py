@@ -37,7 +37,6 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     SendTransfer,
     SlotState,
 )
-from vllm_disagg.wire.peers import format_addr
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
@@ -48,6 +47,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import create_transport
 from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.peers import format_addr
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -73,8 +73,11 @@ class P2pWorkerConnector:
         # Symmetric parallelism: worker (pp, tp) talks to worker (pp, tp) of the peer.
         self.rank_offset = pp_rank * tp_size + tp_rank
         self.port = config.worker_port(
-            dp_rank=dp_rank_of(parallel), tp_size=tp_size, pp_size=pp_size,
-            tp_rank=tp_rank, pp_rank=pp_rank,
+            dp_rank=dp_rank_of(parallel),
+            tp_size=tp_size,
+            pp_size=pp_size,
+            tp_rank=tp_rank,
+            pp_rank=pp_rank,
         )
         self.stats = P2pStatsRecorder()
         self.engine: P2pEngine | None = None
@@ -109,8 +112,13 @@ class P2pWorkerConnector:
         logger.info(
             "P2P engine listening on %s: role %s, send_type %s, transport %s, %d layers x "
             "%d blocks of %d bytes",
-            self.engine.addr, config.role, config.send_type.value, transport.name,
-            layout.num_layers, layout.num_blocks, layout.page_bytes,
+            self.engine.addr,
+            config.role,
+            config.send_type.value,
+            transport.name,
+            layout.num_layers,
+            layout.num_blocks,
+            layout.page_bytes,
         )
 
     def shutdown(self) -> None:
@@ -128,8 +136,12 @@ class P2pWorkerConnector:
         if self.engine is not None and self.config.send_type is SendType.PUT_ASYNC:
             for save in meta.saves:
                 xfer = self.engine.start_send(
-                    save.key, save.request_id, shift_port(save.decode_addr, self.rank_offset),
-                    save.block_ids, all_saved=False, prompt_digest=save.prompt_digest,
+                    save.key,
+                    save.request_id,
+                    shift_port(save.decode_addr, self.rank_offset),
+                    save.block_ids,
+                    all_saved=False,
+                    prompt_digest=save.prompt_digest,
                 )
                 self._streaming.append(xfer)
                 self._sends[save.request_id] = xfer
@@ -151,9 +163,12 @@ class P2pWorkerConnector:
             # Blocks the decode side holds are not moved, unless measuring without it.
             skip = load.first_block if self.config.skip_cached_blocks else 0
             engine.expect(
-                load.key, skip, deadline,
+                load.key,
+                skip,
+                deadline,
                 get_from=shift_port(load.prefill_addr, self.rank_offset) if get_mode else None,
-                prompt_digest=load.prompt_digest, prefill_addr=load.prefill_addr,
+                prompt_digest=load.prompt_digest,
+                prefill_addr=load.prefill_addr,
             )
 
     def save_kv_layer(self, layer_name: str) -> None:
@@ -180,8 +195,12 @@ class P2pWorkerConnector:
         if send_type is SendType.PUT:
             started = [
                 engine.start_send(
-                    s.key, s.request_id, shift_port(s.decode_addr, self.rank_offset),
-                    s.block_ids, all_saved=True, prompt_digest=s.prompt_digest,
+                    s.key,
+                    s.request_id,
+                    shift_port(s.decode_addr, self.rank_offset),
+                    s.block_ids,
+                    all_saved=True,
+                    prompt_digest=s.prompt_digest,
                 )
                 for s in meta.saves
             ]
@@ -191,7 +210,10 @@ class P2pWorkerConnector:
         elif send_type is SendType.GET:
             for s in meta.saves:
                 self._sends[s.request_id] = engine.hold(
-                    s.key, s.request_id, s.block_ids, prompt_digest=s.prompt_digest,
+                    s.key,
+                    s.request_id,
+                    s.block_ids,
+                    prompt_digest=s.prompt_digest,
                     decode_addr=s.decode_addr,
                 )
 
@@ -222,8 +244,11 @@ class P2pWorkerConnector:
                 if now <= deadline:
                     continue
                 engine.abandon(load.key)
-                self._fail_load(load, f"no KV from {load.prefill_addr} within "
-                                f"kv_load_timeout_s={self.config.kv_load_timeout_s}")
+                self._fail_load(
+                    load,
+                    f"no KV from {load.prefill_addr} within "
+                    f"kv_load_timeout_s={self.config.kv_load_timeout_s}",
+                )
             elif slot.state is SlotState.COMPLETE and slot.prompt_digest != load.prompt_digest:
                 # Arrived before this request was known, for another prompt.
                 engine.release(slot)

@@ -195,8 +195,9 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                     continue
                 except Exception:  # noqa: BLE001 - one bad message must not stop the listener
                     logger.exception("P2P listener failed to handle a message")
-                    reply = Reply(req_no=getattr(msg, "req_no", 0), status=Status.REJECTED,
-                                  reason="internal")
+                    reply = Reply(
+                        req_no=getattr(msg, "req_no", 0), status=Status.REJECTED, reason="internal"
+                    )
                 if reply is not None:
                     router.send_multipart([route, *proto.seal(self.secret, reply)])
             now = time.monotonic()
@@ -216,8 +217,11 @@ class P2pEngine(ReceiverMixin, SenderMixin):
             except (PeerInfoError, TransportError) as e:
                 return self._refuse(msg.req_no, "malformed", f"{type(msg).__name__}: {e}")
             if foreign:
-                return self._refuse(msg.req_no, "address",
-                                    f"{type(msg).__name__} from {source} names {msg.sender_addr}")
+                return self._refuse(
+                    msg.req_no,
+                    "address",
+                    f"{type(msg).__name__} from {source} names {msg.sender_addr}",
+                )
         if isinstance(msg, Hello):
             return self._on_hello(msg, route)
         if isinstance(msg, Offer):

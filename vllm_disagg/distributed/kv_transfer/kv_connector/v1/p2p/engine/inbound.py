@@ -66,8 +66,15 @@ class RecvSlot:
 class InboundChannel:
     """A channel a peer created to send to us, with its receive thread."""
 
-    def __init__(self, engine: P2pEngine, channel_id: str, peer: str, finish, deadline: float,
-                 route: bytes = b""):
+    def __init__(
+        self,
+        engine: P2pEngine,
+        channel_id: str,
+        peer: str,
+        finish,
+        deadline: float,
+        route: bytes = b"",
+    ):
         self.engine = engine
         self.channel_id = channel_id
         self.peer = peer
@@ -77,9 +84,7 @@ class InboundChannel:
         self.broken = False
         self._finish = finish
         self._setup_deadline = deadline
-        self.thread = threading.Thread(
-            target=self._run, name=f"p2p-recv-{peer}", daemon=True
-        )
+        self.thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:

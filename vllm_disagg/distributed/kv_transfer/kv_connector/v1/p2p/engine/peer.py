@@ -105,8 +105,9 @@ class Peer:
             if left_ms <= 0 or self.engine.stopped.is_set():
                 self._reset_socket()
                 self.silent_until = now + limits.PEER_RETRY_AFTER_S
-                raise TransportError(f"no reply to {type(msg).__name__} from {self.addr} "
-                                     f"in {now - sent_at:.1f} s")  # fmt: skip
+                raise TransportError(
+                    f"no reply to {type(msg).__name__} from {self.addr} in {now - sent_at:.1f} s"
+                )
             if not sock.poll(min(left_ms, 100)):
                 continue
             frames = sock.recv_multipart()
@@ -149,8 +150,7 @@ class Peer:
     def _do(self, job: SendTransfer | GetJob) -> None:
         left = self.silent_until - time.monotonic()
         if left > 0:
-            reason = (f"peer {self.addr} left a request unanswered; not asked again "
-                      f"for {left:.1f} s")  # fmt: skip
+            reason = f"peer {self.addr} left a request unanswered; not asked again for {left:.1f} s"
             if isinstance(job, GetJob):
                 job.on_failure(reason)
             else:
@@ -176,8 +176,9 @@ class Peer:
             return  # the KV arrived (or decode gave up): nothing left to ask for
         try:
             reply = self.request(
-                lambda n: Get(req_no=n, sender_addr=engine.addr, key=job.key,
-                              skip_blocks=job.skip_blocks),
+                lambda n: Get(
+                    req_no=n, sender_addr=engine.addr, key=job.key, skip_blocks=job.skip_blocks
+                ),
                 job.deadline,
             )
         except TransportError as e:
@@ -210,15 +211,22 @@ class Peer:
         channel_id = secrets.token_hex(8)
         reply = self.request(
             lambda n: Hello(
-                version=proto.PROTOCOL_VERSION, req_no=n, sender_addr=engine.addr,
-                channel_id=channel_id, transport=engine.transport.name, setup=setup,
-                layout=engine.layout.spec, send_type=engine.send_type, sent_at=time.time(),
+                version=proto.PROTOCOL_VERSION,
+                req_no=n,
+                sender_addr=engine.addr,
+                channel_id=channel_id,
+                transport=engine.transport.name,
+                setup=setup,
+                layout=engine.layout.spec,
+                send_type=engine.send_type,
+                sent_at=time.time(),
             ),
             deadline,
         )
         if reply.status != Status.OK:
-            raise TransportError(f"peer {self.addr} refused the channel ({reply.reason}; "
-                                 "its log says why)")
+            raise TransportError(
+                f"peer {self.addr} refused the channel ({reply.reason}; its log says why)"
+            )
         self.channel = finish(reply.setup, deadline)
         self.channel_id = channel_id
         logger.info("P2P channel to %s is up (%s)", self.addr, engine.transport.name)
@@ -236,10 +244,15 @@ class Peer:
             for attempt in range(2):
                 self._ensure_channel(xfer.deadline)
                 reply = self.request(
-                    lambda n: Offer(req_no=n, channel_id=self.channel_id, key=xfer.key,
-                                    xfer_id=0, num_blocks=len(xfer.block_ids),
-                                    prompt_digest=xfer.prompt_digest,
-                                    request_id=xfer.request_id[:512]),
+                    lambda n: Offer(
+                        req_no=n,
+                        channel_id=self.channel_id,
+                        key=xfer.key,
+                        xfer_id=0,
+                        num_blocks=len(xfer.block_ids),
+                        prompt_digest=xfer.prompt_digest,
+                        request_id=xfer.request_id[:512],
+                    ),
                     xfer.deadline,
                 )
                 if reply.status == Status.REJECTED and reply.reason == "unknown_channel":
@@ -250,8 +263,14 @@ class Peer:
                     if attempt == 0:
                         continue
                 break
-            logger.debug("P2P %s: offer of %s to %s answered %s after %.3f s", engine.addr,
-                         xfer.key, self.addr, reply.status, time.monotonic() - start)
+            logger.debug(
+                "P2P %s: offer of %s to %s answered %s after %.3f s",
+                engine.addr,
+                xfer.key,
+                self.addr,
+                reply.status,
+                time.monotonic() - start,
+            )
             if reply.status != Status.OK:
                 engine._finish_send(xfer, ok=False, reason=f"{reply.status} {reply.reason}")
                 return

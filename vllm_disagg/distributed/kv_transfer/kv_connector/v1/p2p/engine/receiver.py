@@ -76,8 +76,13 @@ class ReceiverMixin:
     # --- model-thread API ---
 
     def expect(
-        self, key: str, skip_blocks: int, deadline: float, get_from: str | None,
-        prompt_digest: bytes, prefill_addr: str | None = None,
+        self,
+        key: str,
+        skip_blocks: int,
+        deadline: float,
+        get_from: str | None,
+        prompt_digest: bytes,
+        prefill_addr: str | None = None,
     ) -> None:
         """Decode knows request ``key``: it holds ``skip_blocks`` leading blocks itself,
         and accepts KV only for the prompt whose digest is ``prompt_digest``.
@@ -92,10 +97,15 @@ class ReceiverMixin:
                 entry.prefill_host = canonical_host(split_addr(prefill_addr)[0])
             ask = get_from is not None and entry.state is RecvState.EXPECTED
         if ask:
-            self._submit(get_from, GetJob(
-                key=key, skip_blocks=skip_blocks, deadline=deadline,
-                on_failure=lambda reason: self._fail_expected(key, reason),
-            ))
+            self._submit(
+                get_from,
+                GetJob(
+                    key=key,
+                    skip_blocks=skip_blocks,
+                    deadline=deadline,
+                    on_failure=lambda reason: self._fail_expected(key, reason),
+                ),
+            )
 
     def poll(self, key: str) -> RecvSlot | None:
         """The slot of ``key`` once it is complete or failed (then owned by the caller)."""
@@ -184,9 +194,16 @@ class ReceiverMixin:
             entry = self._recv.apply(key, Event.FAILED, time.monotonic())
             entry.reason = reason
             entry.slot = RecvSlot(
-                key=key, num_blocks=0, skip_blocks=0, page_bytes=0, num_layers=0,
-                tensor=torch.empty(0, dtype=torch.uint8), pool_alloc=None,
-                deadline=0.0, state=SlotState.FAILED, reason=reason,
+                key=key,
+                num_blocks=0,
+                skip_blocks=0,
+                page_bytes=0,
+                num_layers=0,
+                tensor=torch.empty(0, dtype=torch.uint8),
+                pool_alloc=None,
+                deadline=0.0,
+                state=SlotState.FAILED,
+                reason=reason,
             )
 
     def _finish_slot(self, slot: RecvSlot, *, ok: bool, reason: str = "") -> None:
@@ -198,8 +215,7 @@ class ReceiverMixin:
             free = entry is None or entry.slot is not slot
             if not free:
                 before = entry.state
-                self._recv.apply(slot.key, Event.RECEIVED if ok else Event.FAILED,
-                                 time.monotonic())  # fmt: skip
+                self._recv.apply(slot.key, Event.RECEIVED if ok else Event.FAILED, time.monotonic())
                 if before is RecvState.ABANDONING:
                     entry.slot, free = None, True
         if not ok:
@@ -238,29 +254,45 @@ class ReceiverMixin:
 
     def _on_hello(self, msg: Hello, route: bytes = b"") -> Reply:
         if msg.version != proto.PROTOCOL_VERSION:
-            return self._refuse(msg.req_no, "version", f"protocol version {msg.version}, "
-                                f"expected {proto.PROTOCOL_VERSION}")
+            return self._refuse(
+                msg.req_no,
+                "version",
+                f"protocol version {msg.version}, expected {proto.PROTOCOL_VERSION}",
+            )
         if msg.transport != self.transport.name:
-            return self._refuse(msg.req_no, "transport", f"peer uses transport {msg.transport}, "
-                                f"this worker {self.transport.name}")
+            return self._refuse(
+                msg.req_no,
+                "transport",
+                f"peer uses transport {msg.transport}, this worker {self.transport.name}",
+            )
         mismatch = check_compatible(self.layout.spec, msg.layout)
         if mismatch:
             return self._refuse(msg.req_no, "layout", mismatch)
         if msg.send_type != self.send_type:
-            return self._refuse(msg.req_no, "send_type", f"peer uses send_type {msg.send_type}, "
-                                f"this worker {self.send_type}")
+            return self._refuse(
+                msg.req_no,
+                "send_type",
+                f"peer uses send_type {msg.send_type}, this worker {self.send_type}",
+            )
         skew = time.time() - msg.sent_at
         if abs(skew) > limits.MAX_HELLO_AGE_S:
-            return self._refuse(msg.req_no, "stale", f"Hello sent {skew:.0f} s ago (clock skew "
-                                f"or a replay; at most {limits.MAX_HELLO_AGE_S:.0f} s)")
+            return self._refuse(
+                msg.req_no,
+                "stale",
+                f"Hello sent {skew:.0f} s ago (clock skew "
+                f"or a replay; at most {limits.MAX_HELLO_AGE_S:.0f} s)",
+            )
         with self._lock:
             if msg.channel_id in self._inbound or msg.channel_id in self._seen_channels:
                 return self._refuse(msg.req_no, "duplicate", "channel id in use or replayed")
             # Threads, not channels: a replaced channel's thread may still be
             # waiting for its set-up to time out.
             if self._recv_threads >= limits.MAX_INBOUND_CHANNELS:
-                return self._refuse(msg.req_no, "busy", f"{limits.MAX_INBOUND_CHANNELS} "
-                                    "receive threads already running")
+                return self._refuse(
+                    msg.req_no,
+                    "busy",
+                    f"{limits.MAX_INBOUND_CHANNELS} receive threads already running",
+                )
         try:
             reply_setup, finish = self.transport.accept(
                 msg.setup, peer_host=split_addr(msg.sender_addr, "sender_addr")[0]
@@ -271,9 +303,14 @@ class ReceiverMixin:
         with self._lock:
             self._recv_threads += 1
             self._seen_channels[msg.channel_id] = now + 2 * limits.MAX_HELLO_AGE_S
-        inbound = InboundChannel(self, msg.channel_id, msg.sender_addr, finish,
-                                 now + min(self.hold_timeout_s, limits.CHANNEL_SETUP_TIMEOUT_S),
-                                 route=route)  # fmt: skip
+        inbound = InboundChannel(
+            self,
+            msg.channel_id,
+            msg.sender_addr,
+            finish,
+            now + min(self.hold_timeout_s, limits.CHANNEL_SETUP_TIMEOUT_S),
+            route=route,
+        )
         with self._lock:
             self._inbound[msg.channel_id] = inbound
         return Reply(req_no=msg.req_no, status=Status.OK, setup=reply_setup)
@@ -292,11 +329,15 @@ class ReceiverMixin:
             duplicate = state in (RecvState.RECEIVING, RecvState.ABANDONING, RecvState.READY)
             gave_up = state is RecvState.CLOSED
         if inbound is None or inbound.broken:
-            return self._refuse(msg.req_no, "unknown_channel",
-                                f"offer on unknown channel {msg.channel_id!r}")
+            return self._refuse(
+                msg.req_no, "unknown_channel", f"offer on unknown channel {msg.channel_id!r}"
+            )
         if msg.num_blocks > self.layout.num_blocks:
-            return self._refuse(msg.req_no, "oversized", f"offer of {msg.num_blocks} blocks, "
-                                f"the KV cache has {self.layout.num_blocks}")
+            return self._refuse(
+                msg.req_no,
+                "oversized",
+                f"offer of {msg.num_blocks} blocks, the KV cache has {self.layout.num_blocks}",
+            )
         if duplicate:
             return self._refuse(msg.req_no, "duplicate", f"second offer for {msg.key}")
         if busy:
@@ -310,8 +351,11 @@ class ReceiverMixin:
             self.stats.record_digest_mismatch()
             if exp.prefill_host and canonical_host(split_addr(inbound.peer)[0]) == exp.prefill_host:
                 self._fail_key(msg.key, "offered KV belongs to another prompt (digest mismatch)")
-            return self._refuse(msg.req_no, "digest", f"offer of {msg.key}: prompt digest "
-                                "differs from the request's")
+            return self._refuse(
+                msg.req_no,
+                "digest",
+                f"offer of {msg.key}: prompt digest differs from the request's",
+            )
         skip = min(exp.skip_blocks, msg.num_blocks - 1) if exp is not None else 0
         deadline = exp.load_deadline if exp is not None else time.monotonic() + self.hold_timeout_s
         nbytes = self.layout.num_layers * (msg.num_blocks - skip) * self.layout.page_bytes
@@ -321,15 +365,23 @@ class ReceiverMixin:
             # (or as soon as decode expects the key), not at its deadline.
             self.stats.record_dropped()
             self._fail_key(msg.key, f"no room for {nbytes} bytes: receive buffer and pool are full")
-            self._log_limited("no_space", f"P2P engine {self.addr} dropped the KV of {msg.key}: "
-                              f"no room for {nbytes} bytes in the receive buffer or the pool; "
-                              "the request will be recomputed")
+            self._log_limited(
+                "no_space",
+                f"P2P engine {self.addr} dropped the KV of {msg.key}: "
+                f"no room for {nbytes} bytes in the receive buffer or the pool; "
+                "the request will be recomputed",
+            )
             return Reply(req_no=msg.req_no, status=Status.NO_SPACE)
         tensor, alloc = room
         slot = RecvSlot(
-            key=msg.key, num_blocks=msg.num_blocks, skip_blocks=skip,
-            page_bytes=self.layout.page_bytes, num_layers=self.layout.num_layers,
-            tensor=tensor, pool_alloc=alloc, deadline=deadline,
+            key=msg.key,
+            num_blocks=msg.num_blocks,
+            skip_blocks=skip,
+            page_bytes=self.layout.page_bytes,
+            num_layers=self.layout.num_layers,
+            tensor=tensor,
+            pool_alloc=alloc,
+            deadline=deadline,
             prompt_digest=msg.prompt_digest,
         )
         with self._lock:
@@ -345,7 +397,8 @@ class ReceiverMixin:
         if gave_up or broken:
             self.release(slot)
             if broken:
-                return self._refuse(msg.req_no, "unknown_channel",
-                                    f"offer on closed channel {msg.channel_id!r}")
+                return self._refuse(
+                    msg.req_no, "unknown_channel", f"offer on closed channel {msg.channel_id!r}"
+                )
             return Reply(req_no=msg.req_no, status=Status.NOT_WANTED)
         return Reply(req_no=msg.req_no, status=Status.OK, skip_blocks=skip)

@@ -114,14 +114,24 @@ class SenderMixin:
     _finished_sends: list[SendTransfer]
 
     def start_send(
-        self, key: str, request_id: str, peer: str, block_ids: list[int], *,
-        all_saved: bool, prompt_digest: bytes,
+        self,
+        key: str,
+        request_id: str,
+        peer: str,
+        block_ids: list[int],
+        *,
+        all_saved: bool,
+        prompt_digest: bytes,
     ) -> SendTransfer:
         """Queue the KV of ``block_ids`` for ``peer``; layers follow via layer_saved()."""
         xfer = SendTransfer(
-            key=key, request_id=request_id, peer=peer, block_ids=list(block_ids),
+            key=key,
+            request_id=request_id,
+            peer=peer,
+            block_ids=list(block_ids),
             num_layers=self.layout.num_layers,
-            deadline=time.monotonic() + self.hold_timeout_s, prompt_digest=prompt_digest,
+            deadline=time.monotonic() + self.hold_timeout_s,
+            prompt_digest=prompt_digest,
         )
         if all_saved:
             xfer.all_saved()
@@ -129,7 +139,12 @@ class SenderMixin:
         return xfer
 
     def hold(
-        self, key: str, request_id: str, block_ids: list[int], *, prompt_digest: bytes,
+        self,
+        key: str,
+        request_id: str,
+        block_ids: list[int],
+        *,
+        prompt_digest: bytes,
         decode_addr: str | None = None,
     ) -> SendTransfer:
         """GET mode: keep the KV of ``block_ids`` until a peer pulls it or the hold expires.
@@ -137,9 +152,13 @@ class SenderMixin:
         A second hold of one key (a retried id) replaces the first, which
         ends as a failed send at once: nothing could ever pull it."""
         xfer = SendTransfer(
-            key=key, request_id=request_id, peer="", block_ids=list(block_ids),
+            key=key,
+            request_id=request_id,
+            peer="",
+            block_ids=list(block_ids),
             num_layers=self.layout.num_layers,
-            deadline=time.monotonic() + self.hold_timeout_s, prompt_digest=prompt_digest,
+            deadline=time.monotonic() + self.hold_timeout_s,
+            prompt_digest=prompt_digest,
             decode_host=canonical_host(split_addr(decode_addr)[0]) if decode_addr else "",
         )
         xfer.all_saved()
@@ -193,10 +212,18 @@ class SenderMixin:
             sending = state is HoldState.SENDING
             released = state is HoldState.RELEASED
         if wrong:
-            return self._refuse(msg.req_no, "not_yours", f"Get of {msg.key} from "
-                                f"{msg.sender_addr}: held for {hold.xfer.decode_host}")
-        logger.debug("P2P %s: Get of %s from %s: %s", self.addr, msg.key, msg.sender_addr,
-                     "held" if xfer else "released" if released else "not held yet")
+            return self._refuse(
+                msg.req_no,
+                "not_yours",
+                f"Get of {msg.key} from {msg.sender_addr}: held for {hold.xfer.decode_host}",
+            )
+        logger.debug(
+            "P2P %s: Get of %s from %s: %s",
+            self.addr,
+            msg.key,
+            msg.sender_addr,
+            "held" if xfer else "released" if released else "not held yet",
+        )
         if sending:  # decode asks again while its offer is on the way
             return Reply(req_no=msg.req_no, status=Status.OK)
         if xfer is None:

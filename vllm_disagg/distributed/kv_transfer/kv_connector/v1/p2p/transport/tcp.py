@@ -28,9 +28,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vllm_disagg.logger import init_logger
-from vllm_disagg.wire.peers import format_addr
-
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     AcceptFinish,
     Channel,
@@ -42,6 +39,8 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
     check_peer_endpoint,
     remaining,
 )
+from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.peers import format_addr
 
 logger = init_logger(__name__)
 
@@ -403,9 +402,11 @@ class TcpTransport(Transport):
             # AI_NUMERICHOST: the acceptor advertises the address it bound,
             # so no name lookup (which has no timeout) happens here.
             family, _, _, _, addr = socket.getaddrinfo(
-                endpoint.host, endpoint.port, type=socket.SOCK_STREAM,
+                endpoint.host,
+                endpoint.port,
+                type=socket.SOCK_STREAM,
                 flags=socket.AI_NUMERICHOST,
-            )[0]  # fmt: skip
+            )[0]
         except OSError as e:
             raise TransportError(f"bad data port address {endpoint.host!r}: {e}") from e
         sock = socket.socket(family, socket.SOCK_STREAM)

@@ -93,3 +93,24 @@ def test_every_module_imports_alone():
     assert out.returncode == 0, out.stderr[-3000:]
     failed = json.loads(out.stdout.strip().splitlines()[-1])
     assert not failed, "\n".join(f"{name}:\n{tb}" for name, tb in failed.items())
+
+
+def test_every_name_a_package_exports_exists():
+    """``__all__`` is the public surface: each name in it must resolve (a
+    package whose surface is its modules names them)."""
+    import importlib
+    import importlib.util
+
+    missing = {}
+    for name, (path, is_package) in _modules().items():
+        if not is_package or "__all__" not in path.read_text():
+            continue
+        module = importlib.import_module(name)
+        absent = [
+            n
+            for n in module.__all__
+            if not hasattr(module, n) and importlib.util.find_spec(f"{name}.{n}") is None
+        ]
+        if absent:
+            missing[name] = absent
+    assert not missing, missing

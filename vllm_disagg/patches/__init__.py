@@ -487,3 +487,5 @@ def verify_applied() -> dict[str, bool]:
     """Ask each patch module whether its change is in place in this process."""
     names = set(_applied or ())
     return {p.name: p.is_applied() for p in PATCHES if p.name in names}
+
+__all__ = ["PATCHES", "Patch", "apply_all", "verify_applied"]

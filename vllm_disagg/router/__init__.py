@@ -2,3 +2,15 @@
 
 registry.py and policy.py import neither quart nor vLLM.
 """
+
+__all__ = [
+    "app",
+    "client_limits",
+    "config",
+    "discovery",
+    "metrics",
+    "policy",
+    "proxy",
+    "registry",
+    "validation",
+]

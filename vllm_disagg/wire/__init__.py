@@ -10,3 +10,5 @@ nothing of the router.
   instances check before they connect anywhere a request says.
 * :mod:`.discovery`: registration and heartbeat messages (instance -> router).
 """
+
+__all__ = ["discovery", "frames", "grants", "logs", "peers"]

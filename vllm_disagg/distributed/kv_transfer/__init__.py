@@ -33,3 +33,5 @@ def register_connectors() -> list[str]:
             KVConnectorFactory.register_connector(name, module, cls)
             registered.append(name)
     return registered
+
+__all__ = ["CONNECTORS", "register_connectors"]

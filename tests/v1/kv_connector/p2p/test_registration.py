@@ -380,3 +380,12 @@ def test_an_advertised_http_address_where_vllm_serve_does_not_listen_is_said_at_
     assert "not an address of this machine" in foreign
     [unresolved] = advertised_http_problems("no-such-host.invalid:20001", None, None)
     assert "does not resolve" in unresolved
+    # IPv6, bracketed as every address of the fleet is written.
+    assert advertised_http_problems("[::1]:20001", "::1", 20001) == []
+
+
+def test_peer_worker_addresses_keep_ipv6_brackets():
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.worker import shift_port
+
+    assert shift_port("10.0.0.1:21001", 2) == "10.0.0.1:21003"
+    assert shift_port("[::1]:21001", 1) == "[::1]:21002"

@@ -55,7 +55,7 @@ from vllm_disagg.wire.discovery import (
     validate,
 )
 from vllm_disagg.wire.logs import RateLimitedLog
-from vllm_disagg.wire.peers import format_addr
+from vllm_disagg.wire.peers import format_addr, split_addr
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -136,8 +136,7 @@ class RegistrationClient:
             raise ConfigError(f"cannot register with the router: {e}") from None
         # The router forwards requests to http_addr as soon as it knows us, so
         # the first Register waits until the API server accepts connections.
-        host, _, port = http_addr.rpartition(":")
-        self._http_probe = (host.strip("[]"), int(port)) if wait_for_http else None
+        self._http_probe = split_addr(http_addr, "http_addr") if wait_for_http else None
         self._stop = threading.Event()
         self._closed = False
         self._log = RateLimitedLog(logger, WARN_INTERVAL_S)
@@ -361,9 +360,9 @@ def advertised_http_problems(
     was given (``--host``, ``--port``; None: unknown or a wildcard). Said at
     start instead of found by clients; a port mapping or NAT in between can
     make a difference right, hence warnings, not errors."""
-    host, _, port = http_addr.rpartition(":")
+    host, port = split_addr(http_addr, "http_addr")
     problems = []
-    if serve_port is not None and int(port) != serve_port:
+    if serve_port is not None and port != serve_port:
         problems.append(
             f"http_port {port} is not the port vllm serve listens on (--port {serve_port})"
         )

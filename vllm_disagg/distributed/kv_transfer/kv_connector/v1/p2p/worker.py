@@ -47,7 +47,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import create_transport
 from vllm_disagg.logger import init_logger
-from vllm_disagg.wire.peers import format_addr
+from vllm_disagg.wire.peers import format_addr, split_addr
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,8 +57,8 @@ logger = init_logger(__name__)
 
 def shift_port(addr: str, offset: int) -> str:
     """``host:port`` of the peer worker ``offset`` ports after the instance address."""
-    host, _, port = addr.rpartition(":")
-    return f"{host}:{int(port) + offset}"
+    host, port = split_addr(addr)
+    return format_addr(host, port + offset)
 
 
 class P2pWorkerConnector:

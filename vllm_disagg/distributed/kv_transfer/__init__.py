@@ -34,4 +34,5 @@ def register_connectors() -> list[str]:
             registered.append(name)
     return registered
 
+
 __all__ = ["CONNECTORS", "register_connectors"]

@@ -24,4 +24,5 @@ def read_json_files(directory: str | os.PathLike, pattern: str) -> Iterator[dict
         if isinstance(doc, dict):
             yield doc
 
+
 __all__ = ["read_json_files", "write_json_atomically"]

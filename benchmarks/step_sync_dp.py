@@ -73,7 +73,7 @@ def settled_probe(directory: Path, quiet_s: float = 1.0, timeout_s: float = 60.0
         if now == last and len(now) == 2:
             return now
         last = now
-    raise RuntimeError(f"probe counts did not settle: {last}")
+    raise RuntimeError(f"probe counts in {directory} did not settle: {last}")
 
 
 def delta(after: dict, before: dict, rank: int, key: str) -> int:

@@ -29,6 +29,7 @@ from vllm_disagg.v1.metrics.step_sync import (
     PREFIX,
     StepSyncCollector,
     StepSyncMetricsWriter,
+    ensure_metrics_dir,
 )
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -225,29 +226,52 @@ def test_writer_without_a_destination_does_nothing(monkeypatch):
     StepSyncMetricsWriter(0, snapshot).close()
 
 
-def test_the_vllm_command_never_shares_an_inherited_snapshot_directory(tmp_path):
-    """A launcher that applied the patch set in-process (a test runner) has the
-    variable set; servers it starts must not read each other's snapshots."""
-    inherited = tmp_path / "inherited"
-    inherited.mkdir()
-    code = (
-        "import os, sys\n"
-        "import vllm_disagg.entrypoints.cli.main as cli\n"
-        "import vllm.entrypoints.cli.main as upstream\n"
-        "upstream.main = lambda: print(os.environ['VLLM_DISAGG_METRICS_DIR'])\n"
-        "sys.exit(cli.main())\n"
-    )
-    env = clean_env(**{envs.VLLM_DISAGG_METRICS_DIR: str(inherited)})
-    dirs = [
+PRINT_COMMAND_DIR = (
+    "import os, sys\n"
+    "import vllm_disagg.entrypoints.cli.main as cli\n"
+    "import vllm.entrypoints.cli.main as upstream\n"
+    "upstream.main = lambda: print(os.environ['VLLM_DISAGG_METRICS_DIR'])\n"
+    "sys.exit(cli.main())\n"
+)
+
+
+def command_dirs(env: dict[str, str], times: int = 2) -> list[str]:
+    """The directory the vllm command hands its children, once per run."""
+    return [
         subprocess.run(
-            [sys.executable, "-c", code],
+            [sys.executable, "-c", PRINT_COMMAND_DIR],
             env=env,
             capture_output=True,
             text=True,
             timeout=120,
             check=True,
         ).stdout.strip()
-        for _ in range(2)
+        for _ in range(times)
     ]
-    assert str(inherited) not in dirs
+
+
+def test_the_vllm_command_never_shares_an_inherited_snapshot_directory(monkeypatch):
+    """A launcher that applied the patch set in-process (a test runner) has the
+    variable set; servers it starts must not read each other's snapshots."""
+    for name in (envs.VLLM_DISAGG_METRICS_DIR, envs.VLLM_DISAGG_METRICS_DIR_CREATED):
+        monkeypatch.setenv(name, "")  # restored after the test
+    monkeypatch.delenv(MULTIPROC_ENV, raising=False)
+    inherited = str(ensure_metrics_dir())  # what the patch set does in the launcher
+    dirs = command_dirs(dict(os.environ))
+    assert inherited not in dirs
     assert dirs[0] != dirs[1] and all(dirs)
+
+
+def test_the_vllm_command_uses_the_directory_its_launcher_chose(tmp_path):
+    """benchmarks/step_sync_dp.py gives each server its own directory and reads
+    the probe counts there: the command must hand that one to its children
+    (created if missing), whatever the launcher's own patch set created."""
+    chosen = tmp_path / "chosen" / "metrics"
+    env = clean_env(
+        **{
+            envs.VLLM_DISAGG_METRICS_DIR: str(chosen),
+            envs.VLLM_DISAGG_METRICS_DIR_CREATED: str(tmp_path / "launchers-own"),
+        }
+    )
+    assert command_dirs(env) == [str(chosen)] * 2
+    assert chosen.is_dir()

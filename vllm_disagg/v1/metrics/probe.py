@@ -37,17 +37,27 @@ class ForwardProbe:
                 self._thread.start()
 
     def _flush_loop(self) -> None:
+        from vllm_disagg.logger import init_logger  # imports vLLM: not for readers
+
+        logger = init_logger(__name__)
         directory = envs.metrics_dir()
         if not directory:
+            logger.warning("probe: %s unset, counts go nowhere", envs.VLLM_DISAGG_METRICS_DIR)
             return
-        last = None
+        logger.info("probe: pid=%d writes its counts to %s", os.getpid(), directory)
+        last, failing = None, False
         while True:
             with self._lock:
                 snapshot = dict(self.counts, dp_rank=self.dp_rank, pid=os.getpid())
             if snapshot != last and snapshot["dp_rank"] is not None:
                 path = Path(directory) / f"probe_dp{snapshot['dp_rank']}.json"
-                write_json_atomically(path, snapshot)
-                last = snapshot
+                try:
+                    write_json_atomically(path, snapshot)
+                    last, failing = snapshot, False
+                except OSError as e:  # measurement must never take the engine down
+                    if not failing:
+                        logger.warning("probe: cannot write %s: %s", path, e)
+                    failing = True
             time.sleep(FLUSH_INTERVAL_S)
 
 

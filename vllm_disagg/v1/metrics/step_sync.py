@@ -8,8 +8,9 @@ the API server process(es). Two cases, as vLLM itself has them:
   multiprocess mode writes to that directory, and every API server's
   ``/metrics`` reads them back;
 * one API server: each engine core writes a small JSON snapshot of its
-  counters to ``VLLM_DISAGG_METRICS_DIR`` (created by the ``vllm`` command
-  before anything starts, inherited by every child) and a collector on the
+  counters to ``VLLM_DISAGG_METRICS_DIR`` (set by the ``vllm`` command
+  before anything starts, :func:`command_metrics_dir`, inherited by every
+  child) and a collector on the
   API server's registry reads the snapshots when scraped.
 
 Either way engine cores publish at most every :data:`WRITE_INTERVAL_S`.
@@ -29,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from vllm_disagg import envs
+from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 from vllm_disagg.v1.metrics import read_json_files, write_json_atomically
 
@@ -119,17 +121,36 @@ def ensure_metrics_dir() -> Path:
 
 def new_metrics_dir() -> Path:
     """A fresh snapshot directory for the process tree rooted here, removed
-    when this process exits.
-
-    The ``vllm`` command always starts a new one: a directory inherited from
-    whatever launched it (a test runner or script that applied the patch set
-    in-process) would make unrelated servers read each other's snapshots.
-    """
+    when this process exits (marked as created by this package)."""
     path = tempfile.mkdtemp(prefix="vllm-disagg-metrics-")
-    envs.set_metrics_dir(path)
+    envs.set_metrics_dir(path, created=True)
     owner = os.getpid()
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
     return Path(path)
+
+
+def command_metrics_dir() -> Path:
+    """The directory of the process tree a ``vllm`` command roots, set before
+    any API server or engine core starts.
+
+    One chosen by whoever launched the command (``VLLM_DISAGG_METRICS_DIR``
+    set by hand: the step-sync benchmark gives each server its own and reads
+    the probe counts there) is used as it is, created if missing, and left in
+    place. Otherwise a fresh one (:func:`new_metrics_dir`): in particular not
+    one the patch set created in the launcher (a test runner that applied it
+    in-process), which would make unrelated servers read each other's
+    snapshots.
+    """
+    if chosen := envs.chosen_metrics_dir():
+        path = Path(chosen)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"{envs.VLLM_DISAGG_METRICS_DIR}: cannot create {chosen!r} ({e.strerror})"
+            ) from None
+        return path
+    return new_metrics_dir()
 
 
 def prometheus_multiprocess() -> bool:

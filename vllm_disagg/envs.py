@@ -30,6 +30,7 @@ VLLM_DISAGG_P2P_SECRET_FILE = "VLLM_DISAGG_P2P_SECRET_FILE"
 VLLM_DISAGG_ROUTER_TOKEN = "VLLM_DISAGG_ROUTER_TOKEN"
 VLLM_DISAGG_SERVE_HOST = "VLLM_DISAGG_SERVE_HOST"
 VLLM_DISAGG_SERVE_PORT = "VLLM_DISAGG_SERVE_PORT"
+VLLM_DISAGG_CACHE = "VLLM_DISAGG_CACHE"
 
 VARIABLES: dict[str, EnvVar] = {
     var.name: var
@@ -66,6 +67,13 @@ VARIABLES: dict[str, EnvVar] = {
             "directory that equals it (one the patch set created in whatever launched "
             "the command, such as a test runner, so servers it starts never read each "
             "other's snapshots) and keeps one that someone chose.",
+        ),
+        EnvVar(
+            VLLM_DISAGG_CACHE,
+            "$XDG_CACHE_HOME/vllm-disagg, else ~/.cache/vllm-disagg",
+            "Where `vllm-disagg-export` keeps the pinned vLLM sdist it downloads (and the "
+            "scratch venv it downloads it with) when given neither --sdist nor --vllm-src.",
+            read_by="vllm-disagg-export",
         ),
         EnvVar(
             VLLM_DISAGG_P2P_SECRET,
@@ -175,6 +183,10 @@ def router_token() -> bytes | None:
     """The service-discovery token as UTF-8 bytes, or None when unset or empty."""
     value = os.environ.get(VLLM_DISAGG_ROUTER_TOKEN)
     return value.encode() if value else None
+
+
+def export_cache_dir() -> str | None:
+    return os.environ.get(VLLM_DISAGG_CACHE) or None
 
 
 def metrics_dir() -> str | None:

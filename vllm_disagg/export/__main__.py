@@ -1,6 +1,12 @@
 """``python -m vllm_disagg.export`` / ``vllm-disagg-export``.
 
     vllm-disagg-export [--sdist PATH | --vllm-src DIR] (--out DIR | --check PATH)
+                       [--author 'Name <email>']
+
+``--out DIR`` becomes a git repository (branch ``vllm-disagg``): the pinned
+source as released, then one signed-off commit per upstream pull request;
+``DIR-patches/`` holds their ``git format-patch`` files and a pull-request
+description per commit.
 
 With neither ``--sdist`` nor ``--vllm-src`` it uses the pinned sdist in the
 cache (``$VLLM_DISAGG_CACHE``, else ``~/.cache/vllm-disagg``), downloading it
@@ -23,12 +29,9 @@ from vllm_disagg.export.source import (
     read_source,
     verify,
 )
+from vllm_disagg.export.tree import BRANCH, Identity, build
 
 PROG = "vllm-disagg-export"
-NOT_IMPLEMENTED = (
-    f"{PROG}: the input is verified, but the edit stage is not implemented yet "
-    "(issue 21); nothing was exported"
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="dry run: how another release's sdist or source tree differs from the pin",
     )
     parser.add_argument(
+        "--author",
+        metavar="'NAME <EMAIL>'",
+        help="who signs off the commits (default: git config user.name/user.email)",
+    )
+    parser.add_argument(
         "--cache-dir",
         type=Path,
         metavar="DIR",
@@ -78,10 +86,20 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(verify(read_source(args.sdist or args.vllm_src, pin.files), pin)))
         print("\n".join(check(args.check, pin)))
         return 0
+    identity = Identity.parse(args.author) if args.author else Identity.from_git()
+    if identity is None:
+        raise ExportError(
+            "no one to sign off the commits: pass --author 'Name <email>' "
+            "or set git config user.name and user.email"
+        )
     path = args.sdist or args.vllm_src or pinned_sdist(args.cache_dir, pin)
-    print("\n".join(verify(read_source(path, pin.files), pin)))
-    print(NOT_IMPLEMENTED, file=sys.stderr)
-    return 2
+    source = read_source(path, pin.files)
+    print("\n".join(verify(source, pin)))
+    result = build(source, args.out, identity)
+    for commit, sha, changed in result.commits:
+        print(f"{sha[:12]} {commit.title} ({len(changed)} files)")
+    print(f"fork: {result.out} (branch {BRANCH}); patches: {result.patches_dir}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

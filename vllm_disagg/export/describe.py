@@ -11,6 +11,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Iterable
 
+from vllm_disagg.export.checks import HOOKS, NOT_RUN
 from vllm_disagg.export.edits import Edit
 from vllm_disagg.export.series import Commit
 
@@ -69,8 +70,12 @@ def description(commit: Commit, edits: Iterable[Edit], changed: Iterable[str]) -
     lines += [
         "## Checks",
         "",
-        "`ruff check` and `ruff format` with the tree's configuration pass on every "
-        "changed file (the export refuses otherwise).",
+        "`ruff check` and `ruff format` with the tree's configuration, and the "
+        "offline pre-commit hooks "
+        + ", ".join(f"`{script}`" for script, _ in HOOKS)
+        + ", pass on every changed file (the export refuses otherwise). Not run: "
+        + NOT_RUN
+        + ".",
         "",
     ]
     return "\n".join(lines)

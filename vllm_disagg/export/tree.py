@@ -25,6 +25,7 @@ from pathlib import Path
 
 from vllm_disagg.export import cst as anchors
 from vllm_disagg.export.buildkite import add_job_command
+from vllm_disagg.export.checks import run_hooks
 from vllm_disagg.export.edits import EDITS, Edit
 from vllm_disagg.export.series import SERIES, Commit
 from vllm_disagg.export.source import ExportError, Source
@@ -242,6 +243,8 @@ def _build(source, out, patches_dir, identity, commits) -> Result:
                 f"commit {commit.slug!r}: ruff finds {len(findings)} problem(s) it cannot "
                 f"fix, first: {findings[0]}"
             )
+        if failures := run_hooks(out, changed):
+            raise ExportError(f"commit {commit.slug!r}: upstream hook {failures[0]}")
         git(out, "add", "--all", "--", *changed)
         message = commit_message(commit, edits)
         git(out, "commit", "--quiet", "--no-verify", "--signoff", "-m", message, identity=identity)

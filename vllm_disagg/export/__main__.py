@@ -20,11 +20,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from vllm_disagg.export.drift import check_report
 from vllm_disagg.export.source import (
     ExportError,
     Pin,
     cache_dir,
-    check,
     pinned_sdist,
     read_source,
     verify,
@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--sdist", type=Path, metavar="PATH", help="the pinned vLLM sdist")
+    source.add_argument(
+        "--sdist", type=Path, metavar="PATH", help="the pinned vLLM sdist"
+    )
     source.add_argument(
         "--vllm-src",
         type=Path,
@@ -52,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument(
-        "--out", type=Path, metavar="DIR", help="where to write the fork (must not exist)"
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="where to write the fork (must not exist)",
     )
     action.add_argument(
         "--check",
@@ -77,14 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.out is not None and (args.out.exists() or args.out.is_symlink()):
-        raise ExportError(f"--out {args.out} exists; give a directory that does not exist yet")
+        raise ExportError(
+            f"--out {args.out} exists; give a directory that does not exist yet"
+        )
     pin = Pin.current()
     if args.check is not None:
-        # The drift report needs the pinned source only once it compares
-        # symbols; until then an explicitly given one is still verified.
+        # The pinned side of the comparison: the given source (verified),
+        # else the installed wheel's pinned files (checked by hash).
+        pinned = None
         if args.sdist or args.vllm_src:
-            print("\n".join(verify(read_source(args.sdist or args.vllm_src, pin.files), pin)))
-        print("\n".join(check(args.check, pin)))
+            pinned = read_source(args.sdist or args.vllm_src, pin.files)
+            print("\n".join(verify(pinned, pin)))
+        print("\n".join(check_report(args.check, pinned, pin)))
         return 0
     identity = Identity.parse(args.author) if args.author else Identity.from_git()
     if identity is None:

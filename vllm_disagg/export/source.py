@@ -69,7 +69,9 @@ class Source:
         return f"{'sdist' if self.kind == 'sdist' else 'source tree'} {self.path}"
 
 
-_VERSION_PY = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
+_VERSION_PY = re.compile(
+    r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M
+)
 # Files every vLLM sdist and source tree has.
 _MARKER = "vllm/__init__.py"
 
@@ -97,7 +99,10 @@ def _read_tree(root: Path, wanted: Iterable[str]) -> Source:
     elif (root / ".git").exists():
         version, origin = _git_tag_version(root), "its git tag"
     else:
-        version, origin = None, "PKG-INFO, vllm/_version.py and .git: it has none of them"
+        version, origin = (
+            None,
+            "PKG-INFO, vllm/_version.py and .git: it has none of them",
+        )
     return Source(root, "tree", version, origin, files=files)
 
 
@@ -136,7 +141,9 @@ def _pkg_info_version(where: Path, data: bytes) -> str | None:
     headers = email.parser.HeaderParser().parsestr(data.decode("utf-8", "replace"))
     name = (headers.get("Name") or "").strip()
     if name.lower().replace("_", "-") != "vllm":
-        raise ExportError(f"{where} is the source of {name or 'an unnamed project'!r}, not vllm")
+        raise ExportError(
+            f"{where} is the source of {name or 'an unnamed project'!r}, not vllm"
+        )
     return (headers.get("Version") or "").strip() or None
 
 
@@ -191,7 +198,9 @@ def verify(source: Source, pin: Pin | None = None) -> list[str]:
     missing = [s.rel for s in statuses if s.status == "missing"]
     what = source.describe()
     if source.version is None:
-        raise ExportError(f"{what}: cannot tell its vLLM version (tried {source.version_from})")
+        raise ExportError(
+            f"{what}: cannot tell its vLLM version (tried {source.version_from})"
+        )
     if source.version != pin.version:
         changed = len(differ) + len(missing)
         raise ExportError(
@@ -205,7 +214,9 @@ def verify(source: Source, pin: Pin | None = None) -> list[str]:
             parts.append(f"modified {', '.join(differ)}")
         if missing:
             parts.append(f"missing {', '.join(missing)}")
-        raise ExportError(f"{what} is not the pinned vLLM {pin.version}: {'; '.join(parts)}")
+        raise ExportError(
+            f"{what} is not the pinned vLLM {pin.version}: {'; '.join(parts)}"
+        )
     if source.kind == "sdist" and source.sdist_sha256 != pin.sdist_sha256:
         raise ExportError(
             f"{what}: sha256 {source.sdist_sha256} is not the pinned {pin.sdist_name}'s "
@@ -214,15 +225,18 @@ def verify(source: Source, pin: Pin | None = None) -> list[str]:
     lines = [f"source: {what}"]
     if source.kind == "sdist":
         lines.append(f"sdist sha256: {source.sdist_sha256} (as pinned)")
-    lines.append(f"version: vLLM {source.version} from {source.version_from} (as pinned)")
+    lines.append(
+        f"version: vLLM {source.version} from {source.version_from} (as pinned)"
+    )
     lines.append(f"pinned upstream files: all {len(statuses)} match their sha256:")
     lines += [f"  {s.rel}" for s in statuses]
     return lines
 
 
 def check(path: Path, pin: Pin | None = None) -> list[str]:
-    """The start of the drift report: how the pinned files of another
-    release's sdist or source tree differ from the pin."""
+    """The first part of the drift report: how the pinned files of another
+    release's sdist or source tree differ from the pin (the rest is
+    :mod:`vllm_disagg.export.drift`)."""
     pin = pin or Pin.current()
     source = read_source(path, pin.files)
     statuses = compare_files(source, pin)
@@ -231,11 +245,12 @@ def check(path: Path, pin: Pin | None = None) -> list[str]:
         f"(pin: vLLM {pin.version})"
     ]
     lines += [f"  {s.status:<8} {s.rel}" for s in statuses]
-    counts = {k: sum(s.status == k for s in statuses) for k in ("same", "differs", "missing")}
+    counts = {
+        k: sum(s.status == k for s in statuses) for k in ("same", "differs", "missing")
+    }
     lines.append(
         f"check: of {len(statuses)} pinned files {counts['same']} same, {counts['differs']} "
-        f"differ, {counts['missing']} missing; which edits still apply and which upstream "
-        "symbols moved is not implemented yet"
+        f"differ, {counts['missing']} missing"
     )
     return lines
 
@@ -279,7 +294,9 @@ def pinned_sdist(cache: Path | None = None, pin: Pin | None = None) -> Path:
     return target
 
 
-def _run(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None) -> None:
+def _run(
+    cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None
+) -> None:
     with open(log, "a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
@@ -288,7 +305,9 @@ def _run(cmd: list[str], log: Path, what: str, env: dict[str, str] | None = None
         except OSError as exc:
             raise ExportError(f"{what}: {exc}") from None
     if done.returncode != 0:
-        raise ExportError(f"{what} failed (exit {done.returncode}); its output is in {log}")
+        raise ExportError(
+            f"{what} failed (exit {done.returncode}); its output is in {log}"
+        )
 
 
 def download_sdist(target: Path, pin: Pin) -> None:
@@ -353,5 +372,7 @@ def download_sdist(target: Path, pin: Pin) -> None:
         )
         got = Path(tmp, pin.sdist_name)
         if not got.is_file():
-            raise ExportError(f"pip download left no {pin.sdist_name}; its output is in {log}")
+            raise ExportError(
+                f"pip download left no {pin.sdist_name}; its output is in {log}"
+            )
         os.replace(got, target)

@@ -30,7 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
+from _deps import (
+    machine,
+    require,
+)  # benchmarks/_deps.py: sys.path[0] when run as a script
 
 from vllm_disagg.testing.chaos import SCENARIOS, Options, run_scenario, warm_up
 from vllm_disagg.testing.fleet import Fleet, FleetConfig
@@ -55,7 +58,9 @@ FAULT_WORDS = {
 }
 
 
-def run_one(name: str, args: argparse.Namespace, models: dict, out: Path) -> dict[str, Any]:
+def run_one(
+    name: str, args: argparse.Namespace, models: dict, out: Path
+) -> dict[str, Any]:
     log_dir = LOGS / name
     if log_dir.exists():
         for old in log_dir.glob("*.log"):
@@ -63,7 +68,9 @@ def run_one(name: str, args: argparse.Namespace, models: dict, out: Path) -> dic
     config = FleetConfig(model=str(models["tiny-mixtral"]), log_dir=log_dir)
     if args.prefill_timeout_s is not None:
         router_args = list(config.router_args)
-        router_args[router_args.index("--prefill-timeout-s") + 1] = str(args.prefill_timeout_s)
+        router_args[router_args.index("--prefill-timeout-s") + 1] = str(
+            args.prefill_timeout_s
+        )
         config.router_args = tuple(router_args)
     opts = Options(
         requests=args.requests,
@@ -119,7 +126,13 @@ def _mib(n: float) -> str:
 def _growth_figures(result: dict[str, Any]) -> dict[str, Any]:
     rows = result["growth"]
     if not rows:
-        return {"max_rss_pct": None, "late_rss_pct": None, "threads": 0, "fds": 0, "procs": 0}
+        return {
+            "max_rss_pct": None,
+            "late_rss_pct": None,
+            "threads": 0,
+            "fds": 0,
+            "procs": 0,
+        }
     worst = max(rows, key=lambda r: r["rss_change_pct"])
     late = result.get("growth_second_half") or []
     return {
@@ -146,7 +159,8 @@ def scenario_row(result: dict[str, Any]) -> dict[str, Any]:
         "p50": r["latency_s"]["p50"],
         "p99": r["latency_s"]["p99"],
         "max": r["latency_s"]["max"],
-        "retried": result["router"]["prefill_retries"] + result["router"]["decode_retries"],
+        "retried": result["router"]["prefill_retries"]
+        + result["router"]["decode_retries"],
         "recomputed": result["decode"]["failed_loads"],
         "recovered_s": rec.get("recovered_s"),
         "errors_until_s": rec.get("errors_until_s"),
@@ -188,7 +202,9 @@ def _hostile_lines(result: dict[str, Any]) -> list[str]:
         "|---|---|---|---|",
     ]
     for name, c in fault["counted"].items():
-        lines.append(f"| {name} | {c['counted']:.0f} | {c['at_least']} | {c['at_most']} |")
+        lines.append(
+            f"| {name} | {c['counted']:.0f} | {c['at_least']} | {c['at_most']} |"
+        )
     return [*lines, ""]
 
 
@@ -217,7 +233,8 @@ def render(result: dict[str, Any], out: Path) -> None:
         "",
         "```json",
         json.dumps(
-            {k: v for k, v in result["fault"].items() if k not in ("ports", "counted")}, indent=1
+            {k: v for k, v in result["fault"].items() if k not in ("ports", "counted")},
+            indent=1,
         ),
         "```",
         "",
@@ -308,7 +325,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax1.set_title(f"chaos: {result['scenario']} ({result['fault_words']})", fontsize=10)
     end = max((x["end"] for x in records), default=1.0)
     bins = list(range(0, int(end) + 2))
-    for outcome, color in (("ok", "tab:green"), ("failed", "tab:red"), ("wrong", "tab:purple")):
+    for outcome, color in (
+        ("ok", "tab:green"),
+        ("failed", "tab:red"),
+        ("wrong", "tab:purple"),
+    ):
         ends = [x["end"] for x in records if x["outcome"] == outcome]
         if ends:
             ax2.hist(ends, bins=bins, color=color, alpha=0.6, label=f"{outcome} / s")
@@ -317,10 +338,14 @@ def plot(result: dict[str, Any], path: Path) -> None:
     members = sorted({m for p in result["series"] for m in p["members"]})
     for m in members:
         pts = [
-            (p["t"], p["members"][m]["rss"] / 2**20) for p in result["series"] if m in p["members"]
+            (p["t"], p["members"][m]["rss"] / 2**20)
+            for p in result["series"]
+            if m in p["members"]
         ]
         if pts:  # a restart starts a new process tree: its line jumps
-            ax3.plot([t for t, _ in pts], [v - pts[0][1] for _, v in pts], label=m, lw=1)
+            ax3.plot(
+                [t for t, _ in pts], [v - pts[0][1] for _, v in pts], label=m, lw=1
+            )
     ax3.set_ylabel("RSS change, MiB\n(process tree)")
     ax3.set_xlabel("seconds since the scenario's traffic started")
     ax3.legend(loc="upper left", fontsize=7, ncol=len(members))
@@ -440,7 +465,9 @@ def main() -> int:
     names = list(SCENARIOS) if args.scenarios in (["all"], []) else args.scenarios
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        parser.error(f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)} or all")
+        parser.error(
+            f"unknown scenario(s) {unknown}; choose from {', '.join(SCENARIOS)} or all"
+        )
     with tempfile.TemporaryDirectory(prefix="chaos-models-") as tmp:
         models = build_all(Path(tmp))
         bad = 0

@@ -45,13 +45,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
+from _deps import (
+    machine,
+    require,
+)  # benchmarks/_deps.py: sys.path[0] when run as a script
 from common import report
 from common.report import spread, table
 from common.stats import med, ratio
 
 from vllm_disagg.testing import openai_client
-from vllm_disagg.testing.p2p import P2pInstance, free_kv_port, kv_transfer_config, peer_naming
+from vllm_disagg.testing.p2p import (
+    P2pInstance,
+    free_kv_port,
+    kv_transfer_config,
+    peer_naming,
+)
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import HEAD_DIM, build_model
 
@@ -117,13 +125,17 @@ def server_args(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def make_servers(model: Path, args: argparse.Namespace) -> dict[str, VllmServer | P2pInstance]:
+def make_servers(
+    model: Path, args: argparse.Namespace
+) -> dict[str, VllmServer | P2pInstance]:
     """Not started: name -> server (P2pInstance for the connector's)."""
     logs = args.out / "logs"
     omp = omp_env(args)
     env = cpu_test_env(**omp)
     if "OMP_NUM_THREADS" not in omp and "OMP_NUM_THREADS" not in os.environ:
-        del env["OMP_NUM_THREADS"]  # cpu_test_env's default; a binding chooses its own count
+        del env[
+            "OMP_NUM_THREADS"
+        ]  # cpu_test_env's default; a binding chooses its own count
 
     def server(name: str, extra: list[str]) -> VllmServer:
         return VllmServer(
@@ -150,7 +162,9 @@ def make_servers(model: Path, args: argparse.Namespace) -> dict[str, VllmServer 
     for mode in MODES:
         servers[f"p_{mode}"] = p2p(f"p_{mode}", "kv_producer", mode)
         servers[f"d_{mode}"] = p2p(f"d_{mode}", "kv_consumer", mode)
-    servers["d_GET_noskip"] = p2p("d_GET_noskip", "kv_consumer", "GET", skip_cached_blocks=False)
+    servers["d_GET_noskip"] = p2p(
+        "d_GET_noskip", "kv_consumer", "GET", skip_cached_blocks=False
+    )
     return servers
 
 
@@ -200,7 +214,9 @@ def snapshot(server) -> dict[str, float]:
     return {name: sum(metrics.get(name, {}).values()) for name in WATCHED}
 
 
-def settled(server, before: dict[str, float], count_key: str) -> tuple[dict[str, float], bool]:
+def settled(
+    server, before: dict[str, float], count_key: str
+) -> tuple[dict[str, float], bool]:
     """Metrics once ``count_key`` moved past ``before`` (stats reach the API
     server with the engine's outputs); (metrics, moved)."""
     deadline = time.monotonic() + METRICS_SETTLE_S
@@ -222,7 +238,9 @@ def per_transfer(d: dict[str, float], what: str) -> float | None:
     return d[f"vllm:p2p_{what}_seconds_sum"] / count if count > 0 else None
 
 
-def stream_times(server, prompt, headers=None, **params) -> tuple[list[float], list[int], float]:
+def stream_times(
+    server, prompt, headers=None, **params
+) -> tuple[list[float], list[int], float]:
     """Seconds from now to each streamed chunk with tokens, the token ids, and
     the start time. Two tokens in one chunk (the API server merges outputs a
     slow reader has not taken yet) leave one time."""
@@ -366,7 +384,9 @@ def measure(servers: dict, prompts: Prompts, args: argparse.Namespace) -> dict:
                     out = colocated_once(base(servers[f"p_{mode}"]), prompt)
                     target = raw["prefill_alone"][mode]
                 else:
-                    out = disagg_once(servers[f"p_{item}"], servers[f"d_{item}"], prompt)
+                    out = disagg_once(
+                        servers[f"p_{item}"], servers[f"d_{item}"], prompt
+                    )
                     target = raw["send_modes"][item]
                 after = items[position - 1] if position else ""
                 out.update(round=r, position=position, after=after)
@@ -374,10 +394,15 @@ def measure(servers: dict, prompts: Prompts, args: argparse.Namespace) -> dict:
         prefix = list(PREFIX_CONFIGS)
         order_rng.shuffle(prefix)
         for label, mode, decode in prefix:
-            out = disagg_once(servers[f"p_{mode}"], servers[decode], prompts.with_prefix())
+            out = disagg_once(
+                servers[f"p_{mode}"], servers[decode], prompts.with_prefix()
+            )
             out["round"] = r
             raw["prefix"][label].append(out)
-        print(f"round {r + 1}/{args.rounds} done in {time.monotonic() - t0:.1f}s", flush=True)
+        print(
+            f"round {r + 1}/{args.rounds} done in {time.monotonic() - t0:.1f}s",
+            flush=True,
+        )
     return raw
 
 
@@ -401,7 +426,9 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             outs = raw["send_modes"][mode][length]
             for o in outs:
                 o["recv_mib_per_s"] = (
-                    o["bytes_received"] / (1 << 20) / o["recv_s"] if o["recv_s"] else None
+                    o["bytes_received"] / (1 << 20) / o["recv_s"]
+                    if o["recv_s"]
+                    else None
                 )
             row = {
                 key: med(o[key] for o in outs)
@@ -425,11 +452,15 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             row["best_ttft_s"] = min(o["ttft_s"] for o in outs)
             row["best_alone_s"] = min(o["ttft_s"] for o in alone) if alone else None
             row["best_exposed_s"] = (
-                row["best_ttft_s"] - row["best_alone_s"] - row["decode_step_s"] if alone else None
+                row["best_ttft_s"] - row["best_alone_s"] - row["decode_step_s"]
+                if alone
+                else None
             )
             row["hidden_share"] = hidden(row["exposed_s"], row["send_s"])
             row["ttft_vs_colocated"] = row["ttft_s"] / rows["colocated"]["ttft_s"]
-            row["metrics_missing"] = sum(o["send_s"] is None or o["recv_s"] is None for o in outs)
+            row["metrics_missing"] = sum(
+                o["send_s"] is None or o["recv_s"] is None for o in outs
+            )
             row["failed_loads"] = sum(o["failed_loads"] for o in outs)
             rows[mode] = row
         by_round: dict[int, dict[str, float]] = {}
@@ -439,15 +470,20 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
         rounds = [t for t in by_round.values() if len(t) == len(MODES)]
         for mode in MODES:
             per_round = [t[mode] / t["PUT_ASYNC"] for t in rounds]
-            rows[mode]["ttft_vs_put_async"] = rows[mode]["ttft_s"] / rows["PUT_ASYNC"]["ttft_s"]
+            rows[mode]["ttft_vs_put_async"] = (
+                rows[mode]["ttft_s"] / rows["PUT_ASYNC"]["ttft_s"]
+            )
             rows[mode]["ttft_vs_put_async_per_round"] = per_round
         orders = [" < ".join(sorted(MODES, key=t.get)) for t in rounds]
         rows["round_orders"] = {
-            o: orders.count(o) for o in sorted(set(orders), key=orders.count, reverse=True)
+            o: orders.count(o)
+            for o in sorted(set(orders), key=orders.count, reverse=True)
         }
         rows["order_fastest_first"] = sorted(MODES, key=lambda m: rows[m]["ttft_s"])
         if all(rows[m]["best_exposed_s"] is not None for m in MODES):
-            rows["order_best_exposed"] = sorted(MODES, key=lambda m: rows[m]["best_exposed_s"])
+            rows["order_best_exposed"] = sorted(
+                MODES, key=lambda m: rows[m]["best_exposed_s"]
+            )
         rows["put_wire_s"] = rows["PUT"]["send_s"]
         summary["send_modes"][length] = rows
     for label, _, _ in PREFIX_CONFIGS:
@@ -467,7 +503,9 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
         summary["prefix"][label]["failed_loads"] = sum(o["failed_loads"] for o in outs)
     on, off = (summary["prefix"][label] for label, _, _ in PREFIX_CONFIGS[:2])
     summary["prefix_ratios"] = {
-        "bytes_received_false_over_true": ratio(off["bytes_received"], on["bytes_received"]),
+        "bytes_received_false_over_true": ratio(
+            off["bytes_received"], on["bytes_received"]
+        ),
         "ttft_false_over_true": ratio(off["ttft_s"], on["ttft_s"]),
         "decode_ttft_false_over_true": ratio(off["decode_ttft_s"], on["decode_ttft_s"]),
         "recv_false_over_true": ratio(off["recv_s"], on["recv_s"]),
@@ -609,7 +647,8 @@ def markdown(result: dict) -> list[str]:
         + "; ".join(
             f"{length} tokens: "
             + ", ".join(
-                f"{mode} {spread(rows[mode]['ttft_vs_put_async_per_round'])}" for mode in MODES[1:]
+                f"{mode} {spread(rows[mode]['ttft_vs_put_async_per_round'])}"
+                for mode in MODES[1:]
             )
             for length, rows in s["send_modes"].items()
         )
@@ -715,7 +754,11 @@ def markdown(result: dict) -> list[str]:
 def checks(result: dict) -> list[str]:
     """What the run checked and what it cost, as figures."""
     meta = result["meta"]
-    bad = [k for k, v in result["warm_up_checks"].items() if not v["same_tokens_as_colocated"]]
+    bad = [
+        k
+        for k, v in result["warm_up_checks"].items()
+        if not v["same_tokens_as_colocated"]
+    ]
     trouble = {
         f"{name}: {key.removeprefix('vllm:p2p_').removesuffix('_total')} {value:.0f}"
         for name, totals in result["metric_totals_at_end"].items()
@@ -742,7 +785,12 @@ def plot(result: dict, path: Path) -> None:
     plt = report.pyplot()
     s = result["summary"]
     lengths = list(s["send_modes"])
-    colors = {"colocated": "#999999", "PUT_ASYNC": "#2a7ab9", "GET": "#e08a2c", "PUT": "#c23b3b"}
+    colors = {
+        "colocated": "#999999",
+        "PUT_ASYNC": "#2a7ab9",
+        "GET": "#e08a2c",
+        "PUT": "#c23b3b",
+    }
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     ax = axes[0]
     width = 0.2
@@ -773,7 +821,14 @@ def plot(result: dict, path: Path) -> None:
             label="best case" if j == 0 else None,
         )
     wire = [(s["send_modes"][n]["put_wire_s"] or 0) * 1000 for n in lengths]
-    ax.plot(range(len(lengths)), wire, "k_", markersize=30, mew=2, label="PUT send (bare wire)")
+    ax.plot(
+        range(len(lengths)),
+        wire,
+        "k_",
+        markersize=30,
+        mew=2,
+        label="PUT send (bare wire)",
+    )
     ax.axhline(0, color="#999999", linewidth=0.8)
     ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
     ax.set_ylabel("ms")
@@ -782,7 +837,9 @@ def plot(result: dict, path: Path) -> None:
 
     ax = axes[2]
     labels = list(s["prefix"])
-    short = [k.replace("skip_cached_blocks", "skip").replace(", ", "\n") for k in labels]
+    short = [
+        k.replace("skip_cached_blocks", "skip").replace(", ", "\n") for k in labels
+    ]
     mib = [(s["prefix"][k]["bytes_received"] or 0) / (1 << 20) for k in labels]
     dec = [(s["prefix"][k]["decode_ttft_s"] or 0) * 1000 for k in labels]
     xs = list(range(len(labels)))
@@ -792,14 +849,18 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(xs, short, fontsize=8)
     ax.set_ylabel("MiB received per request (median)")
     ax2.set_ylabel("decode request ms (median)")
-    ax.set_title(f"shared {SHARED_PREFIX}-token prefix + {DISTINCT_TAIL} new", fontsize=10)
+    ax.set_title(
+        f"shared {SHARED_PREFIX}-token prefix + {DISTINCT_TAIL} new", fontsize=10
+    )
     for x, v in zip(xs, mib):
         ax.annotate(f"{v:.1f}", (x - 0.2, v), ha="center", va="bottom", fontsize=8)
     for x, v in zip(xs, dec):
         ax2.annotate(f"{v:.0f}", (x + 0.2, v), ha="center", va="bottom", fontsize=8)
     handles = ax.get_legend_handles_labels()
     handles2 = ax2.get_legend_handles_labels()
-    ax.legend(handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8, loc="upper left")
+    ax.legend(
+        handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8, loc="upper left"
+    )
     fig.suptitle("P2P connector on CPU: send modes and prefix-aware transfer")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -854,7 +915,10 @@ def main() -> int:
     if args.quick:
         args.rounds = 2
     args.lengths = tuple(args.lengths)
-    assert max(args.lengths) + 2 <= MAX_MODEL_LEN and SHARED_PREFIX + DISTINCT_TAIL < MAX_MODEL_LEN
+    assert (
+        max(args.lengths) + 2 <= MAX_MODEL_LEN
+        and SHARED_PREFIX + DISTINCT_TAIL < MAX_MODEL_LEN
+    )
     args.out = args.out or report.RESULTS
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-p2p-modes-") as tmp:

@@ -63,7 +63,9 @@ def _connect_links(ctrl, sender: bool) -> dict:
     """The raw socket and both transport channels, set up over ``ctrl``."""
     links = {}
     if sender:
-        links["raw"] = socket.create_connection(("127.0.0.1", ctrl.recv()), timeout=OP_TIMEOUT_S)
+        links["raw"] = socket.create_connection(
+            ("127.0.0.1", ctrl.recv()), timeout=OP_TIMEOUT_S
+        )
     else:
         with socket.create_server(("127.0.0.1", 0)) as server:
             ctrl.send(server.getsockname()[1])
@@ -124,7 +126,9 @@ def receiver(ctrl) -> None:
 def sender(ctrl, args: argparse.Namespace, results) -> None:
     links = _connect_links(ctrl, sender=True)
     messages = {
-        (size, blocks): _message(size, blocks) for size in SIZES for blocks in (False, True)
+        (size, blocks): _message(size, blocks)
+        for size in SIZES
+        for blocks in (False, True)
     }
 
     def sample(link: str, size: int, blocks: bool, count: int) -> float:
@@ -148,7 +152,9 @@ def sender(ctrl, args: argparse.Namespace, results) -> None:
         for size in SIZES:
             warm_gbps = sample(link, size, blocks, max(3, 8 * MIB // size))
             fit = int(args.sample_s * warm_gbps * 1e9 / size)
-            counts[(link, size, blocks)] = max(3, min(args.bytes_per_sample // size, fit))
+            counts[(link, size, blocks)] = max(
+                3, min(args.bytes_per_sample // size, fit)
+            )
 
     def timed(link: str, size: int, blocks: bool) -> float:
         return sample(link, size, blocks, counts[(link, size, blocks)])
@@ -160,7 +166,9 @@ def sender(ctrl, args: argparse.Namespace, results) -> None:
     for r in range(args.rounds):
         for size in SIZES:
             raw = [timed("raw", size, False)]
-            for label, link, blocks in CONFIGS[1:] if r % 2 == 0 else reversed(CONFIGS[1:]):
+            for label, link, blocks in (
+                CONFIGS[1:] if r % 2 == 0 else reversed(CONFIGS[1:])
+            ):
                 value = timed(link, size, blocks)
                 raw.append(timed("raw", size, False))
                 gbps[label][size].append(value)
@@ -207,7 +215,9 @@ def summarize(gbps: dict, ratios: dict) -> dict:
         for size, samples in per_size.items():
             summary[label][size] = {"gbps_median": statistics.median(samples)}
             if label in ratios:
-                summary[label][size]["ratio_to_raw_median"] = statistics.median(ratios[label][size])
+                summary[label][size]["ratio_to_raw_median"] = statistics.median(
+                    ratios[label][size]
+                )
                 summary[label][size]["ratio_to_raw_min_max"] = [
                     min(ratios[label][size]),
                     max(ratios[label][size]),
@@ -253,10 +263,15 @@ def plot(summary: dict, path: Path) -> None:
     x = range(len(SIZES))
     for label, _, _ in CONFIGS:
         style = "k--" if label == "raw socket" else "o-"
-        axes[0].plot(x, [summary[label][s]["gbps_median"] for s in SIZES], style, label=label)
+        axes[0].plot(
+            x, [summary[label][s]["gbps_median"] for s in SIZES], style, label=label
+        )
         if label != "raw socket":
             axes[1].plot(
-                x, [summary[label][s]["ratio_to_raw_median"] for s in SIZES], "o-", label=label
+                x,
+                [summary[label][s]["ratio_to_raw_median"] for s in SIZES],
+                "o-",
+                label=label,
             )
     axes[1].axhline(0.8, color="#999999", linewidth=1)
     for ax, title in zip(
@@ -275,8 +290,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--bytes-per-sample", type=int, default=32 * MIB)
-    parser.add_argument("--sample-s", type=float, default=0.1, help="target seconds per sample")
-    parser.add_argument("--timeout-s", type=float, default=170.0, help="bound on the whole run")
+    parser.add_argument(
+        "--sample-s", type=float, default=0.1, help="target seconds per sample"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=170.0, help="bound on the whole run"
+    )
     report.add_out_argument(parser)
     args = parser.parse_args()
     require("matplotlib")  # before the measurement, not at the plot

@@ -60,16 +60,33 @@ import time
 from pathlib import Path
 
 import aiohttp
-from _deps import machine, require  # benchmarks/_deps.py: sys.path[0] when run as a script
+from _deps import (
+    machine,
+    require,
+)  # benchmarks/_deps.py: sys.path[0] when run as a script
 from common import report
-from common.procs import Child, cpu_seconds, http, label, load_snapshot, run_logged, scrape, uptime
+from common.procs import (
+    Child,
+    cpu_seconds,
+    http,
+    label,
+    load_snapshot,
+    run_logged,
+    scrape,
+    uptime,
+)
 from common.report import fmt, load_line, ms, percent, table
 from common.stats import diff, hist_quantile, pct, pcts, ratio
 
 from vllm_disagg.testing.fake_instance import DELAY_KEY
 from vllm_disagg.testing.p2p import free_kv_port, kv_transfer_config
 from vllm_disagg.testing.router import RouterProcess
-from vllm_disagg.testing.server import VllmServer, cpu_test_env, get_free_port, vllm_executable
+from vllm_disagg.testing.server import (
+    VllmServer,
+    cpu_test_env,
+    get_free_port,
+    vllm_executable,
+)
 
 STEM = "router"
 
@@ -140,7 +157,9 @@ SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 KV_LOAD_TIMEOUT_S = 30.0
 BENCH_PERCENTILES = (50, 90, 99)
 BENCH_METRICS = ("ttft", "tpot", "itl", "e2el")
-GREEDY_PROMPT = "Prefill instances compute the key value cache and send it to decode instances"
+GREEDY_PROMPT = (
+    "Prefill instances compute the key value cache and send it to decode instances"
+)
 
 
 def start_fake(role: str, log_path: Path) -> Child:
@@ -206,7 +225,9 @@ class LoadGenerator:
     def __init__(self, urls: dict[str, str], prefill_url: str):
         self.urls = urls  # target -> base URL of what the client posts to
         self.prefill_url = prefill_url
-        words = ("the router relays every chunk of the decode instance to the client " * 40).split()
+        words = (
+            "the router relays every chunk of the decode instance to the client " * 40
+        ).split()
         self.prompt = " ".join(words[:PROMPT_WORDS])
         self.bodies: dict[str, tuple[bytes, bytes]] = {}
         for name, (stream, chunks, delay_ms, _) in SCENARIOS.items():
@@ -220,7 +241,10 @@ class LoadGenerator:
             if delay_ms:
                 body[DELAY_KEY] = delay_ms
             prefill = {**body, "max_tokens": 1, "stream": False}
-            self.bodies[name] = (json.dumps(body).encode(), json.dumps(prefill).encode())
+            self.bodies[name] = (
+                json.dumps(body).encode(),
+                json.dumps(prefill).encode(),
+            )
         self.session: aiohttp.ClientSession | None = None
         self.rng = random.Random(0)
 
@@ -237,7 +261,9 @@ class LoadGenerator:
     async def _post(self, url: str, body: bytes, stream: bool) -> tuple[float, bool]:
         """(perf_counter at the first byte, answer complete and well-formed)."""
         headers = {"Content-Type": "application/json"}
-        async with self.session.post(f"{url}/v1/completions", data=body, headers=headers) as resp:
+        async with self.session.post(
+            f"{url}/v1/completions", data=body, headers=headers
+        ) as resp:
             if not stream:
                 data = await resp.read()
                 return time.perf_counter(), resp.status == 200 and data[:1] == b"{"
@@ -285,10 +311,19 @@ class LoadGenerator:
         t0 = time.perf_counter()
         async with asyncio.timeout(BATCH_TIMEOUT_S):
             await asyncio.gather(*(worker(start) for start in starts))
-        return {"samples": samples, "errors": errors, "wall_s": time.perf_counter() - t0}
+        return {
+            "samples": samples,
+            "errors": errors,
+            "wall_s": time.perf_counter() - t0,
+        }
 
     async def sustained(
-        self, target: str, scenario: str, concurrency: int, duration_s: float, warm_s: float
+        self,
+        target: str,
+        scenario: str,
+        concurrency: int,
+        duration_s: float,
+        warm_s: float,
     ) -> dict:
         """Closed loop for ``warm_s + duration_s``: requests completed in the
         last ``duration_s`` per second, and their latency."""
@@ -323,7 +358,9 @@ class LoadGenerator:
 
 def batch_size(scenario: str, concurrency: int, quick: bool) -> int:
     if scenario == "decode":
-        n = 3 * concurrency  # ~5 s a batch: 3 streams of 1.2 s a worker, plus the stagger
+        n = (
+            3 * concurrency
+        )  # ~5 s a batch: 3 streams of 1.2 s a worker, plus the stagger
     elif scenario == "paced":
         n = max(4 * concurrency, 64)
     else:
@@ -360,14 +397,19 @@ async def measure_overhead(
     for r in range(args.rounds):
         t_round = time.monotonic()
         items = [
-            (s, c, t) for s, (_, _, _, conc) in SCENARIOS.items() for c in conc for t in TARGETS
+            (s, c, t)
+            for s, (_, _, _, conc) in SCENARIOS.items()
+            for c in conc
+            for t in TARGETS
         ]
         rng.shuffle(items)
         for scenario, conc, target in items:
             router = routers.get(target)
             before_hist = scrape_hist(router.url) if router else None
             before_cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
-            out = await gen.batch(target, scenario, conc, batch_size(scenario, conc, args.quick))
+            out = await gen.batch(
+                target, scenario, conc, batch_size(scenario, conc, args.quick)
+            )
             after_cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
             cell = raw[scenario][str(conc)][target]
             cell["ttfb"].extend(s[0] for s in out["samples"])
@@ -382,10 +424,13 @@ async def measure_overhead(
                 for le, count in after_hist.items():
                     key = repr(le)
                     cell["router_hist"][key] = (
-                        cell["router_hist"].get(key, 0.0) + count - before_hist.get(le, 0.0)
+                        cell["router_hist"].get(key, 0.0)
+                        + count
+                        - before_hist.get(le, 0.0)
                     )
         print(
-            f"  overhead round {r + 1}/{args.rounds}: {time.monotonic() - t_round:.0f}s", flush=True
+            f"  overhead round {r + 1}/{args.rounds}: {time.monotonic() - t_round:.0f}s",
+            flush=True,
         )
     return raw
 
@@ -400,14 +445,23 @@ async def measure_ceiling(gen: LoadGenerator, pids: dict[str, int], args) -> dic
         for target in targets:
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             t0 = time.perf_counter()
-            res = await gen.sustained(target, "stream", level, args.ceiling_s, args.ceiling_warm_s)
+            res = await gen.sustained(
+                target, "stream", level, args.ceiling_s, args.ceiling_warm_s
+            )
             wall = time.perf_counter() - t0
             after = {name: cpu_seconds(pid) for name, pid in pids.items()}
-            res["cpu_share"] = {name: (after[name] - before[name]) / wall for name in pids}
+            res["cpu_share"] = {
+                name: (after[name] - before[name]) / wall for name in pids
+            }
             out[target][str(level)] = res
         print(
             "  ceiling at concurrency %d: %s"
-            % (level, ", ".join(f"{t} {out[t][str(level)]['rps']:.0f}/s" for t in CEILING_TARGETS)),
+            % (
+                level,
+                ", ".join(
+                    f"{t} {out[t][str(level)]['rps']:.0f}/s" for t in CEILING_TARGETS
+                ),
+            ),
             flush=True,
         )
     return out
@@ -420,14 +474,18 @@ def run_overhead(args) -> dict:
         for role in ("prefill", "decode"):
             fakes[role] = start_fake(role, args.logs / f"{STEM}-fake-{role}.log")
             stack.callback(fakes[role].stop)
-        routers = start_routers_over_fakes(stack, fakes, "fakes", OVERHEAD_ROUTERS, args.logs)
+        routers = start_routers_over_fakes(
+            stack, fakes, "fakes", OVERHEAD_ROUTERS, args.logs
+        )
         pids = {
             **{target: router.proc.pid for target, router in routers.items()},
             "fake_prefill": fakes["prefill"].proc.pid,
             "fake_decode": fakes["decode"].proc.pid,
             "client": os.getpid(),
         }
-        mine = {fakes[r].proc.pid for r in fakes} | {r.proc.pid for r in routers.values()}
+        mine = {fakes[r].proc.pid for r in fakes} | {
+            r.proc.pid for r in routers.values()
+        }
         load_before = load_snapshot(mine)
         urls = {
             "direct": fakes["decode"].url,
@@ -440,7 +498,9 @@ def run_overhead(args) -> dict:
             async with LoadGenerator(urls, fakes["prefill"].url) as gen:
                 t = time.monotonic()
                 raw = await measure_overhead(gen, routers, pids, args)
-                print(f"overhead batches done in {time.monotonic() - t:.0f}s", flush=True)
+                print(
+                    f"overhead batches done in {time.monotonic() - t:.0f}s", flush=True
+                )
                 ceiling = await measure_ceiling(gen, pids, args)
                 return raw, ceiling
 
@@ -523,12 +583,16 @@ def summarize_overhead(part: dict) -> dict:
                 router_hist[key][target] = {
                     "count": total,
                     **{f"p{q}": hist_quantile(buckets, q) for q in (50, 90, 99)},
-                    "share_le_2ms": (le2 / total) if total and le2 is not None else None,
+                    "share_le_2ms": (le2 / total)
+                    if total and le2 is not None
+                    else None,
                 }
             cpu[key] = {}
             for target, c in by_target.items():
                 n = c["requests"]
-                cpu[key][target] = {name: (s / n if n else None) for name, s in c["cpu_s"].items()}
+                cpu[key][target] = {
+                    name: (s / n if n else None) for name, s in c["cpu_s"].items()
+                }
     ceiling = {}
     for target, levels in part["ceiling"].items():
         rates = {int(k): v["rps"] for k, v in levels.items()}
@@ -540,7 +604,9 @@ def summarize_overhead(part: dict) -> dict:
             "knee_concurrency": knee,
         }
     for row in ceiling.values():
-        row["vs_direct"] = ratio(row["max_rps"], ceiling.get("direct", {}).get("max_rps"))
+        row["vs_direct"] = ratio(
+            row["max_rps"], ceiling.get("direct", {}).get("max_rps")
+        )
     goal_key = f"{GOAL_SCENARIO}/{GOAL_CONCURRENCY}"
 
     def alone(key: str, what: str, q: str) -> float | None:
@@ -550,17 +616,23 @@ def summarize_overhead(part: dict) -> dict:
     goal = {
         "key": goal_key,
         "client_p50_s": added[goal_key]["router_seq - direct_pd"]["total"]["p50"],
-        "client_p50_vs_direct_s": added[goal_key]["router_seq - direct"]["total"]["p50"],
+        "client_p50_vs_direct_s": added[goal_key]["router_seq - direct"]["total"][
+            "p50"
+        ],
         "client_p50_conc_s": added[goal_key]["router_conc - direct"]["total"]["p50"],
         "router_hist_p50_s": router_hist[goal_key]["router_seq"]["p50"],
-        "client_p50_hypercorn_s": added[goal_key]["router_hyper - direct_pd"]["total"]["p50"],
+        "client_p50_hypercorn_s": added[goal_key]["router_hyper - direct_pd"]["total"][
+            "p50"
+        ],
         "paced_p50_s": alone("paced/32", "total", "p50"),
         # Streams as a decode serves them: what the router adds to the first token.
         "decode_ttfb_p50_s": alone("decode/32", "ttfb", "p50"),
         "decode_ttfb_p90_s": alone("decode/32", "ttfb", "p90"),
         "decode_p50_s": alone("decode/32", "total", "p50"),
     }
-    goal["met_client"] = goal["client_p50_s"] is not None and goal["client_p50_s"] < GOAL_P50_S
+    goal["met_client"] = (
+        goal["client_p50_s"] is not None and goal["client_p50_s"] < GOAL_P50_S
+    )
     goal["met_router_hist"] = (
         goal["router_hist_p50_s"] is not None and goal["router_hist_p50_s"] < GOAL_P50_S
     )
@@ -588,7 +660,9 @@ def ensure_model(path: Path) -> Path:
     return path
 
 
-def bench_command(url: str, model: Path, args, concurrency: int, seed: int, out: Path) -> list[str]:
+def bench_command(
+    url: str, model: Path, args, concurrency: int, seed: int, out: Path
+) -> list[str]:
     return [
         vllm_executable(),
         "bench",
@@ -656,7 +730,11 @@ def greedy_text(url: str, model: str) -> str | None:
     }
     try:
         status, data = http(f"{url}/v1/completions", body, timeout_s=120)
-        return json.loads(data)["choices"][0]["text"] if status == 200 else f"<{status}: {data!r}>"
+        return (
+            json.loads(data)["choices"][0]["text"]
+            if status == 200
+            else f"<{status}: {data!r}>"
+        )
     except (OSError, KeyError, IndexError, ValueError) as e:
         return f"<error: {e}>"
 
@@ -665,17 +743,27 @@ async def warm_up(url: str, model: str, n: int, concurrency: int) -> int:
     """``n`` streamed completions of a few hundred tokens; how many succeeded."""
     prompt = " ".join(["prefill instances compute the key value cache"] * 40)
     body = json.dumps(
-        {"model": model, "prompt": prompt, "max_tokens": 8, "stream": True, "ignore_eos": True}
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "stream": True,
+            "ignore_eos": True,
+        }
     ).encode()
     ok = 0
     sem = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=180)
+    ) as session:
 
         async def one() -> None:
             nonlocal ok
             async with sem:
                 async with session.post(
-                    f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                    f"{url}/v1/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
                 ) as resp:
                     data = await resp.read()
                     ok += resp.status == 200 and data.rstrip().endswith(b"[DONE]")
@@ -702,7 +790,8 @@ def start_vllm_fleet(
     routers = {}
     for target, flags in ROUTER_FLAGS.items():
         router = RouterProcess(
-            [*flags, "--log-level", "warning"], log_path=args.logs / f"{STEM}-{target}.log"
+            [*flags, "--log-level", "warning"],
+            log_path=args.logs / f"{STEM}-{target}.log",
         )
         stack.callback(router.stop)
         routers[target] = router.start()
@@ -748,7 +837,9 @@ def start_vllm_fleet(
     return routers, servers
 
 
-def bench_rounds(args, urls: dict[str, str], model: Path, tmp: Path, log: Path) -> list[dict]:
+def bench_rounds(
+    args, urls: dict[str, str], model: Path, tmp: Path, log: Path
+) -> list[dict]:
     """``vllm bench serve`` against every configuration, rounds x concurrencies, in
     a random order within each."""
     runs: list[dict] = []
@@ -794,13 +885,18 @@ def run_serving(args) -> dict:
     bench_log.parent.mkdir(parents=True, exist_ok=True)
     bench_log.write_text("")
     with contextlib.ExitStack() as stack:
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-router-")))
+        tmp = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-router-"))
+        )
         model = ensure_model(Path(args.model))  # the tokenizer of vllm bench serve
         if args.serving_fakes:
             routers, servers = start_dry_fleet(stack, args)
         else:
             routers, servers = start_vllm_fleet(stack, args, model, began)
-        urls = {"colocated": servers["colocated"].url, **{t: r.url for t, r in routers.items()}}
+        urls = {
+            "colocated": servers["colocated"].url,
+            **{t: r.url for t, r in routers.items()},
+        }
         startup_s = time.monotonic() - began
         print(f"servers and routers ready after {startup_s:.0f}s", flush=True)
         mine = {p.proc.pid for p in [*routers.values(), *servers.values()]}
@@ -819,10 +915,15 @@ def run_serving(args) -> dict:
         runs = bench_rounds(args, urls, model, tmp, bench_log)
         measure_s = time.monotonic() - t
         router_metrics = {
-            t: scrape(f"{r.url}/metrics", "vllm_disagg_router_") for t, r in routers.items()
+            t: scrape(f"{r.url}/metrics", "vllm_disagg_router_")
+            for t, r in routers.items()
         }
         router_metrics = {
-            t: {k: v for k, v in m.items() if not k.startswith(HIST) and v and "_created" not in k}
+            t: {
+                k: v
+                for k, v in m.items()
+                if not k.startswith(HIST) and v and "_created" not in k
+            }
             for t, m in router_metrics.items()
         }
         decode_p2p = {}
@@ -830,7 +931,9 @@ def run_serving(args) -> dict:
             with contextlib.suppress(Exception):  # requests' errors, via VllmServer
                 decode_p2p = {
                     name: sum(values.values())
-                    for name, values in servers["decode"].metrics(prefix="vllm:p2p_").items()
+                    for name, values in servers["decode"]
+                    .metrics(prefix="vllm:p2p_")
+                    .items()
                     if name.endswith("_total")
                 }
         load_after = load_snapshot(mine)
@@ -872,7 +975,9 @@ def run_serving(args) -> dict:
 def summarize_serving(part: dict) -> dict:
     by: dict = {}
     for run in part["runs"]:
-        by.setdefault(str(run["concurrency"]), {}).setdefault(run["config"], []).append(run)
+        by.setdefault(str(run["concurrency"]), {}).setdefault(run["config"], []).append(
+            run
+        )
     table: dict = {}
     for conc, configs in by.items():
         table[conc] = {}
@@ -936,7 +1041,9 @@ def write_markdown(result: dict) -> list[str]:
             "Every process below (load generator, fake instances, routers, vLLM servers, "
             "`vllm bench serve`) shares the machine's cores with whatever else runs on it "
             "(counted as vLLM processes this run did not start). Load average (1, 5, 15 min) "
-            + "; ".join(f"{k.replace('_', ' ')} {load_line(v)}" for k, v in meta["load"].items())
+            + "; ".join(
+                f"{k.replace('_', ' ')} {load_line(v)}" for k, v in meta["load"].items()
+            )
             + ".",
             date=meta["date"],
             on=meta["machine"],
@@ -1016,8 +1123,14 @@ def overhead_setup(meta: dict) -> list[str]:
 def added_tables(s: dict) -> list[str]:
     rows = []
     for key, a in s["added"].items():
-        alone, vs = a["router_seq - direct_pd"]["total"], a["router_seq - direct"]["total"]
-        cc, hy = a["router_conc - direct"]["total"], a["router_hyper - direct_pd"]["total"]
+        alone, vs = (
+            a["router_seq - direct_pd"]["total"],
+            a["router_seq - direct"]["total"],
+        )
+        cc, hy = (
+            a["router_conc - direct"]["total"],
+            a["router_hyper - direct_pd"]["total"],
+        )
         h = s["router_hist"][key]
         rows.append(
             [
@@ -1126,7 +1239,14 @@ def latency_tables(s: dict) -> list[str]:
         "divided by the requests of those batches.",
         "",
     ]
-    procs = ("router_seq", "router_conc", "router_hyper", "fake_prefill", "fake_decode", "client")
+    procs = (
+        "router_seq",
+        "router_conc",
+        "router_hyper",
+        "fake_prefill",
+        "fake_decode",
+        "client",
+    )
     rows = [
         [*key.split("/"), target, *(fmt(row.get(n), ".0f", 1e6) for n in procs)]
         for key, by_target in s["cpu"].items()
@@ -1198,7 +1318,11 @@ def ceiling_tables(part: dict) -> list[str]:
         "outcomes over the part: "
         + "; ".join(
             f"{t}: "
-            + ", ".join(f"{label(k, 'outcome')} {v:.0f}" for k, v in o.items() if "outcome=" in k)
+            + ", ".join(
+                f"{label(k, 'outcome')} {v:.0f}"
+                for k, v in o.items()
+                if "outcome=" in k
+            )
             for t, o in part["router_outcomes"].items()
         )
         + ".",
@@ -1291,7 +1415,13 @@ def serving_markdown(part: dict) -> list[str]:
             if v := by_config.get(config, {}).get("vs_colocated"):
                 rows.append([conc, config, *(fmt(v.get(k), ".2f") for k in keys)])
         if cs := by_config.get("concurrent_vs_sequential"):
-            rows.append([conc, "concurrent / sequential", *(fmt(cs.get(k), ".2f") for k in keys)])
+            rows.append(
+                [
+                    conc,
+                    "concurrent / sequential",
+                    *(fmt(cs.get(k), ".2f") for k in keys),
+                ]
+            )
     lines += [
         "",
         "Ratios (x colocated; concurrent / sequential: router_conc over router_seq):",
@@ -1335,7 +1465,8 @@ def serving_markdown(part: dict) -> list[str]:
         "counters at the end: "
         + (
             ", ".join(
-                f"{k.removeprefix('vllm:p2p_').removesuffix('_total')} {v:.0f}" for k, v in decode
+                f"{k.removeprefix('vllm:p2p_').removesuffix('_total')} {v:.0f}"
+                for k, v in decode
             )
             or "n/a"
         )
@@ -1343,7 +1474,8 @@ def serving_markdown(part: dict) -> list[str]:
         + "; ".join(
             f"{t}: "
             + ", ".join(
-                f"{k.removeprefix('vllm_disagg_router_')} {v:.0f}" for k, v in sorted(m.items())
+                f"{k.removeprefix('vllm_disagg_router_')} {v:.0f}"
+                for k, v in sorted(m.items())
             )
             for t, m in rm.items()
         )
@@ -1370,7 +1502,9 @@ def serving_markdown(part: dict) -> list[str]:
 def round_values(part: dict, key: str) -> dict[tuple[str, str], list]:
     found: dict = {}
     for run in part["runs"]:
-        found.setdefault((str(run["concurrency"]), run["config"]), []).append(run.get(key))
+        found.setdefault((str(run["concurrency"]), run["config"]), []).append(
+            run.get(key)
+        )
     return found
 
 
@@ -1383,7 +1517,9 @@ def plot(result: dict, path: Path) -> None:
         panels += ["ttft", "e2e"]
     cols = 2 if len(panels) > 1 else 1
     rows = (len(panels) + 1) // 2
-    fig, grid = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False)
+    fig, grid = plt.subplots(
+        rows, cols, figsize=(6.5 * cols, 4.6 * rows), squeeze=False
+    )
     axes = dict(zip(panels, grid.flat))
     colors = {
         "direct": "#999999",
@@ -1400,7 +1536,10 @@ def plot(result: dict, path: Path) -> None:
         xs = range(len(keys))
         width = 0.27
         for j, q in enumerate(("p50", "p90", "p99")):
-            vals = [(s["added"][k]["router_seq - direct_pd"]["total"][q] or 0) * 1000 for k in keys]
+            vals = [
+                (s["added"][k]["router_seq - direct_pd"]["total"][q] or 0) * 1000
+                for k in keys
+            ]
             ax.bar(
                 [x + (j - 1) * width for x in xs],
                 vals,
@@ -1409,9 +1548,17 @@ def plot(result: dict, path: Path) -> None:
                 color=("#2a7ab9", "#7fb2dc", "#c9def0")[j],
             )
         hyper = [
-            (s["added"][k]["router_hyper - direct_pd"]["total"]["p50"] or 0) * 1000 for k in keys
+            (s["added"][k]["router_hyper - direct_pd"]["total"]["p50"] or 0) * 1000
+            for k in keys
         ]
-        ax.plot(list(xs), hyper, "s", color="#8a5fb0", markersize=5, label="p50 on hypercorn")
+        ax.plot(
+            list(xs),
+            hyper,
+            "s",
+            color="#8a5fb0",
+            markersize=5,
+            label="p50 on hypercorn",
+        )
         hist = [(s["router_hist"][k]["router_seq"]["p50"] or 0) * 1000 for k in keys]
         ax.plot(list(xs), hist, "kD", markersize=5, label="p50 router histogram")
         ax.axhline(
@@ -1447,7 +1594,10 @@ def plot(result: dict, path: Path) -> None:
     if "serving" in result:
         s = result["serving"]["summary"]
         concs = list(s)
-        for panel, metric, name in (("ttft", "ttft", "TTFT"), ("e2e", "e2el", "E2E latency")):
+        for panel, metric, name in (
+            ("ttft", "ttft", "TTFT"),
+            ("e2e", "e2el", "E2E latency"),
+        ):
             ax = axes[panel]
             width = 0.27
             for j, config in enumerate(CONFIGS):
@@ -1455,9 +1605,13 @@ def plot(result: dict, path: Path) -> None:
                 p50 = [s[c].get(config, {}).get(f"p50_{metric}_ms") or 0 for c in concs]
                 p90 = [s[c].get(config, {}).get(f"p90_{metric}_ms") or 0 for c in concs]
                 ax.bar(xs, p50, width, color=colors[config], label=f"{config} p50")
-                ax.plot(xs, p90, "k_", markersize=12, mew=2, label="p90" if j == 0 else None)
+                ax.plot(
+                    xs, p90, "k_", markersize=12, mew=2, label="p90" if j == 0 else None
+                )
                 for x, v in zip(xs, p50):
-                    ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
+                    ax.annotate(
+                        f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7
+                    )
             ax.set_xticks(range(len(concs)), [f"concurrency {c}" for c in concs])
             ax.set_ylabel(f"{name} (ms)")
             ax.set_title(f"vllm bench serve: {name}", fontsize=10)
@@ -1486,7 +1640,13 @@ def round_raw(result: dict) -> None:
 def write_outputs(result: dict, stem: Path) -> None:
     round_raw(result)
     summarize(result)
-    report.write(stem, result, write_markdown(result), lambda png: plot(result, png), compact=True)
+    report.write(
+        stem,
+        result,
+        write_markdown(result),
+        lambda png: plot(result, png),
+        compact=True,
+    )
 
 
 def render(path: Path, out: Path) -> int:
@@ -1502,10 +1662,16 @@ def render(path: Path, out: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=("overhead", "serving", "both"), default="both")
+    parser.add_argument(
+        "--part", choices=("overhead", "serving", "both"), default="both"
+    )
     parser.add_argument("--rounds", type=int, default=4, help="part 1 rounds")
-    parser.add_argument("--ceiling-levels", type=int, nargs="+", default=list(CEILING_LEVELS))
-    parser.add_argument("--ceiling-s", type=float, default=2.5, help="counted window per level")
+    parser.add_argument(
+        "--ceiling-levels", type=int, nargs="+", default=list(CEILING_LEVELS)
+    )
+    parser.add_argument(
+        "--ceiling-s", type=float, default=2.5, help="counted window per level"
+    )
     parser.add_argument("--ceiling-warm-s", type=float, default=0.5)
     parser.add_argument(
         "--model",

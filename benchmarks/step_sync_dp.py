@@ -50,7 +50,12 @@ def stream_first_token_s(server: VllmServer, prompt: str, max_tokens: int) -> fl
     start = time.perf_counter()
     first = None
     chunks = stream_completion(
-        server, prompt, timeout_s=120, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        server,
+        prompt,
+        timeout_s=120,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
     )
     for _ in chunks:  # read to the end, as a client does
         if first is None:
@@ -59,11 +64,15 @@ def stream_first_token_s(server: VllmServer, prompt: str, max_tokens: int) -> fl
 
 
 def complete(server: VllmServer, prompt: str, max_tokens: int) -> int:
-    body = server.complete(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    body = server.complete(
+        prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+    )
     return body["usage"]["completion_tokens"]
 
 
-def settled_probe(directory: Path, quiet_s: float = 1.0, timeout_s: float = 60.0) -> dict:
+def settled_probe(
+    directory: Path, quiet_s: float = 1.0, timeout_s: float = 60.0
+) -> dict:
     """Probe counts once they stop moving (the group is idle)."""
     deadline = time.monotonic() + timeout_s
     last = read_probes(directory)
@@ -88,7 +97,10 @@ class ModeUnderTest:
         self.metrics_dir = work / f"metrics-{mode}"
         self.metrics_dir.mkdir()
         env = cpu_test_env(
-            **{envs.VLLM_DISAGG_PROBE: "1", envs.VLLM_DISAGG_METRICS_DIR: str(self.metrics_dir)},
+            **{
+                envs.VLLM_DISAGG_PROBE: "1",
+                envs.VLLM_DISAGG_METRICS_DIR: str(self.metrics_dir),
+            },
             **MODES[mode],
         )
         self.server = VllmServer(
@@ -125,14 +137,17 @@ class ModeUnderTest:
 
     def idle_ttft(self) -> None:
         settled_probe(self.metrics_dir)  # idle group
-        self.result["idle_ttft_s"].append(stream_first_token_s(self.server, self.prompt(), 1))
+        self.result["idle_ttft_s"].append(
+            stream_first_token_s(self.server, self.prompt(), 1)
+        )
 
     def drain(self) -> None:
         before = settled_probe(self.metrics_dir)
         complete(self.server, self.prompt(), 8)
         after = settled_probe(self.metrics_dir)
         passes = [
-            delta(after, before, r, "real_passes") + delta(after, before, r, "dummy_passes")
+            delta(after, before, r, "real_passes")
+            + delta(after, before, r, "dummy_passes")
             for r in (0, 1)
         ]
         real = [delta(after, before, r, "real_passes") for r in (0, 1)]
@@ -144,11 +159,15 @@ class ModeUnderTest:
         prompts = [self.prompt() for _ in range(args.concurrency)]
         start = time.perf_counter()
         with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-            tokens = sum(pool.map(lambda p: complete(self.server, p, args.max_tokens), prompts))
+            tokens = sum(
+                pool.map(lambda p: complete(self.server, p, args.max_tokens), prompts)
+            )
         elapsed = time.perf_counter() - start
         after = settled_probe(self.metrics_dir)
         if record:
-            passes = sum(delta(after, before, 0, key) for key in ("real_passes", "dummy_passes"))
+            passes = sum(
+                delta(after, before, 0, key) for key in ("real_passes", "dummy_passes")
+            )
             self.result["output_tokens_per_s"].append(tokens / elapsed)
             self.result["blocking_collectives_per_1000_passes"].append(
                 1000 * delta(after, before, 0, "blocking_collectives") / passes
@@ -182,7 +201,9 @@ def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, dict
     return {mode: run.result for mode, run in runs.items()}
 
 
-def paired_ratios(runs: dict[str, dict], key: str, per_repeat: int, stat) -> list[float]:
+def paired_ratios(
+    runs: dict[str, dict], key: str, per_repeat: int, stat
+) -> list[float]:
     """step sync / waves, one ratio per repeat (the two ran back to back)."""
     w, s = runs["waves"][key], runs["step_sync"][key]
     chunks = range(0, len(w), per_repeat)
@@ -240,7 +261,12 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
             f"{f['idle_ttft_ratio']:.2f} (repeats {spread(f['idle_ttft_ratio_per_repeat'])}; "
             "goal <= 1.0)",
         ),
-        ("wasted passes per drain", "wasted_passes_per_drain", "{:.1f}", "goal <= 2 (step sync)"),
+        (
+            "wasted passes per drain",
+            "wasted_passes_per_drain",
+            "{:.1f}",
+            "goal <= 2 (step sync)",
+        ),
         (
             "blocking collectives / 1000 passes",
             "blocking_collectives_per_1000_passes",
@@ -263,7 +289,12 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
         *report.table(
             ["metric", "waves (upstream)", "step sync", "ratio / goal"],
             [
-                [label, fmt.format(f[key]["waves"]), fmt.format(f[key]["step_sync"]), note]
+                [
+                    label,
+                    fmt.format(f[key]["waves"]),
+                    fmt.format(f[key]["step_sync"]),
+                    note,
+                ]
                 for label, key, fmt, note in rows
             ],
         ),
@@ -286,7 +317,9 @@ def plot(summary: dict, path: Path) -> None:
         for i, v in enumerate(values):
             ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=9)
     ax = axes[-1]
-    for x, key in enumerate(("throughput_ratio_per_repeat", "idle_ttft_ratio_per_repeat")):
+    for x, key in enumerate(
+        ("throughput_ratio_per_repeat", "idle_ttft_ratio_per_repeat")
+    ):
         ax.plot([x] * len(summary[key]), summary[key], "o", color="#2a7ab9", alpha=0.7)
     ax.axhline(1.0, color="#999999", linewidth=1)
     ax.set_xticks([0, 1], ["tokens/s", "idle TTFT"])
@@ -300,7 +333,9 @@ def plot(summary: dict, path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=4, help="turns each mode takes")
-    parser.add_argument("--trials", type=int, default=6, help="idle TTFTs and drains per turn")
+    parser.add_argument(
+        "--trials", type=int, default=6, help="idle TTFTs and drains per turn"
+    )
     parser.add_argument("--rounds", type=int, default=4, help="load rounds per turn")
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)

@@ -66,9 +66,13 @@ def measure(busy_s: float, trials: int, wait: bool) -> list[float]:
     coordinator = Coordinator(config, "tcp://127.0.0.1:0", secret).start()
     ctx = mp.get_context("spawn")
     grants, ready, stop = ctx.Queue(), ctx.Event(), ctx.Event()
-    peer = ctx.Process(target=idle_peer, args=(coordinator.address, secret, grants, ready, stop))
+    peer = ctx.Process(
+        target=idle_peer, args=(coordinator.address, secret, grants, ready, stop)
+    )
     peer.start()
-    rank0 = Participant(config, 0, coordinator.address, secret, lambda s: None, lambda reason: None)
+    rank0 = Participant(
+        config, 0, coordinator.address, secret, lambda s: None, lambda reason: None
+    )
     rank0.start()
     latencies = []
     try:
@@ -108,7 +112,13 @@ def markdown(rows: list[dict], trials: int) -> list[str]:
         ),
         "",
         *report.table(
-            ["rank 0 busy in Python after asking", "grant wait", "median ms", "p90 ms", "max ms"],
+            [
+                "rank 0 busy in Python after asking",
+                "grant wait",
+                "median ms",
+                "p90 ms",
+                "max ms",
+            ],
             [
                 [
                     f"{r['busy_ms']:.0f} ms",

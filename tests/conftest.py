@@ -34,7 +34,13 @@ def start_server(tmp_path_factory):
     started: list[VllmServer] = []
 
     def start(
-        model, args=(), *, name: str, wait: bool = True, port: int | None = None, **env: str
+        model,
+        args=(),
+        *,
+        name: str,
+        wait: bool = True,
+        port: int | None = None,
+        **env: str,
     ) -> VllmServer:
         server = VllmServer(
             model,
@@ -62,7 +68,9 @@ def start_router(tmp_path_factory):
     started: list[RouterProcess] = []
 
     def start(*, name: str, model: str = "", args=()) -> RouterProcess:
-        router = RouterProcess(list(args), log_path=log_dir / f"{name}.log", model=model)
+        router = RouterProcess(
+            list(args), log_path=log_dir / f"{name}.log", model=model
+        )
         started.append(router)
         _live_servers.append(router)
         return router.start()
@@ -79,4 +87,6 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed:
         for server in _live_servers:
-            report.sections.append((f"server log {server.log_path.name}", server.log_tail(120)))
+            report.sections.append(
+                (f"server log {server.log_path.name}", server.log_tail(120))
+            )

@@ -27,7 +27,9 @@ def _is_cpu_build() -> bool:
     return True
 
 
-cpu_only = pytest.mark.skipif(not _is_cpu_build(), reason="the CUDA target needs triton")
+cpu_only = pytest.mark.skipif(
+    not _is_cpu_build(), reason="the CUDA target needs triton"
+)
 
 
 @cpu_only
@@ -72,6 +74,10 @@ def test_vllm_bench_serve_exits_without_nanobind_noise(tiny_models):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Serving Benchmark Result" in result.stdout, result.stdout[-3000:]
-    noise = [line for line in result.stderr.splitlines() if "nanobind" in line or "leaked" in line]
+    noise = [
+        line
+        for line in result.stderr.splitlines()
+        if "nanobind" in line or "leaked" in line
+    ]
     assert not noise, "\n".join(noise[:20])
     assert "Traceback" not in result.stderr, result.stderr[-3000:]

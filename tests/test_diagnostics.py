@@ -22,7 +22,10 @@ time.sleep(60)
 
 def test_sigusr1_prints_every_thread_and_the_process_lives_on():
     proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-c", CHILD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "ready"
@@ -54,13 +57,17 @@ def test_dump_stacks_signals_only_children_named_like_workers(capfd):
         "import setproctitle, time; setproctitle.setproctitle('VLLM::Worker_DP0'); "
         "print('ready', flush=True); time.sleep(60)"
     )
-    worker = subprocess.Popen([sys.executable, "-c", titled], stdout=subprocess.PIPE, text=True)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", titled], stdout=subprocess.PIPE, text=True
+    )
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert worker.stdout.readline().strip() == "ready"
         signalled = dump_stacks("test", workers=True)
         assert signalled == [worker.pid]
-        assert worker.wait(timeout=30) == -signal.SIGUSR1  # no handler there: ended by it
+        assert (
+            worker.wait(timeout=30) == -signal.SIGUSR1
+        )  # no handler there: ended by it
         assert bystander.poll() is None
         assert "test_dump_stacks_signals_only_children" in capfd.readouterr().err
     finally:

@@ -23,7 +23,11 @@ def _files(*suffixes: str) -> list[Path]:
     files = [ROOT / "README.md"] if ".md" in suffixes else []
     for top in SEARCHED:
         for path in sorted((ROOT / top).rglob("*")):
-            if path.suffix in suffixes and path.is_file() and "results" not in path.parts:
+            if (
+                path.suffix in suffixes
+                and path.is_file()
+                and "results" not in path.parts
+            ):
                 files.append(path)
     return files
 
@@ -43,8 +47,12 @@ def _uses() -> dict[str, set[str]]:
 
 
 def test_every_name_used_is_declared():
-    undeclared = {name: files for name, files in _uses().items() if name not in envs.VARIABLES}
-    assert not undeclared, f"declare these in vllm_disagg/envs.py (VARIABLES): {undeclared}"
+    undeclared = {
+        name: files for name, files in _uses().items() if name not in envs.VARIABLES
+    }
+    assert not undeclared, (
+        f"declare these in vllm_disagg/envs.py (VARIABLES): {undeclared}"
+    )
 
 
 def test_every_declared_name_is_used_and_explained():
@@ -77,9 +85,12 @@ def _bare_names(path: Path) -> list[str]:
 
 
 def test_python_code_names_variables_only_through_envs():
-    spelled = [hit for path in _files(".py") if path != ENVS_PY for hit in _bare_names(path)]
+    spelled = [
+        hit for path in _files(".py") if path != ENVS_PY for hit in _bare_names(path)
+    ]
     assert not spelled, (
-        "use the constants and accessors of vllm_disagg.envs instead:\n" + "\n".join(spelled)
+        "use the constants and accessors of vllm_disagg.envs instead:\n"
+        + "\n".join(spelled)
     )
 
 

@@ -56,7 +56,11 @@ def _imports(name: str, path: Path, is_package: bool, modules) -> set[str]:
             visit(child)
 
     visit(ast.parse(path.read_text(), str(path)))
-    return {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+    return {
+        t
+        for t in targets
+        if t in modules and t != name and not name.startswith(t + ".")
+    }
 
 
 def test_no_import_cycle():
@@ -109,7 +113,8 @@ def test_every_name_a_package_exports_exists():
         absent = [
             n
             for n in module.__all__
-            if not hasattr(module, n) and importlib.util.find_spec(f"{name}.{n}") is None
+            if not hasattr(module, n)
+            and importlib.util.find_spec(f"{name}.{n}") is None
         ]
         if absent:
             missing[name] = absent

@@ -11,7 +11,12 @@ router does, imports nothing of vLLM.
 
 __version__ = "0.1.0"
 
-_PLUGIN_NAMES = ("SUPPORTED_VLLM_VERSION", "check_vllm_version", "load_patch_set", "register")
+_PLUGIN_NAMES = (
+    "SUPPORTED_VLLM_VERSION",
+    "check_vllm_version",
+    "load_patch_set",
+    "register",
+)
 
 
 def __getattr__(name: str):

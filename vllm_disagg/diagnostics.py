@@ -34,10 +34,15 @@ def install_stack_dump_signal() -> bool:
     global _installed
     if _installed:
         return True
-    if not hasattr(signal, "SIGUSR1") or signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
+    if (
+        not hasattr(signal, "SIGUSR1")
+        or signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL
+    ):
         return False  # not ours to take
     try:
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+        faulthandler.register(
+            signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False
+        )
     except (ValueError, RuntimeError, OSError, AttributeError):  # no usable stderr fd
         return False
     _installed = True

@@ -20,10 +20,14 @@ from typing import Any
 STOP_TIMEOUT_S = 15.0
 
 
-def http(url: str, body: dict | None = None, timeout_s: float = 10.0) -> tuple[int, bytes]:
+def http(
+    url: str, body: dict | None = None, timeout_s: float = 10.0
+) -> tuple[int, bytes]:
     """GET (or POST a JSON ``body``): (status, body). Raises OSError when unreachable."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, resp.read()
@@ -54,7 +58,9 @@ def label(sample: str, name: str) -> str:
     return sample.split(f'{name}="', 1)[1].split('"', 1)[0]
 
 
-def stop_process(proc: subprocess.Popen | None, timeout_s: float = STOP_TIMEOUT_S) -> None:
+def stop_process(
+    proc: subprocess.Popen | None, timeout_s: float = STOP_TIMEOUT_S
+) -> None:
     """SIGTERM a child started in its own session, then SIGKILL its group."""
     if proc is None or proc.poll() is not None:
         return
@@ -94,7 +100,12 @@ class Child:
     """A server this benchmark starts on loopback ``port``: up once ``health_path`` answers 200."""
 
     def __init__(
-        self, name: str, command: list[str], log_path: Path, port: int, health_path: str = "/health"
+        self,
+        name: str,
+        command: list[str],
+        log_path: Path,
+        port: int,
+        health_path: str = "/health",
     ):
         self.name = name
         self.command = command
@@ -156,7 +167,9 @@ def load_snapshot(mine: set[int] = frozenset()) -> dict[str, Any]:
         try:
             if proc.pid == os.getpid() or os.getpgid(proc.pid) in mine:
                 continue
-            text = " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+            text = (
+                " ".join(proc.info["cmdline"] or []) + " " + (proc.info["name"] or "")
+            )
             if "vllm serve" in text or "EngineCore" in text or "vllm bench" in text:
                 others += 1
         except (psutil.Error, ProcessLookupError, OSError):
@@ -171,6 +184,8 @@ def load_snapshot(mine: set[int] = frozenset()) -> dict[str, Any]:
 def uptime() -> str:
     """``uptime``'s line (load averages included), or "" where it cannot run."""
     try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+        return subprocess.run(
+            ["uptime"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""

@@ -20,7 +20,9 @@ def pct(values: Iterable[float], q: float) -> float | None:
     return s[f] + (s[c] - s[f]) * (k - f)
 
 
-def pcts(values: Iterable[float], qs: Iterable[int] = QUANTILES) -> dict[str, float | None]:
+def pcts(
+    values: Iterable[float], qs: Iterable[int] = QUANTILES
+) -> dict[str, float | None]:
     """``{"p10": ..., "p50": ...}`` of ``values``."""
     values = list(values)
     return {f"p{q}": pct(values, q) for q in qs}

@@ -144,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp-size", type=int, default=2)
     parser.add_argument("--model", help="model directory (default: build tiny-mixtral)")
-    parser.add_argument("--models", default=".cache/models", help="where tiny models are built")
+    parser.add_argument(
+        "--models", default=".cache/models", help="where tiny models are built"
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--output", help="write {prompt: token ids} as JSON here")
@@ -231,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
                 deadline = time.monotonic() + args.timeout
         elif kind == "round":
             round_no, count, seconds = rest
-            print(f"rank {rank}: round {round_no}: {count} prompts in {seconds:.2f}s", flush=True)
+            print(
+                f"rank {rank}: round {round_no}: {count} prompts in {seconds:.2f}s",
+                flush=True,
+            )
         elif kind == "result":
             results[rank] = rest[0]
         elif kind == "error":
@@ -242,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {failed}", file=sys.stderr, flush=True)
         exit_code = 1
     else:
-        tokens = {prompt: ids for part in results.values() for prompt, ids in part.items()}
+        tokens = {
+            prompt: ids for part in results.values() for prompt, ids in part.items()
+        }
         for prompt, ids in tokens.items():
             print(f"{prompt!r}: {ids}")
         if args.output:
@@ -258,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
             proc.join(timeout=10)
             exit_code = 1
         elif proc.exitcode:
-            print(f"{proc.name} exited with {proc.exitcode}", file=sys.stderr, flush=True)
+            print(
+                f"{proc.name} exited with {proc.exitcode}", file=sys.stderr, flush=True
+            )
             exit_code = exit_code or 1
     return exit_code
 

@@ -27,23 +27,40 @@ PROMPTS = [
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", type=int, default=2, help="--data-parallel-size (default 2)")
-    parser.add_argument("--models", default=".cache/models", help="where tiny models are built")
+    parser.add_argument(
+        "--dp", type=int, default=2, help="--data-parallel-size (default 2)"
+    )
+    parser.add_argument(
+        "--models", default=".cache/models", help="where tiny models are built"
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
 
     model = build_all(args.models)["tiny-mixtral"]
     log = Path(args.models).parent / "demo-server.log"
-    print(f"starting vllm serve {model} --data-parallel-size {args.dp} (log: {log})", flush=True)
+    print(
+        f"starting vllm serve {model} --data-parallel-size {args.dp} (log: {log})",
+        flush=True,
+    )
     started = time.monotonic()
     server = VllmServer(
         model,
-        ["--data-parallel-size", str(args.dp), "--max-model-len", "512", "--dtype", "float32"],
+        [
+            "--data-parallel-size",
+            str(args.dp),
+            "--max-model-len",
+            "512",
+            "--dtype",
+            "float32",
+        ],
         log_path=log,
     )
     try:
         with server:
-            print(f"ready in {time.monotonic() - started:.0f}s at {server.url}", flush=True)
+            print(
+                f"ready in {time.monotonic() - started:.0f}s at {server.url}",
+                flush=True,
+            )
             with ThreadPoolExecutor(len(PROMPTS)) as pool:
                 bodies = list(
                     pool.map(

@@ -38,7 +38,9 @@ def _load_deps():
 
 
 def _main(tree: ast.Module) -> ast.FunctionDef:
-    mains = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    mains = [
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"
+    ]
     assert len(mains) == 1, "a benchmark has one top-level main()"
     return mains[0]
 
@@ -75,7 +77,9 @@ def _bench_requirement_names() -> set[str]:
     for line in BENCH_REQUIREMENTS.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line and not line.startswith("-"):
-            names.add(re.split(r"[\s<>=!~;\[]", line, maxsplit=1)[0].lower().replace("-", "_"))
+            names.add(
+                re.split(r"[\s<>=!~;\[]", line, maxsplit=1)[0].lower().replace("-", "_")
+            )
     return names
 
 
@@ -92,7 +96,9 @@ def _required(path: Path) -> list[str]:
     assert parsed and index == parsed[0] + 1, (
         f"{path.name}: require(...) comes right after parse_args(), before any work"
     )
-    assert all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in call.args)
+    assert all(
+        isinstance(a, ast.Constant) and isinstance(a.value, str) for a in call.args
+    )
     return [a.value for a in call.args]
 
 
@@ -120,14 +126,17 @@ def test_common_imports_only_the_standard_library_at_module_level(path):
     third-party module it needs is imported inside the function that uses it."""
     tree = ast.parse(path.read_text())
     top = ast.Module(
-        body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[]
+        body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
+        type_ignores=[],
     )
     third_party = {
         name
         for name in _imported_modules(top)
         if name not in sys.stdlib_module_names and name not in {"_deps", "common"}
     }
-    assert not third_party, f"common/{path.name} imports {sorted(third_party)} at module level"
+    assert not third_party, (
+        f"common/{path.name} imports {sorted(third_party)} at module level"
+    )
 
 
 def test_bench_requirements_list_every_required_module():
@@ -182,7 +191,9 @@ def test_benchmark_with_matplotlib_missing_exits_at_once(tmp_path):
     # its first server, not minutes later with servers left behind.
     (hide / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hide), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(hide), env.get("PYTHONPATH")])
+    )
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / "step_sync_dp.py"), "--quick"],

@@ -66,7 +66,9 @@ def _check_survived(result):
 
 def _summary(fleet, result) -> str:
     """One line for the test's output; the whole result next to the fleet's logs."""
-    (fleet.log_dir / f"{result['scenario']}.json").write_text(json.dumps(result, indent=1))
+    (fleet.log_dir / f"{result['scenario']}.json").write_text(
+        json.dumps(result, indent=1)
+    )
     r = result["requests"]
     return (
         f"{result['scenario']}: {r['issued']} requests, ok {r['ok']}, failed {r['failed']}, "
@@ -78,10 +80,14 @@ def _summary(fleet, result) -> str:
 
 def test_steady_state_loses_nothing_and_grows_nothing(chaos_fleet):
     fleet, references, specs = chaos_fleet
-    result = run_scenario("steady", fleet, specs, references, Options(requests=48, duration_s=150))
+    result = run_scenario(
+        "steady", fleet, specs, references, Options(requests=48, duration_s=150)
+    )
     print(_summary(fleet, result))
     _check_survived(result)
-    assert result["requests"]["cancelled"] > 0  # the mix cancels some; they leave nothing behind
+    assert (
+        result["requests"]["cancelled"] > 0
+    )  # the mix cancels some; they leave nothing behind
     too_much = [
         g
         for g in result["growth"]
@@ -119,7 +125,9 @@ def test_strangers_on_every_port_cost_clients_nothing(chaos_fleet):
     fault = result["fault"]
     assert not fault["processes_gone"], fault["processes_gone"]
     services = {p["service"] for p in fault["ports"]}
-    assert services == {"http", "discovery", "p2p control", "p2p data", "step sync"}, services
+    assert services == {"http", "discovery", "p2p control", "p2p data", "step sync"}, (
+        services
+    )
     assert all(p["sent"] > 0 for p in fault["ports"]), fault["ports"]
     for name, c in fault["counted"].items():
         assert c["at_least"] <= c["counted"] <= c["at_most"], (name, c)
@@ -142,7 +150,9 @@ def test_a_stopped_prefill_costs_latency_not_requests(chaos_fleet):
         fleet,
         specs,
         references,
-        Options(requests=48, tail_requests=16, duration_s=150, fault_after=6, stop_s=13),
+        Options(
+            requests=48, tail_requests=16, duration_s=150, fault_after=6, stop_s=13
+        ),
     )
     print(_summary(fleet, result))
     _check_survived(result)
@@ -187,12 +197,16 @@ def test_a_killed_prefill_is_routed_around(chaos_fleet):
         fleet,
         specs,
         references,
-        Options(requests=40, tail_requests=16, duration_s=120, fault_after=6, restart=False),
+        Options(
+            requests=40, tail_requests=16, duration_s=120, fault_after=6, restart=False
+        ),
     )
     print(_summary(fleet, result))
     _check_survived(result)
     assert result["fault"]["removed_after_s"] is not None
-    assert result["fault"]["removed_after_s"] <= HEARTBEAT_TIMEOUT_S + HEARTBEAT_INTERVAL_S
+    assert (
+        result["fault"]["removed_after_s"] <= HEARTBEAT_TIMEOUT_S + HEARTBEAT_INTERVAL_S
+    )
 
 
 def test_a_killed_decode_fails_requests_fast_and_recovers_when_restarted(chaos_fleet):
@@ -204,7 +218,13 @@ def test_a_killed_decode_fails_requests_fast_and_recovers_when_restarted(chaos_f
         fleet,
         specs,
         references,
-        Options(requests=32, tail_requests=16, duration_s=240, fault_after=6, restart_after_s=5),
+        Options(
+            requests=32,
+            tail_requests=16,
+            duration_s=240,
+            fault_after=6,
+            restart_after_s=5,
+        ),
     )
     print(_summary(fleet, result))
     _check_common(result)
@@ -218,7 +238,9 @@ def test_a_killed_decode_fails_requests_fast_and_recovers_when_restarted(chaos_f
         r
         for r in result["records"]
         if r["start"]
-        > fault["restart_at"] + fault["ready_after_restart_s"] + fault["registered_after_restart_s"]
+        > fault["restart_at"]
+        + fault["ready_after_restart_s"]
+        + fault["registered_after_restart_s"]
     ]
     assert after and all(r["outcome"] in ("ok", "cancelled") for r in after), [
         r for r in after if r["outcome"] not in ("ok", "cancelled")
@@ -237,7 +259,9 @@ def test_a_killed_decode_rank_takes_its_group_down_fast(chaos_fleet):
         fleet,
         specs,
         references,
-        Options(requests=24, tail_requests=8, duration_s=120, fault_after=6, restart=False),
+        Options(
+            requests=24, tail_requests=8, duration_s=120, fault_after=6, restart=False
+        ),
     )
     print(_summary(fleet, result))
     _check_common(result)

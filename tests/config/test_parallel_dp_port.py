@@ -47,7 +47,9 @@ def _configs(ip: str, store_port: int) -> list[SimpleNamespace]:
     """What the method reads of a ParallelConfig, for DP ranks 0 and 1."""
     return [
         SimpleNamespace(
-            data_parallel_master_ip=ip, _coord_store_port=store_port, data_parallel_rank=rank
+            data_parallel_master_ip=ip,
+            _coord_store_port=store_port,
+            data_parallel_rank=rank,
         )
         for rank in (0, 1)
     ]
@@ -57,12 +59,17 @@ def test_registered_as_an_enabler_next_to_the_probe():
     enabler, probe = BY_NAME["dp-ipv6-master-port"], BY_NAME["dp-collective-probe"]
     assert (enabler.kind, probe.kind) == ("enabler", "probe")
     assert enabler.module == probe.module == parallel.__name__
-    assert (enabler.apply_fn, enabler.check_fn) == ("apply_ipv6_dp_port", "is_ipv6_dp_port_applied")
+    assert (enabler.apply_fn, enabler.check_fn) == (
+        "apply_ipv6_dp_port",
+        "is_ipv6_dp_port_applied",
+    )
 
 
 def test_apply_replaces_the_method(monkeypatch):
     monkeypatch.setattr(
-        ParallelConfig, "_pick_stateless_dp_port", parallel._upstream_pick_stateless_dp_port
+        ParallelConfig,
+        "_pick_stateless_dp_port",
+        parallel._upstream_pick_stateless_dp_port,
     )
     assert not parallel.is_ipv6_dp_port_applied()
     parallel.apply_ipv6_dp_port()
@@ -72,7 +79,9 @@ def test_apply_replaces_the_method(monkeypatch):
 
 @pytest.mark.parametrize("ip, family", ADDRESSES)
 def test_rank0_listens_in_the_address_family_and_publishes_the_port(ip, family):
-    store = create_tcp_store(ip, 0, is_master=True, world_size=-1, wait_for_workers=False)
+    store = create_tcp_store(
+        ip, 0, is_master=True, world_size=-1, wait_for_workers=False
+    )
     rank0, rank1 = _configs(ip, store.port)
     port, listen_socket = parallel._pick_stateless_dp_port(rank0)
     try:
@@ -90,7 +99,9 @@ def test_rank0_listens_in_the_address_family_and_publishes_the_port(ip, family):
 def test_upstream_fails_on_ipv6():
     """Why the patch exists; when this fails, upstream binds IPv6 itself and
     the patch can go (drop_when)."""
-    store = create_tcp_store("::1", 0, is_master=True, world_size=-1, wait_for_workers=False)
+    store = create_tcp_store(
+        "::1", 0, is_master=True, world_size=-1, wait_for_workers=False
+    )
     rank0, _ = _configs("::1", store.port)
     with pytest.raises(OSError, match="Address family"):
         parallel._upstream_pick_stateless_dp_port(rank0)

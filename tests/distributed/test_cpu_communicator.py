@@ -33,24 +33,37 @@ def _cases():
 def _worker(rank: int, port: int, results):
     try:
         torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD_SIZE,
         )
         from vllm.distributed import parallel_state
-        from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+        from vllm.distributed.device_communicators.cpu_communicator import (
+            CpuCommunicator,
+        )
 
-        from vllm_disagg.patches.distributed.device_communicators import cpu_communicator
+        from vllm_disagg.patches.distributed.device_communicators import (
+            cpu_communicator,
+        )
 
         cpu_communicator.apply()
         group = torch.distributed.group.WORLD
-        comm = CpuCommunicator(group, torch.device("cpu"), group, unique_name=GROUP_NAME)
-        parallel_state._groups[GROUP_NAME] = lambda: SimpleNamespace(device_communicator=comm)
+        comm = CpuCommunicator(
+            group, torch.device("cpu"), group, unique_name=GROUP_NAME
+        )
+        parallel_state._groups[GROUP_NAME] = lambda: SimpleNamespace(
+            device_communicator=comm
+        )
 
         for dim, sizes in _cases():
             pos_dim = dim % 3
             rows = [2, 2] if sizes is None else sizes
             # all_gatherv of one tensor and of a list of tensors.
             mine = _rank_tensor(rank, rows[rank], pos_dim)
-            expected = torch.cat([_rank_tensor(r, rows[r], pos_dim) for r in range(2)], pos_dim)
+            expected = torch.cat(
+                [_rank_tensor(r, rows[r], pos_dim) for r in range(2)], pos_dim
+            )
             got = comm.all_gatherv(mine, dim=dim, sizes=sizes)
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
             got_list = comm.all_gatherv([mine, mine * 2], dim=dim, sizes=sizes)
@@ -92,7 +105,9 @@ def test_all_gatherv_and_reduce_scatterv_two_ranks():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = get_free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, results)) for r in range(WORLD_SIZE)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, results)) for r in range(WORLD_SIZE)
+    ]
     for p in procs:
         p.start()
     outcome = {}

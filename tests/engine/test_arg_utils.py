@@ -35,7 +35,10 @@ def _config(additional_config, dp_size=2, *, moe=True, fault_tolerance=False):
 def test_step_sync_options_are_a_feature_next_to_the_enabler():
     enabler, feature = BY_NAME["startup-validation"], BY_NAME["step-sync-options"]
     assert (enabler.kind, feature.kind) == ("enabler", "feature")
-    assert (enabler.module, feature.module) == (arg_utils.__name__, arg_utils_step_sync.__name__)
+    assert (enabler.module, feature.module) == (
+        arg_utils.__name__,
+        arg_utils_step_sync.__name__,
+    )
     assert PATCHES.index(enabler) < PATCHES.index(feature)
 
 
@@ -47,7 +50,9 @@ def test_the_always_on_enabler_imports_no_feature():
         "import vllm_disagg.patches.engine.arg_utils\n"
         "print(sorted(m for m in sys.modules if 'p2p' in m or 'step_sync' in m))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
@@ -80,7 +85,9 @@ def test_fault_tolerance_is_refused_for_moe_dp():
         arg_utils_step_sync.check_step_sync_options(_config(None, fault_tolerance=True))
 
 
-@pytest.mark.parametrize("dp_size, moe", [(1, True), (2, False)], ids=["dp1-moe", "dp2-dense"])
+@pytest.mark.parametrize(
+    "dp_size, moe", [(1, True), (2, False)], ids=["dp1-moe", "dp2-dense"]
+)
 def test_fault_tolerance_without_step_sync_passes(dp_size, moe):
     """Step sync runs only for MoE models with DP > 1; elsewhere fault
     tolerance is upstream's business."""
@@ -106,11 +113,17 @@ def test_feature_check_follows_the_feature_switch(disabled):
     if disabled:
         env[envs.VLLM_DISAGG_DISABLE] = "1"
     out = subprocess.run(
-        [sys.executable, "-c", _APPLY], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", _APPLY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     applied, checks = out.stdout.strip().splitlines()[-2:]
     assert "'startup-validation'" in applied
     assert "'cpu-ray-dp'" in applied  # every enabler stays on
     assert ("'step-sync-options'" in applied) is not disabled
-    assert checks == ("[]" if disabled else "['check_step_sync_options', 'check_p2p_config']")
+    assert checks == (
+        "[]" if disabled else "['check_step_sync_options', 'check_p2p_config']"
+    )

@@ -81,7 +81,11 @@ def test_seed_json_is_accepted(parser, role, buffer, port, size):
     args = parser.parse_args(["--kv-transfer-config", seed_json(role, buffer, port)])
     ktc = args.kv_transfer_config
     assert isinstance(ktc, KVTransferConfig)
-    assert (ktc.kv_connector, ktc.kv_role, ktc.kv_port) == ("P2pNcclConnector", role, int(port))
+    assert (ktc.kv_connector, ktc.kv_role, ktc.kv_port) == (
+        "P2pNcclConnector",
+        role,
+        int(port),
+    )
     assert ktc.kv_load_failure_policy == "recompute"
     assert ktc.kv_connector_extra_config == {
         "proxy_ip": "10.0.1.1",
@@ -90,7 +94,11 @@ def test_seed_json_is_accepted(parser, role, buffer, port, size):
         "kv_buffer_size": buffer,
     }
     config = P2pConfig.from_kv_transfer_config(ktc)
-    assert (config.role, config.base_port, config.kv_buffer_size) == (role, int(port), size)
+    assert (config.role, config.base_port, config.kv_buffer_size) == (
+        role,
+        int(port),
+        size,
+    )
     assert EngineArgs.from_cli_args(args).kv_transfer_config is ktc
 
 
@@ -105,7 +113,11 @@ def test_dotted_form_goes_through_the_same_type(parser):
         ]
     )
     config = P2pConfig.from_kv_transfer_config(args.kv_transfer_config)
-    assert (config.kv_buffer_size, config.base_port, config.send_type) == (10, 22001, SendType.GET)
+    assert (config.kv_buffer_size, config.base_port, config.send_type) == (
+        10,
+        22001,
+        SendType.GET,
+    )
 
 
 def test_other_connectors_parse_as_upstream(parser):
@@ -141,7 +153,9 @@ def test_bad_values_are_one_argparse_line(parser, capsys, text, message):
     error_lines = [line for line in err.splitlines() if "error:" in line]
     assert error_lines == [line for line in error_lines if message in line]
     assert len(error_lines) == 1
-    assert error_lines[0].startswith("vllm serve: error: argument --kv-transfer-config: ")
+    assert error_lines[0].startswith(
+        "vllm serve: error: argument --kv-transfer-config: "
+    )
     assert "Traceback" not in err and "validation error" not in err
 
 
@@ -151,13 +165,19 @@ def test_bad_values_are_one_argparse_line(parser, capsys, text, message):
 def test_post_init_normalises_a_dict_before_upstream(monkeypatch):
     seen = []
     monkeypatch.setattr(
-        arg_utils, "_upstream_post_init", lambda self: seen.append(self.kv_transfer_config)
+        arg_utils,
+        "_upstream_post_init",
+        lambda self: seen.append(self.kv_transfer_config),
     )
     monkeypatch.setattr(
-        arg_utils, "_feature_args_fixups", [arg_utils_p2p.normalize_engine_args_kv_transfer]
+        arg_utils,
+        "_feature_args_fixups",
+        [arg_utils_p2p.normalize_engine_args_kv_transfer],
     )
     config = json.loads(seed_json("kv_consumer", "8e9", "22001"))
-    arg_utils.__post_init__(SimpleNamespace(model="org/model", kv_transfer_config=config))
+    arg_utils.__post_init__(
+        SimpleNamespace(model="org/model", kv_transfer_config=config)
+    )
     assert seen[0]["kv_connector_extra_config"]["kv_buffer_size"] == "8e9"
     assert "kv_buffer_size" not in seen[0]
     KVTransferConfig(**seen[0])  # now acceptable to upstream
@@ -192,7 +212,9 @@ def test_create_engine_config_normalises_and_checks(monkeypatch):
     )
     monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET, "s3cr3t")  # kv_ip is not loopback
     monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "tok")
-    with pytest.raises(ConfigError, match=r"^kv_port: 21001 needs ports 21001\.\.71000"):
+    with pytest.raises(
+        ConfigError, match=r"^kv_port: 21001 needs ports 21001\.\.71000"
+    ):
         arg_utils.create_engine_config(args)
     assert built[0]["kv_load_failure_policy"] == "recompute"
 
@@ -209,7 +231,13 @@ def test_vllm_serve_accepts_the_seed_json(tmp_path):
 
     def serve(text):
         return subprocess.run(
-            [vllm_executable(), "serve", str(tmp_path / "none"), "--kv-transfer-config", text],
+            [
+                vllm_executable(),
+                "serve",
+                str(tmp_path / "none"),
+                "--kv-transfer-config",
+                text,
+            ],
             capture_output=True,
             text=True,
             timeout=180,

@@ -28,7 +28,10 @@ BAD_STEP_SYNC_OPTIONS = {
         '{"step_sync_peer_timeout_s": "soon"}',
         "step_sync_peer_timeout_s must be a number",
     ),
-    "misspelt": ('{"step_sync_lookahed": 4}', "step sync options are step_sync_lookahead"),
+    "misspelt": (
+        '{"step_sync_lookahed": 4}',
+        "step sync options are step_sync_lookahead",
+    ),
 }
 
 
@@ -81,7 +84,9 @@ def cli(tiny_models, tmp_path_factory):
         },
     }
     with ThreadPoolExecutor(4) as pool:  # more only thrash 2 cores
-        yield CliRuns(tmp, {name: pool.submit(_run, args) for name, args in cases.items()})
+        yield CliRuns(
+            tmp, {name: pool.submit(_run, args) for name, args in cases.items()}
+        )
 
 
 class CliRuns:

@@ -40,7 +40,9 @@ NOT_YET = {
 
 def _pinned(rel: str) -> str:
     path = installed_vllm() / rel.removeprefix("vllm/")
-    assert sha256_file(path) == pin_module.PINNED_FILES[rel], f"{rel}: the wheel is not the pin"
+    assert sha256_file(path) == pin_module.PINNED_FILES[rel], (
+        f"{rel}: the wheel is not the pin"
+    )
     return path.read_text(encoding="utf-8")
 
 
@@ -50,8 +52,12 @@ def _pinned(rel: str) -> str:
 def test_every_entry_with_an_in_tree_form_has_edits_or_says_why_not():
     with_form = {p.name for p in PATCHES if p.in_tree.form in ("edit", "hand")}
     edited = {edit.patch for edit in EDITS}
-    assert edited <= with_form, f"edits for entries without an in-tree form: {edited - with_form}"
-    assert with_form - edited == set(NOT_YET), "update NOT_YET: " + repr(sorted(with_form - edited))
+    assert edited <= with_form, (
+        f"edits for entries without an in-tree form: {edited - with_form}"
+    )
+    assert with_form - edited == set(NOT_YET), "update NOT_YET: " + repr(
+        sorted(with_form - edited)
+    )
 
 
 def test_every_edit_changes_a_pinned_file():
@@ -69,7 +75,9 @@ def test_series_carries_each_edited_entry_once_and_its_tests_exist():
         for rel in commit.tests:
             text = (UPSTREAM_TESTS / rel).read_text()
             assert "vllm_disagg" not in text, rel
-            assert "pytest.mark.cpu_test" in text, f"{rel}: upstream's CPU job selects cpu_test"
+            assert "pytest.mark.cpu_test" in text, (
+                f"{rel}: upstream's CPU job selects cpu_test"
+            )
 
 
 # The edits on the pinned files.
@@ -155,12 +163,16 @@ def test_replace_once_refuses_zero_and_several_matches():
 
 def test_class_body_insert_places_after_and_refuses_a_clash():
     module = anchors.parse(SAMPLE, "s")
-    added = anchors.class_body_insert(module, "A", anchors.statements("y = 2\n"), "s", after="x")
+    added = anchors.class_body_insert(
+        module, "A", anchors.statements("y = 2\n"), "s", after="x"
+    )
     assert "x: int = 1\n    y = 2\n" in added.code
     with pytest.raises(ExportError, match="A already defines x"):
         anchors.class_body_insert(module, "A", anchors.statements("x = 3\n"), "s")
     with pytest.raises(ExportError, match="A.nope is defined 0 times"):
-        anchors.class_body_insert(module, "A", anchors.statements("z = 3\n"), "s", after="nope")
+        anchors.class_body_insert(
+            module, "A", anchors.statements("z = 3\n"), "s", after="nope"
+        )
 
 
 def test_ensure_import_adds_once():

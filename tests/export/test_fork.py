@@ -64,11 +64,21 @@ def test_exported_tests_pass_on_the_wheel_without_the_plugin(fork, tmp_path):
     blocked = overlay.run("-c", "import vllm_disagg", timeout=120)
     assert blocked.returncode != 0 and "in-tree overlay" in blocked.stderr
     where = overlay.run("-c", "import vllm; print(vllm.__file__)", timeout=300)
-    assert where.stdout.strip() == str(overlay.root / "vllm" / "__init__.py"), where.stderr
+    assert where.stdout.strip() == str(overlay.root / "vllm" / "__init__.py"), (
+        where.stderr
+    )
     tests = [rel for commit in SERIES for rel in commit.tests]
     try:
         done = overlay.run(
-            "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cpu_test", *tests, timeout=900
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "cpu_test",
+            *tests,
+            timeout=900,
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"exported tests did not finish in {exc.timeout} s")

@@ -49,7 +49,9 @@ def test_apply_keeps_a_key_upstream_set(monkeypatch):
 
 
 def _engine_args(executor, dp_backend="ray"):
-    return SimpleNamespace(distributed_executor_backend=executor, data_parallel_backend=dp_backend)
+    return SimpleNamespace(
+        distributed_executor_backend=executor, data_parallel_backend=dp_backend
+    )
 
 
 class _RayExecutor:
@@ -95,14 +97,17 @@ def test_other_platforms_keep_upstream_defaults(monkeypatch):
         assert args.distributed_executor_backend == executor
 
 
-def test_create_engine_config_resolves_the_executor_before_upstream(monkeypatch, on_cpu):
+def test_create_engine_config_resolves_the_executor_before_upstream(
+    monkeypatch, on_cpu
+):
     """The wrapper runs the check on the EngineArgs, where unset (None) still
     differs from upstream's default, before upstream's create_engine_config."""
     seen = []
     monkeypatch.setattr(
         arg_utils,
         "_upstream_create_engine_config",
-        lambda self, *a, **k: seen.append(self.distributed_executor_backend) or SimpleNamespace(),
+        lambda self, *a, **k: seen.append(self.distributed_executor_backend)
+        or SimpleNamespace(),
     )
     monkeypatch.setattr(arg_utils, "check_cpu_head_size", lambda config: None)
     monkeypatch.setattr(arg_utils, "_feature_config_checks", [])

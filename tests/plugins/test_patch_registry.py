@@ -29,7 +29,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def _patch_modules_on_disk() -> set[str]:
     found = set()
-    for info in pkgutil.walk_packages(patches_pkg.__path__, prefix="vllm_disagg.patches."):
+    for info in pkgutil.walk_packages(
+        patches_pkg.__path__, prefix="vllm_disagg.patches."
+    ):
         if info.ispkg or info.name.endswith("__main__"):
             continue
         found.add(info.name)
@@ -48,9 +50,13 @@ def test_registry_entry_is_documented(patch):
     # What it becomes in an in-tree fork (the export), and its upstream context.
     assert patch.in_tree.form in ("edit", "hand", "dropped"), patch.in_tree
     assert len(patch.in_tree.detail) > 20, f"{patch.name}.in_tree.detail is too thin"
-    assert len(patch.related) >= 10, f"{patch.name}.related: a PR, an issue, or why none"
+    assert len(patch.related) >= 10, (
+        f"{patch.name}.related: a PR, an issue, or why none"
+    )
     if patch.kind == "probe":
-        assert patch.in_tree.form == "dropped", "a probe is measurement, never upstream code"
+        assert patch.in_tree.form == "dropped", (
+            "a probe is measurement, never upstream code"
+        )
     module = patch.load()
     assert module.__doc__ and "upstream" in module.__doc__.lower()
 
@@ -66,7 +72,11 @@ def test_apply_all_is_idempotent_and_verifiable():
     )
     env = {**os.environ, envs.VLLM_DISAGG_PROBE: "1"}
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert out.returncode == 0, out.stderr
     assert f"OK {len(PATCHES)}" in out.stdout
@@ -74,7 +84,10 @@ def test_apply_all_is_idempotent_and_verifiable():
 
 def test_registry_table_prints():
     out = subprocess.run(
-        [sys.executable, "-m", "vllm_disagg.patches"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "vllm_disagg.patches"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     for patch in PATCHES:
@@ -99,7 +112,9 @@ def test_markdown_flag_prints_exactly_the_table():
     assert out.returncode == 0, out.stderr
     assert out.stdout == markdown_table()
     rows = out.stdout.splitlines()[2:]
-    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [p.name for p in PATCHES]
+    assert [row.split(" | ")[0].lstrip("| ") for row in rows] == [
+        p.name for p in PATCHES
+    ]
 
 
 def test_update_readme_rewrites_only_the_table(tmp_path):
@@ -117,5 +132,7 @@ def test_update_readme_rewrites_only_the_table(tmp_path):
 def test_version_check():
     vllm_disagg.check_vllm_version("0.32.0")
     vllm_disagg.check_vllm_version("0.32.0+cpu")
-    with pytest.raises(UnsupportedVllmVersionError, match=r"supports vLLM 0\.32\.0 only.*0\.31\.2"):
+    with pytest.raises(
+        UnsupportedVllmVersionError, match=r"supports vLLM 0\.32\.0 only.*0\.31\.2"
+    ):
         vllm_disagg.check_vllm_version("0.31.2")

@@ -18,7 +18,13 @@ from typing import Any
 import aiohttp
 import pytest
 
-from vllm_disagg.router.app import RouterState, build_registry, create_app, router_state, serve
+from vllm_disagg.router.app import (
+    RouterState,
+    build_registry,
+    create_app,
+    router_state,
+    serve,
+)
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.testing.fake_instance import FakeInstance, Handler, Seen, sse
 from vllm_disagg.wire.discovery import DISCOVERY_VERSION, Register, Role
@@ -54,7 +60,9 @@ async def fakes() -> AsyncIterator[Callable[[str], Awaitable[FakeInstance]]]:
         await fake.stop()
 
 
-def registration(fake: FakeInstance, role: Role, model: str = "m", **fields: Any) -> Register:
+def registration(
+    fake: FakeInstance, role: Role, model: str = "m", **fields: Any
+) -> Register:
     return Register(
         version=DISCOVERY_VERSION,
         instance_id=f"{fake.name}-id",
@@ -84,7 +92,10 @@ class RunningRouter:
         self, path: str, body: Any, **kwargs: Any
     ) -> tuple[int, bytes, aiohttp.ClientResponse]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        kwargs["headers"] = {"Content-Type": "application/json", **kwargs.get("headers", {})}
+        kwargs["headers"] = {
+            "Content-Type": "application/json",
+            **kwargs.get("headers", {}),
+        }
         async with asyncio.timeout(WAIT_S):
             async with self.client.post(self.url + path, data=data, **kwargs) as resp:
                 return resp.status, await resp.read(), resp
@@ -130,7 +141,9 @@ async def start_router() -> AsyncIterator[Callable[..., Awaitable[RunningRouter]
             await state.ready.wait()
         client = aiohttp.ClientSession()
         running.append((stop, task, client))
-        return RunningRouter(state, f"http://127.0.0.1:{state.http_port}", client, clock)
+        return RunningRouter(
+            state, f"http://127.0.0.1:{state.http_port}", client, clock
+        )
 
     yield start
     for stop, task, client in running:

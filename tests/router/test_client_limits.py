@@ -16,7 +16,9 @@ from tests.router.conftest import WAIT_S
 
 pytestmark = pytest.mark.asyncio
 
-LIMITS = dict(max_header_bytes=4096, client_header_timeout_s=0.5, client_idle_timeout_s=0.5)
+LIMITS = dict(
+    max_header_bytes=4096, client_header_timeout_s=0.5, client_idle_timeout_s=0.5
+)
 
 
 async def _connect(router) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -24,7 +26,9 @@ async def _connect(router) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection("127.0.0.1", port)
 
 
-async def _closed_by_peer(reader: asyncio.StreamReader, within_s: float = WAIT_S) -> bytes:
+async def _closed_by_peer(
+    reader: asyncio.StreamReader, within_s: float = WAIT_S
+) -> bytes:
     """What the router sent before it closed the connection (EOF or reset)."""
     data = b""
     async with asyncio.timeout(within_s):
@@ -37,11 +41,15 @@ async def _closed_by_peer(reader: asyncio.StreamReader, within_s: float = WAIT_S
 
 
 def _closed(router, reason: str) -> float:
-    return router.metric("vllm_disagg_router_client_connections_closed_total", reason=reason)
+    return router.metric(
+        "vllm_disagg_router_client_connections_closed_total", reason=reason
+    )
 
 
 async def _healthy_request_works(router) -> None:
-    status, body, _ = await router.post("/v1/completions", {"model": "m", "prompt": "x"})
+    status, body, _ = await router.post(
+        "/v1/completions", {"model": "m", "prompt": "x"}
+    )
     assert status == 200, body
 
 
@@ -79,7 +87,9 @@ async def test_headers_past_the_limit_get_431_and_memory_is_not_taken(pd, shape)
     reader, writer = await _connect(router)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     with contextlib.suppress(ConnectionError):
-        for _ in range(64):  # 64 x 16 KiB, far past the 4 KiB limit; the head never ends
+        for _ in range(
+            64
+        ):  # 64 x 16 KiB, far past the 4 KiB limit; the head never ends
             if shape == "one_huge_header" and not _:
                 writer.write(b"X-Big: ")
             line = b"a" * 16384 if shape == "one_huge_header" else b"X-A: b\r\n" * 2048
@@ -126,7 +136,9 @@ async def test_a_slow_but_moving_body_is_read_whole(pd):
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
     )
-    for i in range(0, len(body), 40):  # 1.2 s in all, 0.2 s between pieces (limit 0.5 s)
+    for i in range(
+        0, len(body), 40
+    ):  # 1.2 s in all, 0.2 s between pieces (limit 0.5 s)
         writer.write(body[i : i + 40])
         await writer.drain()
         await asyncio.sleep(0.2)
@@ -138,10 +150,14 @@ async def test_a_slow_but_moving_body_is_read_whole(pd):
     assert _closed(router, "body_timeout") == 0
 
 
-async def test_a_client_that_stops_reading_its_stream_is_dropped_and_decode_released(pd):
+async def test_a_client_that_stops_reading_its_stream_is_dropped_and_decode_released(
+    pd,
+):
     router, _, d = await pd(**LIMITS)
     # An answer larger than any socket buffer (up to 256 MiB), which the client never reads.
-    chunk = b"data: " + json.dumps({"choices": [{"text": "z" * 65536}]}).encode() + b"\n\n"
+    chunk = (
+        b"data: " + json.dumps({"choices": [{"text": "z" * 65536}]}).encode() + b"\n\n"
+    )
 
     async def endless(fake, request, body):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -157,7 +173,9 @@ async def test_a_client_that_stops_reading_its_stream_is_dropped_and_decode_rele
     d.handler = endless
     reader, writer = await _connect(router)
     body = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
-    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    writer.get_extra_info("socket").setsockopt(
+        socket.SOL_SOCKET, socket.SO_RCVBUF, 4096
+    )
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
@@ -167,7 +185,9 @@ async def test_a_client_that_stops_reading_its_stream_is_dropped_and_decode_rele
     async with asyncio.timeout(3 * WAIT_S):  # an upper bound for a loaded host
         while _closed(router, "write_timeout") == 0:
             await asyncio.sleep(0.1)
-        await d.disconnected.wait()  # the decode leg was closed: vLLM aborts the request
+        await (
+            d.disconnected.wait()
+        )  # the decode leg was closed: vLLM aborts the request
     writer.close()
     d.handler = None
     await _healthy_request_works(router)
@@ -232,7 +252,9 @@ async def test_pipelined_requests_past_the_limit_drop_the_connection(pd):
     assert len(p.requests) <= 1
 
 
-async def test_junk_connections_are_counted_each_but_logged_once_per_interval(pd, caplog):
+async def test_junk_connections_are_counted_each_but_logged_once_per_interval(
+    pd, caplog
+):
     """uvicorn warns once per request its parser refuses: a stranger sending
     junk wrote one log line per connection."""
     router, _, _ = await pd(**LIMITS)
@@ -243,6 +265,8 @@ async def test_junk_connections_are_counted_each_but_logged_once_per_interval(pd
             await _closed_by_peer(reader)
             writer.close()
     assert _closed(router, "invalid_http") == 20
-    lines = [r for r in caplog.records if "Invalid HTTP request received" in r.getMessage()]
+    lines = [
+        r for r in caplog.records if "Invalid HTTP request received" in r.getMessage()
+    ]
     assert len(lines) == 1, [r.getMessage() for r in lines]
     await _healthy_request_works(router)

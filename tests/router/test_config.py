@@ -113,10 +113,19 @@ def test_every_flag_reaches_the_config():
             ["--policy-decode", "prefix_aware"],
             "--policy-decode: 'prefix_aware' is not one of round_robin, least_outstanding",
         ),
-        (["--handoff", "eager"], "--handoff: 'eager' is not one of sequential, concurrent"),
+        (
+            ["--handoff", "eager"],
+            "--handoff: 'eager' is not one of sequential, concurrent",
+        ),
         (["--port", "70000"], "--port: 70000 is not a port"),
-        (["--chunk-timeout-s", "0"], "--chunk-timeout-s: 0.0 is not a number of seconds"),
-        (["--request-timeout-s", "nan"], "--request-timeout-s: nan is not a number of seconds"),
+        (
+            ["--chunk-timeout-s", "0"],
+            "--chunk-timeout-s: 0.0 is not a number of seconds",
+        ),
+        (
+            ["--request-timeout-s", "nan"],
+            "--request-timeout-s: nan is not a number of seconds",
+        ),
         (["--max-retries", "-1"], "--max-retries: -1 is not an integer in 0..10"),
         (["--max-body-bytes", "10"], "--max-body-bytes: 10 is not an integer in"),
         (
@@ -176,7 +185,11 @@ def test_a_port_in_use_is_one_line_exit_1(http_server, taken):
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        ports = {"--port": "0", "--discovery-port": "0", taken: str(holder.getsockname()[1])}
+        ports = {
+            "--port": "0",
+            "--discovery-port": "0",
+            taken: str(holder.getsockname()[1]),
+        }
         result = subprocess.run(
             [
                 sys.executable,
@@ -195,7 +208,9 @@ def test_a_port_in_use_is_one_line_exit_1(http_server, taken):
             timeout=60,
         )
     assert result.returncode == 1, result.stderr
-    assert result.stderr.startswith("vllm-disagg-router: error: cannot listen: "), result.stderr
+    assert result.stderr.startswith("vllm-disagg-router: error: cannot listen: "), (
+        result.stderr
+    )
     assert "Traceback" not in result.stderr
 
 
@@ -225,7 +240,9 @@ def test_example_script_serves_and_stops_on_sigterm(tmp_path):
         port = None
         deadline = time.monotonic() + 30
         while port is None and time.monotonic() < deadline and proc.poll() is None:
-            found = re.search(r"router: HTTP on http://127\.0\.0\.1:(\d+) ", log.read_text())
+            found = re.search(
+                r"router: HTTP on http://127\.0\.0\.1:(\d+) ", log.read_text()
+            )
             port = found and int(found[1])
             time.sleep(0.05)
         assert port, log.read_text()

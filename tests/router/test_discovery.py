@@ -45,7 +45,9 @@ def register(instance_id: str = "i-1", **fields) -> Register:
 class Instance:
     """The instance side of discovery: one DEALER socket to the router."""
 
-    def __init__(self, port: int, token: bytes | None, router_token: bytes | None) -> None:
+    def __init__(
+        self, port: int, token: bytes | None, router_token: bytes | None
+    ) -> None:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -74,11 +76,15 @@ async def discovery(start_router):
     made: list[Instance] = []
 
     async def make(token: bytes | None = None):
-        router = await start_router(registration_token=token.decode() if token else None)
+        router = await start_router(
+            registration_token=token.decode() if token else None
+        )
         router_token = router.state.config.token
 
         def connect(instance_token: bytes | None = router_token) -> Instance:
-            instance = Instance(router.state.discovery.port, instance_token, router_token)
+            instance = Instance(
+                router.state.discovery.port, instance_token, router_token
+            )
             made.append(instance)
             return instance
 
@@ -109,10 +115,18 @@ async def test_register_heartbeat_deregister(discovery):
     assert router.registry.snapshot() == []  # silent 11 s > 10 s: expired
 
     assert (await instance.message(register())).accepted
-    assert (await instance.message(Deregister(DISCOVERY_VERSION, "i-1", time.time()))).accepted
+    assert (
+        await instance.message(Deregister(DISCOVERY_VERSION, "i-1", time.time()))
+    ).accepted
     assert len(router.registry) == 0
-    assert router.metric("vllm_disagg_router_discovery_accepted_total", type="register") == 3
-    assert router.metric("vllm_disagg_router_instance_removals_total", reason="expired") == 1
+    assert (
+        router.metric("vllm_disagg_router_discovery_accepted_total", type="register")
+        == 3
+    )
+    assert (
+        router.metric("vllm_disagg_router_instance_removals_total", reason="expired")
+        == 1
+    )
 
 
 async def test_token_required_when_set(discovery):
@@ -122,8 +136,15 @@ async def test_token_required_when_set(discovery):
     for token in (None, b"wrong"):
         ack = await connect(token).message(register("bad"))
         assert not ack.accepted and ack.reason.startswith("unauthenticated")
-    assert router.registry.get("bad") is None and router.registry.get("good") is not None
-    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="unauthenticated") == 2
+    assert (
+        router.registry.get("bad") is None and router.registry.get("good") is not None
+    )
+    assert (
+        router.metric(
+            "vllm_disagg_router_discovery_rejected_total", kind="unauthenticated"
+        )
+        == 2
+    )
 
     # A captured, signed frame replayed much later is refused as stale.
     old = register("late", sent_at=time.time() - 3600)
@@ -171,8 +192,14 @@ async def test_malformed_and_foreign_messages_are_rejected_and_counted(discovery
     ack = await instance.message(register(seq=2**62))
     assert ack.reason.startswith("malformed") and "seq" in ack.reason
     assert len(router.registry) == 0
-    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed") == 7
-    assert router.metric("vllm_disagg_router_discovery_rejected_total", kind="version") == 1
+    assert (
+        router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed")
+        == 7
+    )
+    assert (
+        router.metric("vllm_disagg_router_discovery_rejected_total", kind="version")
+        == 1
+    )
 
 
 async def test_flood_of_garbage_is_survived(discovery):
@@ -185,7 +212,10 @@ async def test_flood_of_garbage_is_survived(discovery):
     started = time.monotonic()
     async with asyncio.timeout(30):
         for _ in range(count):
-            frames = [os.urandom(rng.randint(0, 300)) for _ in range(rng.choice((1, 2, 2, 3, 7)))]
+            frames = [
+                os.urandom(rng.randint(0, 300))
+                for _ in range(rng.choice((1, 2, 2, 3, 7)))
+            ]
             await instance.sock.send_multipart(frames)
         for _ in range(count):
             await instance.sock.recv_multipart()
@@ -236,4 +266,6 @@ def test_unsigned_registrations_only_from_loopback_unless_told_otherwise():
     assert not remote.accepted and "loopback" in remote.reason and len(registry) == 0
     assert open_frame(None, server.handle(seal(None, register()), "::1")).accepted
     server.allow_remote_unsigned = True
-    assert open_frame(None, server.handle(seal(None, register("i-2", seq=1)), "10.1.2.3")).accepted
+    assert open_frame(
+        None, server.handle(seal(None, register("i-2", seq=1)), "10.1.2.3")
+    ).accepted

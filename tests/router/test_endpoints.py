@@ -25,7 +25,9 @@ async def test_no_instances_at_all_is_a_503_json_error(start_router):
         }
     assert (
         router.metric(
-            "vllm_disagg_router_requests_total", endpoint="completions", outcome="no_instance"
+            "vllm_disagg_router_requests_total",
+            endpoint="completions",
+            outcome="no_instance",
         )
         == 1
     )
@@ -51,7 +53,9 @@ async def test_malformed_bodies_are_refused_by_a_decode_as_vllm_refuses_them(pd)
     assert not p.requests and len(d.requests) == len(BROKEN_BODIES)
     assert all("kv_transfer_params" not in (r.body or {}) for r in d.requests)
     assert router.metric(
-        "vllm_disagg_router_requests_total", endpoint="completions", outcome="bad_request"
+        "vllm_disagg_router_requests_total",
+        endpoint="completions",
+        outcome="bad_request",
     ) == len(BROKEN_BODIES)
 
 
@@ -61,9 +65,13 @@ async def test_malformed_bodies_without_a_decode_get_the_routers_own_400(start_r
         status, body, _ = await router.post("/v1/completions", raw)
         assert status == 400, raw
         error = json.loads(body)["error"]
-        assert error["type"] == "Bad Request" and error["param"] == "body", error  # as vLLM
+        assert error["type"] == "Bad Request" and error["param"] == "body", (
+            error
+        )  # as vLLM
     assert router.metric(
-        "vllm_disagg_router_requests_total", endpoint="completions", outcome="bad_request"
+        "vllm_disagg_router_requests_total",
+        endpoint="completions",
+        outcome="bad_request",
     ) == len(BROKEN_BODIES)
 
 
@@ -73,8 +81,11 @@ async def test_error_messages_name_no_local_path(start_router, fakes):
     router.add(await fakes("d"), Role.DECODE, model="/tmp/models/tiny-llama")
     status, body, _ = await router.post("/v1/completions", {**BODY, "model": "x"})
     assert status == 404
-    assert json.loads(body)["error"]["message"] == (
-        "The model `x` does not exist. Valid aliases: <path>"  # vLLM's regexes eat the dot
+    assert (
+        json.loads(body)["error"]["message"]
+        == (
+            "The model `x` does not exist. Valid aliases: <path>"  # vLLM's regexes eat the dot
+        )
     )
 
 
@@ -93,7 +104,9 @@ async def test_a_body_that_is_not_declared_json_gets_vllms_415_style_400(pd):
             "code": 400,
         }
     status, _, _ = await router.post(
-        "/v1/completions", BODY, headers={"Content-Type": "application/json; charset=utf-8"}
+        "/v1/completions",
+        BODY,
+        headers={"Content-Type": "application/json; charset=utf-8"},
     )
     assert status == 200 and len(p.requests) == 1
 
@@ -157,7 +170,9 @@ async def test_models_lists_what_decodes_serve_as_they_list_it(start_router, fak
         }
         for name in ("a", "a2")
     ]
-    router.add(await fakes("p"), Role.PREFILL, model="b")  # no decode serves b: not listed
+    router.add(
+        await fakes("p"), Role.PREFILL, model="b"
+    )  # no decode serves b: not listed
     router.add(d, Role.DECODE, model="a", aliases=("a2",))
     router.add(await fakes("c"), Role.DECODE, model="c")  # lists nothing: minimal entry
     data = json.loads((await router.get("/v1/models"))[1])["data"]
@@ -178,8 +193,12 @@ async def test_instances_lists_role_age_load_and_breaker(pd):
     assert listing["p-id"]["role"] == "prefill" and listing["d-id"]["role"] == "decode"
     assert listing["p-id"]["http_addr"] == p.http_addr
     assert listing["p-id"]["kv_addr"] == p.kv_addr
-    assert listing["p-id"]["age_s"] == 2.5 and listing["p-id"]["last_heartbeat_s"] == 2.5
-    assert listing["p-id"]["outstanding"] == 0 and listing["p-id"]["breaker"] == "closed"
+    assert (
+        listing["p-id"]["age_s"] == 2.5 and listing["p-id"]["last_heartbeat_s"] == 2.5
+    )
+    assert (
+        listing["p-id"]["outstanding"] == 0 and listing["p-id"]["breaker"] == "closed"
+    )
 
 
 async def test_static_instances_serve_without_registering(start_router, fakes):
@@ -242,13 +261,17 @@ async def test_invalid_utf8_in_a_json_string_is_a_400_not_a_traceback(pd):
     assert not p.requests
     assert (
         router.metric(
-            "vllm_disagg_router_requests_total", endpoint="/tokenize", outcome="router_error"
+            "vllm_disagg_router_requests_total",
+            endpoint="/tokenize",
+            outcome="router_error",
         )
         == 0
     )
 
 
-async def test_models_are_listed_only_to_clients_the_decodes_accept(start_router, fakes):
+async def test_models_are_listed_only_to_clients_the_decodes_accept(
+    start_router, fakes
+):
     """A decode with --api-key refuses /v1/models without the key; the
     router listed every model to anyone."""
     router = await start_router()

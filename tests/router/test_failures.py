@@ -46,9 +46,13 @@ async def test_failed_prefill_is_retried_on_another_instance(pd, fakes):
         status, body, _ = await router.post("/v1/completions", BODY)
         assert status == 200 and body == d.answer()
     assert router.metric("vllm_disagg_router_prefill_retries_total") >= 2
-    assert router.metric("vllm_disagg_router_prefill_failures_total", reason="status") >= 3
+    assert (
+        router.metric("vllm_disagg_router_prefill_failures_total", reason="status") >= 3
+    )
     # Retries kept the request's key: P and D agree on it.
-    assert d.requests[-1].headers["X-Request-Id"] == p.requests[-1].headers["X-Request-Id"]
+    assert (
+        d.requests[-1].headers["X-Request-Id"] == p.requests[-1].headers["X-Request-Id"]
+    )
 
 
 async def test_retry_budget_bounds_attempts(pd, fakes):
@@ -70,7 +74,12 @@ async def test_refused_connection_drops_the_instance_at_once(pd, fakes):
         assert status == 200
     assert router.registry.get("gone-id") is None
     assert [i["instance_id"] for i in router.registry.snapshot()] == ["p-id", "d-id"]
-    assert router.metric("vllm_disagg_router_instance_removals_total", reason="unreachable") == 1
+    assert (
+        router.metric(
+            "vllm_disagg_router_instance_removals_total", reason="unreachable"
+        )
+        == 1
+    )
 
 
 async def test_a_refused_decode_is_retried_on_another_before_the_first_byte(pd, fakes):
@@ -96,7 +105,9 @@ async def test_refused_decode_is_a_502_and_drops_it(pd):
     await d.stop()
     status, body, _ = await router.post("/v1/completions", BODY)
     assert status == 502 and "refused" in error_of(body)["message"]
-    assert d.http_addr.encode() not in body  # internal addresses stay in the router's log
+    assert (
+        d.http_addr.encode() not in body
+    )  # internal addresses stay in the router's log
     status, body, _ = await router.post("/v1/completions", BODY)
     assert status == 503 and error_of(body)["type"] == "ServiceUnavailableError"
 
@@ -140,10 +151,15 @@ async def test_prefill_timeout_retries_elsewhere(pd, fakes):
     async with asyncio.timeout(WAIT_S):
         await p.disconnected.wait()
         await p2.disconnected.wait()
-    assert router.metric("vllm_disagg_router_prefill_failures_total", reason="timeout") == 2
+    assert (
+        router.metric("vllm_disagg_router_prefill_failures_total", reason="timeout")
+        == 2
+    )
 
 
-async def test_prefill_legs_on_an_instance_whose_heartbeats_stop_are_retried_at_once(pd, fakes):
+async def test_prefill_legs_on_an_instance_whose_heartbeats_stop_are_retried_at_once(
+    pd, fakes
+):
     """A stopped prefill holds its legs until --prefill-timeout-s (300 s by
     default) unless its removal ends them: once its heartbeats are overdue
     (checked every second, traffic or not), its legs go to another prefill."""
@@ -163,9 +179,15 @@ async def test_prefill_legs_on_an_instance_whose_heartbeats_stop_are_retried_at_
     assert time.monotonic() - started < 5.0  # one sweep (1 s); a bound for slow hosts
     assert len(p2.requests) == 1
     assert (
-        router.metric("vllm_disagg_router_prefill_failures_total", reason="instance_removed") == 1
+        router.metric(
+            "vllm_disagg_router_prefill_failures_total", reason="instance_removed"
+        )
+        == 1
     )
-    assert router.metric("vllm_disagg_router_instance_removals_total", reason="expired") == 1
+    assert (
+        router.metric("vllm_disagg_router_instance_removals_total", reason="expired")
+        == 1
+    )
     async with asyncio.timeout(WAIT_S):
         await p.disconnected.wait()  # the router closed the stopped prefill's leg
 
@@ -210,7 +232,9 @@ async def test_chunk_timeout_ends_the_stream_with_an_error_event(pd):
         await d.disconnected.wait()
     assert (
         router.metric(
-            "vllm_disagg_router_requests_total", endpoint="completions", outcome="timeout"
+            "vllm_disagg_router_requests_total",
+            endpoint="completions",
+            outcome="timeout",
         )
         == 1
     )
@@ -274,7 +298,9 @@ async def test_client_disconnect_mid_stream_cancels_decode(pd):
             await asyncio.sleep(0.01)
     assert (
         router.metric(
-            "vllm_disagg_router_requests_total", endpoint="completions", outcome="cancelled"
+            "vllm_disagg_router_requests_total",
+            endpoint="completions",
+            outcome="cancelled",
         )
         == 1
     )
@@ -289,7 +315,9 @@ async def test_a_stream_the_client_never_started_reading_still_releases_decode(p
     d.chunks = [b"data: %d\n\n" % i for i in range(50)]
     d.chunk_delay_s = 0.1
     async with asyncio.timeout(WAIT_S):
-        reply = await router.state.proxy.handle("completions", "/v1/completions", dict(STREAM), {})
+        reply = await router.state.proxy.handle(
+            "completions", "/v1/completions", dict(STREAM), {}
+        )
         assert reply.status == 200 and not isinstance(reply.body, bytes)
         assert router.registry.get("d-id").outstanding == 1
         del reply
@@ -298,7 +326,9 @@ async def test_a_stream_the_client_never_started_reading_still_releases_decode(p
     assert router.registry.get("d-id").outstanding == 0
     assert (
         router.metric(
-            "vllm_disagg_router_requests_total", endpoint="completions", outcome="cancelled"
+            "vllm_disagg_router_requests_total",
+            endpoint="completions",
+            outcome="cancelled",
         )
         == 1
     )
@@ -358,7 +388,10 @@ async def test_fallback_to_decode_prefill_is_counted(start_router, fakes):
     assert "kv_transfer_params" not in d.requests[0].body  # D prefills, names no peers
     assert not d.requests[0].headers["X-Request-Id"].startswith("___prefill_addr_")
     assert (
-        router.metric("vllm_disagg_router_decode_prefill_fallbacks_total", reason="no_prefill") == 1
+        router.metric(
+            "vllm_disagg_router_decode_prefill_fallbacks_total", reason="no_prefill"
+        )
+        == 1
     )
 
     p = await fakes("p")
@@ -367,7 +400,9 @@ async def test_fallback_to_decode_prefill_is_counted(start_router, fakes):
     status, _, _ = await router.post("/v1/completions", BODY)
     assert status == 200 and len(p.requests) == 1
     assert (
-        router.metric("vllm_disagg_router_decode_prefill_fallbacks_total", reason="prefill_failed")
+        router.metric(
+            "vllm_disagg_router_decode_prefill_fallbacks_total", reason="prefill_failed"
+        )
         == 1
     )
 
@@ -382,7 +417,10 @@ async def test_client_disconnect_in_concurrent_handoff_cancels_both(pd):
         request.cancel()
         await p.disconnected.wait()
         await d.disconnected.wait()
-        while router.registry.get("p-id").outstanding or router.registry.get("d-id").outstanding:
+        while (
+            router.registry.get("p-id").outstanding
+            or router.registry.get("d-id").outstanding
+        ):
             await asyncio.sleep(0.01)
 
 
@@ -421,7 +459,9 @@ async def test_decode_breaking_its_stream_ends_the_clients(pd):
     assert first == b"data: 1" and b"broke the stream" in error_event
     assert (
         router.metric(
-            "vllm_disagg_router_requests_total", endpoint="completions", outcome="upstream_error"
+            "vllm_disagg_router_requests_total",
+            endpoint="completions",
+            outcome="upstream_error",
         )
         == 1
     )
@@ -460,7 +500,10 @@ async def test_timeouts_a_client_causes_never_open_a_healthy_instances_breaker(p
         while router.state.proxy._probes:  # noqa: SLF001  (every verdict is in)
             await asyncio.sleep(0.02)
     for name in ("p-id", "d-id"):
-        assert router.registry.breaker_state(router.registry.get(name)) is BreakerState.CLOSED
+        assert (
+            router.registry.breaker_state(router.registry.get(name))
+            is BreakerState.CLOSED
+        )
     assert router.metric("vllm_disagg_router_breaker_opens_total") == 0
     assert router.metric("vllm_disagg_router_health_probes_total", result="failed") == 0
     status, _, _ = await router.post("/v1/completions", BODY)
@@ -468,7 +511,9 @@ async def test_timeouts_a_client_causes_never_open_a_healthy_instances_breaker(p
 
 
 async def test_timeouts_on_an_instance_that_cannot_answer_health_open_its_breaker(pd):
-    router, p, d = await pd(breaker_failures=2, first_token_timeout_s=0.3, connect_timeout_s=0.3)
+    router, p, d = await pd(
+        breaker_failures=2, first_token_timeout_s=0.3, connect_timeout_s=0.3
+    )
     d.hang = True  # requests and /health alike
     for _ in range(2):
         status, _, _ = await router.post("/v1/completions", STREAM)
@@ -477,6 +522,8 @@ async def test_timeouts_on_an_instance_that_cannot_answer_health_open_its_breake
             while router.state.proxy._probes:  # noqa: SLF001
                 await asyncio.sleep(0.02)
     assert router.metric("vllm_disagg_router_health_probes_total", result="failed") == 2
-    assert router.registry.breaker_state(router.registry.get("d-id")) is BreakerState.OPEN
+    assert (
+        router.registry.breaker_state(router.registry.get("d-id")) is BreakerState.OPEN
+    )
     status, _, _ = await router.post("/v1/completions", BODY)
     assert status == 503

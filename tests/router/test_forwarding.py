@@ -47,7 +47,11 @@ async def test_completion_names_both_peers_and_relays_decode_bytes(pd):
     peers = parse_peer_info(request_id, prefill.body["kv_transfer_params"])
     assert (peers.prefill_addr, peers.decode_addr) == (p.kv_addr, d.kv_addr)
     assert len(peers.key) == 32 and peers.key not in request_id
-    params = {PREFILL_ADDR_KEY: p.kv_addr, DECODE_ADDR_KEY: d.kv_addr, REQUEST_KEY_KEY: peers.key}
+    params = {
+        PREFILL_ADDR_KEY: p.kv_addr,
+        DECODE_ADDR_KEY: d.kv_addr,
+        REQUEST_KEY_KEY: peers.key,
+    }
     assert prefill.body["kv_transfer_params"] == params
     assert decode.body == {**COMPLETION, "kv_transfer_params": params}
     # The prefill-only pass: one token, whole answer, none of the client's
@@ -64,7 +68,9 @@ async def test_completion_names_both_peers_and_relays_decode_bytes(pd):
         "kv_transfer_params": params,
     }
     assert (
-        router.metric("vllm_disagg_router_requests_total", endpoint="completions", outcome="ok")
+        router.metric(
+            "vllm_disagg_router_requests_total", endpoint="completions", outcome="ok"
+        )
         == 1
     )
 
@@ -90,7 +96,10 @@ async def test_chat_prefill_caps_max_completion_tokens_and_drops_stream_options(
     assert prefill.body["stream"] is False
     assert "stream_options" not in prefill.body
     assert prefill.body["logprobs"] is True and prefill.body["top_logprobs"] == 2
-    assert prefill.body["messages"] == chat["messages"] and prefill.body["tools"] == chat["tools"]
+    assert (
+        prefill.body["messages"] == chat["messages"]
+        and prefill.body["tools"] == chat["tools"]
+    )
     assert {k: v for k, v in decode.body.items() if k != "kv_transfer_params"} == chat
 
 
@@ -121,12 +130,17 @@ async def test_client_kv_transfer_params_are_kept_but_cannot_name_peers(pd):
         DECODE_ADDR_KEY: "10.9.9.9:2",
         REQUEST_KEY_KEY: "evil",
     }
-    await router.post("/v1/completions", {**COMPLETION, "kv_transfer_params": client_params})
+    await router.post(
+        "/v1/completions", {**COMPLETION, "kv_transfer_params": client_params}
+    )
 
     for seen in (p.requests[0], d.requests[0]):
         params = seen.body["kv_transfer_params"]
         assert params["custom"] == 1
-        assert (params[PREFILL_ADDR_KEY], params[DECODE_ADDR_KEY]) == (p.kv_addr, d.kv_addr)
+        assert (params[PREFILL_ADDR_KEY], params[DECODE_ADDR_KEY]) == (
+            p.kv_addr,
+            d.kv_addr,
+        )
         assert params[REQUEST_KEY_KEY] != "evil"
 
 
@@ -135,7 +149,10 @@ async def test_router_with_a_token_signs_the_peers_it_names(pd):
     router signs (prefill, decode, key); a client's own grant is dropped."""
     token = "fleet-token"
     router, p, d = await pd(registration_token=token)
-    body = {**COMPLETION, "kv_transfer_params": {GRANT_KEY: "v1.9999999999." + "0" * 32}}
+    body = {
+        **COMPLETION,
+        "kv_transfer_params": {GRANT_KEY: "v1.9999999999." + "0" * 32},
+    }
     status, _, _ = await router.post("/v1/completions", body)
 
     assert status == 200
@@ -166,7 +183,9 @@ async def test_client_headers_and_request_id_are_forwarded_as_vllm_would_use_the
         "X-Request-Id": "mine-1_a",
         "traceparent": "00-ab-cd-01",
     }
-    status, body, resp = await router.post("/v1/completions", COMPLETION, headers=headers)
+    status, body, resp = await router.post(
+        "/v1/completions", COMPLETION, headers=headers
+    )
     assert status == 200 and json.loads(body)["id"] == "cmpl-mine-1_a"
     assert resp.headers["X-Request-Id"] == "mine-1_a"
     for seen in (p.requests[0], d.requests[0]):
@@ -176,7 +195,12 @@ async def test_client_headers_and_request_id_are_forwarded_as_vllm_would_use_the
         assert "Remote-Addr" not in seen.headers
     # An id the connector would read as peers, or one too long or odd, is
     # replaced by the router's own (which names nothing).
-    for odd in ("x___prefill_addr_1.2.3.4:5___decode_addr_1.2.3.4:6_k", "a" * 129, "a b", "é"):
+    for odd in (
+        "x___prefill_addr_1.2.3.4:5___decode_addr_1.2.3.4:6_k",
+        "a" * 129,
+        "a b",
+        "é",
+    ):
         await router.post("/v1/completions", COMPLETION, headers={"X-Request-Id": odd})
         sent = d.requests[-1].headers["X-Request-Id"]
         assert sent != odd and parse_peer_info(sent, None) is None
@@ -212,18 +236,24 @@ async def test_model_filter_and_unknown_model(fakes, start_router):
     router.add(p_b, Role.PREFILL, model="b")
     router.add(d_b, Role.DECODE, model="b")
     for _ in range(3):
-        status, body, _ = await router.post("/v1/completions", {**COMPLETION, "model": "b"})
+        status, body, _ = await router.post(
+            "/v1/completions", {**COMPLETION, "model": "b"}
+        )
         assert status == 200 and body == d_b.answer()
     assert not p_a.requests and not d_a.requests
 
-    status, body, _ = await router.post("/v1/completions", {**COMPLETION, "model": "zzz"})
+    status, body, _ = await router.post(
+        "/v1/completions", {**COMPLETION, "model": "zzz"}
+    )
     assert status == 404
     error = json.loads(body)["error"]  # vLLM's error, all names listed
     assert error["message"] == "The model `zzz` does not exist. Valid aliases: a, b."
     assert error["type"] == "NotFoundError" and error["param"] == "model"
 
 
-async def test_a_request_without_model_in_a_fleet_of_two_models_is_a_400(start_router, fakes):
+async def test_a_request_without_model_in_a_fleet_of_two_models_is_a_400(
+    start_router, fakes
+):
     """Before: a request without `model` went to any decode and any prefill,
     and a prefill of the other model computed its KV (a wrong answer, 200)."""
     router = await start_router()
@@ -247,8 +277,12 @@ async def test_stream_given_as_a_truthy_string_streams_like_vllm(pd):
     whole answer, with no chunk timeout."""
     router, p, d = await pd()
     for value in ("true", 1, "True"):
-        status, body, resp = await router.post("/v1/completions", {**COMPLETION, "stream": value})
-        assert status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        status, body, resp = await router.post(
+            "/v1/completions", {**COMPLETION, "stream": value}
+        )
+        assert status == 200 and resp.headers["Content-Type"].startswith(
+            "text/event-stream"
+        )
     # The prefill leg never streams, whatever the spelling.
     assert all(r.body["stream"] is False for r in p.requests)
 
@@ -273,7 +307,12 @@ async def test_requests_vllm_would_refuse_go_to_the_decode_alone(pd):
         assert status == 400 and json.loads(body) == {"error": {"message": "d"}}, fields
     assert not p.requests and len(d.requests) == 6
     assert all("kv_transfer_params" not in r.body for r in d.requests)
-    assert router.metric("vllm_disagg_router_decode_prefill_fallbacks_total", reason="invalid") == 6
+    assert (
+        router.metric(
+            "vllm_disagg_router_decode_prefill_fallbacks_total", reason="invalid"
+        )
+        == 6
+    )
     # vLLM reads stream_options' rule from the raw values: "stream": "false"
     # is a non-empty string, so it passes there and is prefilled here.
     d.status = 200
@@ -294,6 +333,9 @@ async def test_prompt_logprobs_go_to_the_decode_alone(pd):
     assert not p.requests and len(d.requests) == 2
     assert all("kv_transfer_params" not in r.body for r in d.requests)
     assert (
-        router.metric("vllm_disagg_router_decode_prefill_fallbacks_total", reason="prompt_logprobs")
+        router.metric(
+            "vllm_disagg_router_decode_prefill_fallbacks_total",
+            reason="prompt_logprobs",
+        )
         == 2
     )

@@ -32,8 +32,18 @@ BODY = {"model": "m", "prompt": "hello", "max_tokens": 4}
 
 
 def _rejected(router) -> float:
-    kinds = ("malformed", "oversized", "unauthenticated", "stale", "version", "replayed")
-    return sum(router.metric("vllm_disagg_router_discovery_rejected_total", kind=k) for k in kinds)
+    kinds = (
+        "malformed",
+        "oversized",
+        "unauthenticated",
+        "stale",
+        "version",
+        "replayed",
+    )
+    return sum(
+        router.metric("vllm_disagg_router_discovery_rejected_total", kind=k)
+        for k in kinds
+    )
 
 
 async def test_a_discovery_flood_registers_nothing_and_is_counted(pd, monkeypatch):
@@ -72,7 +82,10 @@ async def test_a_discovery_flood_registers_nothing_and_is_counted(pd, monkeypatc
             await asyncio.sleep(0.05)
     assert at_least <= _rejected(router) <= sent.total, sent
     assert len(router.registry) == before and served > 0
-    assert router.metric("vllm_disagg_router_discovery_accepted_total", type="register") == 0
+    assert (
+        router.metric("vllm_disagg_router_discovery_accepted_total", type="register")
+        == 0
+    )
 
 
 async def test_an_http_flood_of_broken_requests_leaves_clients_served(pd):
@@ -101,7 +114,9 @@ async def test_an_http_flood_of_broken_requests_leaves_clients_served(pd):
     ) == sent.by_kind.get("oversized", 0)
     # Every broken connection was refused one way, and counted once.
     refused = sum(
-        router.metric("vllm_disagg_router_requests_total", endpoint=e, outcome="bad_request")
+        router.metric(
+            "vllm_disagg_router_requests_total", endpoint=e, outcome="bad_request"
+        )
         for e in ("completions", "chat_completions")
     )
     refused += sum(
@@ -137,7 +152,9 @@ async def test_a_discovery_flood_does_not_hold_up_http_requests(pd):
     try:
         async with asyncio.timeout(WAIT_S):
             while (
-                router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed")
+                router.metric(
+                    "vllm_disagg_router_discovery_rejected_total", kind="malformed"
+                )
                 < 20000
             ):
                 await asyncio.sleep(0.05)
@@ -147,10 +164,14 @@ async def test_a_discovery_flood_does_not_hold_up_http_requests(pd):
     finally:
         stop.set()
         await flood
-    assert status == 200 and elapsed < 2.0, elapsed  # ~0.01 s unloaded; a bound for slow hosts
+    assert status == 200 and elapsed < 2.0, (
+        elapsed
+    )  # ~0.01 s unloaded; a bound for slow hosts
 
 
-async def test_idle_connections_to_the_discovery_port_are_dropped(start_router, monkeypatch):
+async def test_idle_connections_to_the_discovery_port_are_dropped(
+    start_router, monkeypatch
+):
     """libzmq accepts any number of TCP connections: idle ones, never
     finishing the handshake, used up the router's file descriptors."""
     monkeypatch.setattr(frames, "HANDSHAKE_TIMEOUT_MS", 300)
@@ -172,6 +193,10 @@ async def test_the_routers_own_descriptor_shortage_is_not_blamed_on_an_instance(
     from vllm_disagg.router.proxy import _out_of_descriptors
 
     key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None)
-    emfile = aiohttp.ClientConnectorError(key, OSError(errno.EMFILE, "Too many open files"))
-    refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(errno.ECONNREFUSED, "x"))
+    emfile = aiohttp.ClientConnectorError(
+        key, OSError(errno.EMFILE, "Too many open files")
+    )
+    refused = aiohttp.ClientConnectorError(
+        key, ConnectionRefusedError(errno.ECONNREFUSED, "x")
+    )
     assert _out_of_descriptors(emfile) and not _out_of_descriptors(refused)

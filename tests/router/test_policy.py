@@ -18,7 +18,9 @@ from vllm_disagg.wire.discovery import Role
 
 def instances(n: int) -> list[Instance]:
     return [
-        Instance(f"i{k}", Role.PREFILL, f"h:{k + 1}", f"k:{k + 1}", "m", 0, 1, 0.0, 0.0, 10.0)
+        Instance(
+            f"i{k}", Role.PREFILL, f"h:{k + 1}", f"k:{k + 1}", "m", 0, 1, 0.0, 0.0, 10.0
+        )
         for k in range(n)
     ]
 
@@ -42,7 +44,12 @@ def test_least_outstanding_prefers_the_idle_and_rotates_ties():
 
 
 def chat(system: str, user: str) -> dict:
-    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    return {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+        ]
+    }
 
 
 def test_prefix_aware_routes_a_shared_prefix_to_its_holder():
@@ -118,7 +125,9 @@ def test_render_prompt_covers_every_message_and_prompt_form():
     )  # a conversation extends its own prefix
     with_tools = {**base, "tools": [{"type": "function", "function": {"name": "f"}}]}
     assert render_prompt(with_tools) != render_prompt(base)
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    parts = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    }
     assert "hi" in render_prompt(parts)
     tokens = render_prompt({"prompt": [11, 2, 3]})
     assert tokens.startswith(render_prompt({"prompt": [11, 2]})) and "11" in tokens
@@ -138,7 +147,11 @@ def test_policies_from_config():
 @pytest.mark.parametrize("n", [1, 2, 5])
 def test_every_policy_only_picks_candidates(n):
     fleet = instances(n)
-    for policy in (RoundRobinPolicy(), LeastOutstandingPolicy(), PrefixAwarePolicy(100, 16, 4)):
+    for policy in (
+        RoundRobinPolicy(),
+        LeastOutstandingPolicy(),
+        PrefixAwarePolicy(100, 16, 4),
+    ):
         for k in range(10):
             assert policy.select(fleet, {"prompt": "x" * (k * 10)}) in fleet
 

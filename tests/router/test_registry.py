@@ -14,7 +14,9 @@ from vllm_disagg.wire.discovery import DISCOVERY_VERSION, Register, Role
 from .conftest import FakeClock
 
 
-def reg(instance_id: str, role: Role = Role.PREFILL, port: int = 20001, **fields) -> Register:
+def reg(
+    instance_id: str, role: Role = Role.PREFILL, port: int = 20001, **fields
+) -> Register:
     model = fields.pop("model", "m")
     http, kv = f"10.0.0.1:{port}", f"10.0.0.1:{port + 1000}"
     return Register(DISCOVERY_VERSION, instance_id, role, http, kv, model, **fields)
@@ -106,7 +108,9 @@ def test_a_name_that_already_names_another_model_is_refused():
     assert e.value.kind == "conflict"
     with pytest.raises(RegistryRefused):
         registry.register(reg("c", port=3, model="shared"))
-    registry.register(reg("a2", port=4, model="a", aliases=("shared",)))  # the same model: fine
+    registry.register(
+        reg("a2", port=4, model="a", aliases=("shared",))
+    )  # the same model: fine
     registry.deregister("a")
     registry.deregister("a2")
     registry.register(reg("b", port=2, model="b", aliases=("shared",)))  # free again

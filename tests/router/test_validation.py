@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_disagg.router.validation import _INVALID, decode_alone_reason, lax_bool, lax_int, streams
+from vllm_disagg.router.validation import (
+    _INVALID,
+    decode_alone_reason,
+    lax_bool,
+    lax_int,
+    streams,
+)
 
 BASE = {"model": "m", "prompt": "x", "max_tokens": 4}
 
@@ -54,7 +60,11 @@ def test_booleans_as_pydantic_reads_them(value, expected):
     ],
 )
 def test_integers_as_pydantic_reads_them(value, expected):
-    assert lax_int(value) == expected if expected is not _INVALID else lax_int(value) is _INVALID
+    assert (
+        lax_int(value) == expected
+        if expected is not _INVALID
+        else lax_int(value) is _INVALID
+    )
 
 
 @pytest.mark.parametrize(
@@ -81,7 +91,9 @@ def test_integers_as_pydantic_reads_them(value, expected):
         {"use_beam_search": "maybe"},
     ],
 )
-def test_what_vllm_refuses_in_fields_the_prefill_leg_does_not_see_goes_to_the_decode(fields):
+def test_what_vllm_refuses_in_fields_the_prefill_leg_does_not_see_goes_to_the_decode(
+    fields,
+):
     """Each of these was prefilled (its KV pushed into the decode's buffer)
     and only then refused by the decode (an adversarial review's list)."""
     assert decode_alone_reason({**BASE, **fields}) == "invalid"
@@ -111,9 +123,16 @@ def test_valid_requests_keep_their_prefill_leg(fields):
 
 def test_prompt_logprobs_skip_the_prefill_leg():
     assert decode_alone_reason({**BASE, "prompt_logprobs": 1}) == "prompt_logprobs"
-    assert decode_alone_reason({**BASE, "echo": "true", "logprobs": 1}) == "prompt_logprobs"
+    assert (
+        decode_alone_reason({**BASE, "echo": "true", "logprobs": 1})
+        == "prompt_logprobs"
+    )
 
 
 def test_streaming_as_vllm_reads_stream():
     assert streams({"stream": 1.0}) and streams({"stream": "Yes"})
-    assert not streams({}) and not streams({"stream": " true"}) and not streams({"stream": 0})
+    assert (
+        not streams({})
+        and not streams({"stream": " true"})
+        and not streams({"stream": 0})
+    )

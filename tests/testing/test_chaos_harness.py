@@ -38,7 +38,9 @@ def test_the_mix_is_deterministic_and_has_every_shape():
     assert all(len(s.body["prompt"]) == 2 and len(s.expect) == 2 for s in lists)
     seeded = [s for s in specs_a if s.shape == "n2-seeded"]
     assert all(s.body["n"] == 2 and s.expect[0][0] == s.expect[1][0] for s in seeded)
-    assert all(s.cancel_after and s.stream for s in specs_a if s.shape.startswith("cancel"))
+    assert all(
+        s.cancel_after and s.stream for s in specs_a if s.shape.startswith("cancel")
+    )
 
 
 def test_judge_compares_every_choice_and_cancelled_prefixes():
@@ -47,7 +49,9 @@ def test_judge_compares_every_choice_and_cancelled_prefixes():
     assert judge(spec, {0: [1, 2, 3], 1: [4, 5]}, False, refs) == ("ok", "")
     assert judge(spec, {0: [1, 2, 3], 1: [4, 6]}, False, refs)[0] == "wrong"
     assert judge(spec, {0: [1, 2, 3]}, False, refs)[0] == "wrong"  # a choice missing
-    cancel = Spec(1, "cancel-chat", "/v1/chat/completions", {}, (("a", 0),), cancel_after=3)
+    cancel = Spec(
+        1, "cancel-chat", "/v1/chat/completions", {}, (("a", 0),), cancel_after=3
+    )
     assert judge(cancel, {0: [1, 2]}, True, refs) == ("cancelled", "")
     assert judge(cancel, {0: [1, 9]}, True, refs)[0] == "wrong"
 
@@ -112,13 +116,23 @@ def fake_server():
             await asyncio.sleep(3)  # past the client timeout of 2 s
         if not body.get("stream"):
             return web.json_response(
-                {"choices": [{"index": 0, "token_ids": [1, 2, 3], "finish_reason": "length"}]}
+                {
+                    "choices": [
+                        {"index": 0, "token_ids": [1, 2, 3], "finish_reason": "length"}
+                    ]
+                }
             )
         resp = web.StreamResponse()
         await resp.prepare(request)
         for i, tok in enumerate((1, 2, 3)):
-            choice = {"index": 0, "token_ids": [tok], "finish_reason": "length" if i == 2 else None}
-            await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+            choice = {
+                "index": 0,
+                "token_ids": [tok],
+                "finish_reason": "length" if i == 2 else None,
+            }
+            await resp.write(
+                b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+            )
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -183,6 +197,8 @@ def test_the_driver_records_every_outcome(fake_server):
     assert by_index[3].outcome == "failed" and by_index[3].status == 503
     assert by_index[4].outcome == "failed" and by_index[4].hang
     assert by_index[5].outcome == "cancelled"
-    run = TrafficRun(fake_server, specs[2:3], refs_wrong, concurrency=1, duration_s=10).start()
+    run = TrafficRun(
+        fake_server, specs[2:3], refs_wrong, concurrency=1, duration_s=10
+    ).start()
     assert run.wait(20)
     assert run.records[0].outcome == "wrong"

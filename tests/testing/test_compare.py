@@ -55,7 +55,10 @@ def test_views_of_json_stream_and_text_answers():
         "done": True,
     }
     assert len(view[compare.SSE_EVENTS]) == 5
-    assert compare.answer_view(404, {"content-type": "text/plain"}, b"nope")["body"] == "nope"
+    assert (
+        compare.answer_view(404, {"content-type": "text/plain"}, b"nope")["body"]
+        == "nope"
+    )
     assert compare.answer_view(200, {}, b"")["body"] == ""
 
 
@@ -101,7 +104,9 @@ def test_a_stream_is_the_same_however_its_events_are_grouped():
     assert view["merged"]["usage"] == {"n": 5}
     assert compare.stream_view(grouped[:-1])["done"] is False
     assert compare.stream_view([*grouped, "[DONE]"])["done"] is False
-    assert compare.stream_view([_chunk(0, "abd")])["merged"] != compare.stream_view(grouped)
+    assert compare.stream_view([_chunk(0, "abd")])["merged"] != compare.stream_view(
+        grouped
+    )
 
 
 def test_differences_name_every_field_path():
@@ -130,7 +135,9 @@ def test_differences_name_every_field_path():
     assert _paths(compare.differences(a, b, RULES, exact={"id"}))[0] == "id"
     # An id's fixed part counts: another prefix, or an address in it.
     assert _paths(
-        compare.differences({"id": "cmpl-ab12cd34ef"}, {"id": "chatcmpl-ab12cd34ef"}, RULES)
+        compare.differences(
+            {"id": "cmpl-ab12cd34ef"}, {"id": "chatcmpl-ab12cd34ef"}, RULES
+        )
     ) == ["id"]
     assert compare.id_shape("cmpl-___prefill_addr_127.0.0.1:42111") == (
         "cmpl-___prefill_addr_127.0.0.1:42111"
@@ -154,7 +161,11 @@ def test_known_differences_cover_paths_and_stale_entries_are_reported():
         "b": [],
         "c": [FieldDifference("status", 200, 400)],
     }
-    known = {"a": (("body.y",), "why"), "b": (("body",), "why"), "gone": (("status",), "why")}
+    known = {
+        "a": (("body.y",), "why"),
+        "b": (("body",), "why"),
+        "gone": (("status",), "why"),
+    }
     unexpected, stale = compare.split_known(diffs, known)
     assert unexpected == {
         "a": [FieldDifference("body.x", 1, 2)],
@@ -162,7 +173,10 @@ def test_known_differences_cover_paths_and_stale_entries_are_reported():
     }
     assert stale == {"gone": ["<no such case>"], "b": ["body"]}
     report = compare.format_differences(unexpected, "router", "vllm", per_case=1)
-    assert report.splitlines() == ["a: body.x: router=1 vllm=2", "c: status: router=200 vllm=400"]
+    assert report.splitlines() == [
+        "a: body.x: router=1 vllm=2",
+        "c: status: router=200 vllm=400",
+    ]
     many = {"d": [FieldDifference(f"p{i}", "x" * 200, ABSENT) for i in range(3)]}
     lines = compare.format_differences(many, per_case=2, width=20).splitlines()
     cut = '"' + "x" * 16 + "..."  # 20 characters
@@ -188,7 +202,10 @@ class _Handler(BaseHTTPRequestHandler):
         flavour = self.server.flavour
         if self.path == "/stream":
             chunks = [
-                {"id": f"cmpl-{flavour}0000000{i}", "choices": [{"index": 0, "text": t}]}
+                {
+                    "id": f"cmpl-{flavour}0000000{i}",
+                    "choices": [{"index": 0, "text": t}],
+                }
                 for i, t in enumerate("ab")
             ]
             payload = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)

@@ -46,9 +46,13 @@ class _Handler(BaseHTTPRequestHandler):
         if body.get("prompt") == "fail":
             return self._send(400, b'{"error": "bad"}', "application/json")
         if not body.get("stream"):
-            return self._send(200, json.dumps({"choices": [{"token_ids": [1, 2]}]}).encode())
+            return self._send(
+                200, json.dumps({"choices": [{"token_ids": [1, 2]}]}).encode()
+            )
         events = [": comment\n\n", *(f"data: {json.dumps(c)}\n\n" for c in CHUNKS)]
-        self._send(200, "".join([*events, "data: [DONE]\n\n"]).encode(), "text/event-stream")
+        self._send(
+            200, "".join([*events, "data: [DONE]\n\n"]).encode(), "text/event-stream"
+        )
 
     def _send(self, status, payload, content_type="application/json"):
         self.send_response(status)
@@ -64,7 +68,9 @@ def server(tmp_path):
     httpd.requests = []
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    stand_in = VllmServer("tiny", port=httpd.server_address[1], log_path=tmp_path / "log")
+    stand_in = VllmServer(
+        "tiny", port=httpd.server_address[1], log_path=tmp_path / "log"
+    )
     stand_in.httpd = httpd
     yield stand_in
     httpd.shutdown()
@@ -73,19 +79,30 @@ def server(tmp_path):
 
 def test_complete_sends_model_prompt_params_and_headers(server):
     body = openai_client.complete(
-        server, "hi", headers={"X-data-parallel-rank": "1"}, max_tokens=3, temperature=0.0
+        server,
+        "hi",
+        headers={"X-data-parallel-rank": "1"},
+        max_tokens=3,
+        temperature=0.0,
     )
     assert body["choices"][0]["token_ids"] == [1, 2]
     path, headers, sent = server.httpd.requests[-1]
     assert path == "/v1/completions" and headers["X-data-parallel-rank"] == "1"
-    assert sent == {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0.0}
+    assert sent == {
+        "model": "tiny",
+        "prompt": "hi",
+        "max_tokens": 3,
+        "temperature": 0.0,
+    }
     assert server.complete("hi", max_tokens=3) == body  # VllmServer delegates here
     with pytest.raises(requests.HTTPError):
         openai_client.complete(server, "fail")
 
 
 def test_stream_completion_yields_chunks_and_token_ids(server):
-    chunks = list(openai_client.stream_completion(server, "hi", max_tokens=3, stream=False))
+    chunks = list(
+        openai_client.stream_completion(server, "hi", max_tokens=3, stream=False)
+    )
     assert chunks == CHUNKS
     assert [openai_client.token_ids(c) for c in chunks] == [[5, 6], [], [7]]
     assert server.httpd.requests[-1][2]["stream"] is True

@@ -70,6 +70,8 @@ def test_a_port_some_other_process_holds_is_skipped(monkeypatch):
                 continue
         held.listen()
         picks = iter([port, port + 2])  # [port, port + 1] overlaps the held one
-        monkeypatch.setattr(server_module._port_rng, "randrange", lambda *_: next(picks))
+        monkeypatch.setattr(
+            server_module._port_rng, "randrange", lambda *_: next(picks)
+        )
         monkeypatch.setattr(server_module, "_issued", set())
         assert get_free_port(span=2) == port + 2

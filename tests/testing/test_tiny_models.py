@@ -15,9 +15,13 @@ def test_builder_is_deterministic(tmp_path):
     for name in MODEL_NAMES:
         files = _all_files(first[name])
         assert files == _all_files(second[name])
-        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in files}
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+            f.name for f in files
+        }
         for rel in files:
-            assert filecmp.cmp(first[name] / rel, second[name] / rel, shallow=False), rel
+            assert filecmp.cmp(first[name] / rel, second[name] / rel, shallow=False), (
+                rel
+            )
 
 
 def test_models_match_cpu_kernel_constraints(tmp_path):

@@ -26,7 +26,9 @@ def _kind(codec, key, frames) -> str:
 def test_sealed_frames_open_and_carry_a_mac_only_with_a_key():
     assert A.open(KEY, A.seal(KEY, Ping(1))) == Ping(1)
     assert len(A.seal(KEY, Ping(1))[1]) == MAC_BYTES
-    assert A.seal(None, Ping(2))[1] == b"" and A.open(None, A.seal(None, Ping(2))) == Ping(2)
+    assert A.seal(None, Ping(2))[1] == b"" and A.open(
+        None, A.seal(None, Ping(2))
+    ) == Ping(2)
 
 
 def test_every_way_a_frame_is_wrong_is_one_error_with_a_kind():

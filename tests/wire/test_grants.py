@@ -20,7 +20,12 @@ NOW = 1_800_000_000.0
 
 def peer(prefill: str = P, decode: str = D, key: str = "k1") -> PeerInfo:
     return parse_peer_info(
-        "x", {"p2p_prefill_addr": prefill, "p2p_decode_addr": decode, "p2p_request_key": key}
+        "x",
+        {
+            "p2p_prefill_addr": prefill,
+            "p2p_decode_addr": decode,
+            "p2p_request_key": key,
+        },
     )
 
 

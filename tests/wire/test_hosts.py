@@ -1,6 +1,11 @@
 """The host spellings every component compares: one function each, in wire/peers.py."""
 
-from vllm_disagg.wire.peers import canonical_addr, canonical_host, is_loopback, source_host
+from vllm_disagg.wire.peers import (
+    canonical_addr,
+    canonical_host,
+    is_loopback,
+    source_host,
+)
 
 
 def test_one_spelling_per_host():
@@ -16,5 +21,7 @@ def test_source_host_unwraps_ipv4_seen_through_a_dual_stack_socket():
 
 
 def test_loopback():
-    assert is_loopback("127.0.0.1") and is_loopback("[::1]") and is_loopback("LOCALHOST.")
+    assert (
+        is_loopback("127.0.0.1") and is_loopback("[::1]") and is_loopback("LOCALHOST.")
+    )
     assert not is_loopback("10.0.0.1") and not is_loopback("decode-1.example")

@@ -24,14 +24,23 @@ def add_job_command(text: str, key: str, command: str, where: str) -> str:
     key_line = re.compile(rf"^\s+key:\s*['\"]?{re.escape(key)}['\"]?\s*$")
     hits = [i for i, line in enumerate(lines) if key_line.match(line)]
     if len(hits) != 1:
-        raise ExportError(f"{where}: job key {key} appears {len(hits)} times, expected once")
+        raise ExportError(
+            f"{where}: job key {key} appears {len(hits)} times, expected once"
+        )
     start = hits[0]
-    end = next((i for i in range(start + 1, len(lines)) if _JOB_START.match(lines[i])), len(lines))
+    end = next(
+        (i for i in range(start + 1, len(lines)) if _JOB_START.match(lines[i])),
+        len(lines),
+    )
     commands = [i for i in range(start, end) if re.match(r"^  commands:\s*$", lines[i])]
     if len(commands) != 1:
-        raise ExportError(f"{where}: job {key} has {len(commands)} commands lists, expected one")
+        raise ExportError(
+            f"{where}: job {key} has {len(commands)} commands lists, expected one"
+        )
     first = commands[0] + 1
-    while first < end and (not lines[first].strip() or lines[first].lstrip().startswith("#")):
+    while first < end and (
+        not lines[first].strip() or lines[first].lstrip().startswith("#")
+    ):
         first += 1
     item = re.match(r"^(\s+)- ", lines[first]) if first < end else None
     if item is None:
@@ -40,7 +49,9 @@ def add_job_command(text: str, key: str, command: str, where: str) -> str:
     last = first
     for i in range(first, end):
         line = lines[i]
-        if line.startswith(indent + "- ") or (line.startswith(indent + "  ") and line.strip()):
+        if line.startswith(indent + "- ") or (
+            line.startswith(indent + "  ") and line.strip()
+        ):
             last = i
         elif line.strip():
             break
@@ -49,7 +60,9 @@ def add_job_command(text: str, key: str, command: str, where: str) -> str:
     try:
         jobs = yaml.safe_load(result)
     except yaml.YAMLError as exc:
-        raise ExportError(f"{where}: not YAML after adding to job {key} ({exc})") from None
+        raise ExportError(
+            f"{where}: not YAML after adding to job {key} ({exc})"
+        ) from None
     job = _find_job(jobs, key)
     if job is None or command not in job.get("commands", []):
         raise ExportError(f"{where}: job {key} does not run {command!r} after the edit")

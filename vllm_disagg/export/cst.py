@@ -102,7 +102,9 @@ def class_body_insert(
             )
         index = hits[0] + 1
     body[index:index] = new
-    return module.deep_replace(cls, cls.with_changes(body=cls.body.with_changes(body=body)))
+    return module.deep_replace(
+        cls, cls.with_changes(body=cls.body.with_changes(body=body))
+    )
 
 
 def _defined_names(stmt: cst.CSTNode) -> set[str]:
@@ -127,7 +129,9 @@ def defines(module: cst.Module, name: str) -> bool:
             return True
         if isinstance(stmt, cst.SimpleStatementLine):
             for small in stmt.body:
-                if isinstance(small, (cst.Import, cst.ImportFrom)) and name in _import_names(small):
+                if isinstance(
+                    small, (cst.Import, cst.ImportFrom)
+                ) and name in _import_names(small):
                     return True
     return False
 
@@ -179,7 +183,9 @@ def insert_after_top_level(
     body = list(module.body)
     hits = [i for i, stmt in enumerate(body) if name in _defined_names(stmt)]
     if len(hits) != 1:
-        raise ExportError(f"{where}: {name} is defined {len(hits)} times, expected once")
+        raise ExportError(
+            f"{where}: {name} is defined {len(hits)} times, expected once"
+        )
     body[hits[0] + 1 : hits[0] + 1] = new
     return module.with_changes(body=body)
 

@@ -57,7 +57,11 @@ class _OpsNamespace(cst.CSTTransformer):
     def leave_Call(self, original, updated):
         if anchors.dotted(updated.func) != "direct_register_custom_op":
             return updated
-        args = [a for a in updated.args if not (a.keyword and a.keyword.value == "target_lib")]
+        args = [
+            a
+            for a in updated.args
+            if not (a.keyword and a.keyword.value == "target_lib")
+        ]
         if args:
             args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
         return updated.with_changes(args=args)
@@ -83,12 +87,17 @@ def transplant(patch_module: str, class_name: str) -> EditFn:
             ):
                 methods[assign.value.value] = target.attr.value
         if not methods:
-            raise ExportError(f"{patch_module}: apply() assigns no method of {class_name}")
+            raise ExportError(
+                f"{patch_module}: apply() assigns no method of {class_name}"
+            )
         new_methods: list[cst.BaseStatement] = []
         helpers: list[cst.BaseStatement] = []
         imports: list[str] = []
         for stmt in source.body:
-            if isinstance(stmt, cst.FunctionDef) and stmt.name.value in ("apply", "is_applied"):
+            if isinstance(stmt, cst.FunctionDef) and stmt.name.value in (
+                "apply",
+                "is_applied",
+            ):
                 continue
             if isinstance(stmt, cst.FunctionDef) and stmt.name.value in methods:
                 params = stmt.params.params
@@ -96,7 +105,9 @@ def transplant(patch_module: str, class_name: str) -> EditFn:
                 new_methods.append(
                     stmt.with_changes(
                         name=cst.Name(methods[stmt.name.value]),
-                        params=stmt.params.with_changes(params=[self_param, *params[1:]]),
+                        params=stmt.params.with_changes(
+                            params=[self_param, *params[1:]]
+                        ),
                         leading_lines=[cst.EmptyLine()],
                     )
                 )
@@ -107,7 +118,11 @@ def transplant(patch_module: str, class_name: str) -> EditFn:
                 isinstance(s, (cst.Import, cst.ImportFrom)) for s in stmt.body
             ):
                 code = anchors.dotted(stmt).strip()
-                if "__future__" in code or "vllm_disagg" in code or "torch.library" in code:
+                if (
+                    "__future__" in code
+                    or "vllm_disagg" in code
+                    or "torch.library" in code
+                ):
                     continue
                 if f"import {class_name}" in code:
                     continue
@@ -115,19 +130,25 @@ def transplant(patch_module: str, class_name: str) -> EditFn:
                 continue
             if m.matches(
                 stmt,
-                m.SimpleStatementLine(body=[m.Assign(value=m.Call(func=m.Name("Library")))]),
+                m.SimpleStatementLine(
+                    body=[m.Assign(value=m.Call(func=m.Name("Library")))]
+                ),
             ):
                 continue  # the patch's own op namespace
             helpers.append(stmt)
         helpers = [h.visit(_OpsNamespace()) for h in helpers]
         new_methods = [meth.visit(_OpsNamespace()) for meth in new_methods]
         if any("vllm_disagg" in anchors.dotted(node) for node in helpers + new_methods):
-            raise ExportError(f"{patch_module}: code still names vllm_disagg after transplant")
+            raise ExportError(
+                f"{patch_module}: code still names vllm_disagg after transplant"
+            )
         module = anchors.class_body_insert(module, class_name, new_methods, where)
         for line in imports:
             module = anchors.ensure_import(module, line, where)
         if helpers:
-            helpers[0] = helpers[0].with_changes(leading_lines=[cst.EmptyLine(), cst.EmptyLine()])
+            helpers[0] = helpers[0].with_changes(
+                leading_lines=[cst.EmptyLine(), cst.EmptyLine()]
+            )
             module = anchors.insert_after_top_level(module, class_name, helpers, where)
         return module
 
@@ -148,7 +169,9 @@ def _moe_cpu_branch_only_without_dp(module: cst.Module, where: str) -> cst.Modul
             "# below, as on GPUs.\n"
         )
         return node.with_changes(
-            test=cst.parse_expression("current_platform.is_cpu() and self.moe_config.dp_size == 1"),
+            test=cst.parse_expression(
+                "current_platform.is_cpu() and self.moe_config.dp_size == 1"
+            ),
             leading_lines=[
                 *node.leading_lines,
                 *(cst.EmptyLine(comment=cst.Comment(c)) for c in comment.splitlines()),
@@ -170,7 +193,9 @@ def _moe_cpu_branch_only_without_dp(module: cst.Module, where: str) -> cst.Modul
 
 def _cpu_ray_device_key(module: cst.Module, where: str) -> cst.Module:
     line = anchors.statements('ray_device_key: str = "CPU"\n')
-    return anchors.class_body_insert(module, "CpuPlatform", line, where, after="dispatch_key")
+    return anchors.class_body_insert(
+        module, "CpuPlatform", line, where, after="dispatch_key"
+    )
 
 
 # --- dp-ipv6-master-port ---------------------------------------------------------
@@ -183,7 +208,9 @@ def _dp_port_socket_family(module: cst.Module, where: str) -> cst.Module:
             "socket.AF_INET6 if is_valid_ipv6_address(self.data_parallel_master_ip) "
             "else socket.AF_INET"
         )
-        return node.with_changes(args=[node.args[0].with_changes(value=chosen), *node.args[1:]])
+        return node.with_changes(
+            args=[node.args[0].with_changes(value=chosen), *node.args[1:]]
+        )
 
     module = anchors.replace_once(
         module,
@@ -225,7 +252,13 @@ def _cli_version(module: cst.Module, where: str) -> cst.Module:
         "",
         m.SimpleStatementLine(
             body=[
-                m.Import(names=[m.ImportAlias(name=anchors.attribute_chain("importlib.metadata"))])
+                m.Import(
+                    names=[
+                        m.ImportAlias(
+                            name=anchors.attribute_chain("importlib.metadata")
+                        )
+                    ]
+                )
             ]
         ),
         lambda node: cst.RemoveFromParent(),

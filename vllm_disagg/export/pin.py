@@ -187,7 +187,10 @@ def measure(sdist: Path, root: Path) -> str:
     (the directory holding PKG-INFO), as Python source."""
     from vllm_disagg.patches import PATCHES
 
-    lines = [f'SDIST_SHA256 = "{sha256_file(sdist)}"', "PINNED_FILES: dict[str, str] = {"]
+    lines = [
+        f'SDIST_SHA256 = "{sha256_file(sdist)}"',
+        "PINNED_FILES: dict[str, str] = {",
+    ]
     for rel in sorted(upstream_files(PATCHES, root)):
         lines.append(f'    "{rel}": "{sha256_file(root / rel)}",')
     lines.append("}")

@@ -77,7 +77,8 @@ SERIES: tuple[Commit, ...] = (
             "RAY_OVERRIDE_RESOURCES."
         ),
         unverified=(
-            _CPU_ONLY + " Ray's own worker executor on CPU stays unsupported (Ray refuses "
+            _CPU_ONLY
+            + " Ray's own worker executor on CPU stays unsupported (Ray refuses "
             'resources={"CPU": 1}); the executor default for the Ray DP backend on CPU '
             "is not part of this change."
         ),

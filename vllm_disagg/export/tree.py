@@ -56,7 +56,9 @@ class Identity:
     @classmethod
     def from_git(cls) -> Identity | None:
         def get(key: str) -> str:
-            done = subprocess.run(["git", "config", key], capture_output=True, text=True)
+            done = subprocess.run(
+                ["git", "config", key], capture_output=True, text=True
+            )
             return done.stdout.strip()
 
         name, email = get("user.name"), get("user.email")
@@ -78,7 +80,10 @@ def unpack(source: Source, out: Path) -> None:
     stripped; a tree copied without its .git)."""
     if source.kind == "tree":
         shutil.copytree(
-            source.path, out, ignore=shutil.ignore_patterns(".git", "__pycache__"), symlinks=True
+            source.path,
+            out,
+            ignore=shutil.ignore_patterns(".git", "__pycache__"),
+            symlinks=True,
         )
         return
     out.mkdir(parents=True)
@@ -103,9 +108,13 @@ def git(out: Path, *args: str, identity: Identity | None = None) -> str:
             "GIT_COMMITTER_NAME": identity.name,
             "GIT_COMMITTER_EMAIL": identity.email,
         }
-    done = subprocess.run(["git", *args], cwd=out, capture_output=True, text=True, env=env)
+    done = subprocess.run(
+        ["git", *args], cwd=out, capture_output=True, text=True, env=env
+    )
     if done.returncode != 0:
-        raise ExportError(f"git {args[0]} in {out} failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise ExportError(
+            f"git {args[0]} in {out} failed: {done.stderr.strip().splitlines()[-1:]}"
+        )
     return done.stdout
 
 
@@ -128,9 +137,13 @@ def ruff(out: Path, paths: Iterable[str]) -> list[str]:
     exe = ruff_command()
     config = ["--config", str(out / "pyproject.toml")]
     subprocess.run(
-        [*exe, "check", "--fix", "--quiet", *config, *paths], cwd=out, capture_output=True
+        [*exe, "check", "--fix", "--quiet", *config, *paths],
+        cwd=out,
+        capture_output=True,
     )
-    subprocess.run([*exe, "format", "--quiet", *config, *paths], cwd=out, capture_output=True)
+    subprocess.run(
+        [*exe, "format", "--quiet", *config, *paths], cwd=out, capture_output=True
+    )
     done = subprocess.run(
         [*exe, "check", "--quiet", "--output-format", "concise", *config, *paths],
         cwd=out,
@@ -178,7 +191,9 @@ def tether(out: Path, commit: Commit) -> list[str]:
             f"Buildkite job {commit.ci_job}: defined in {len(files)} files, expected one"
         )
     rel = files[0].relative_to(out).as_posix()
-    text = add_job_command(files[0].read_text(), commit.ci_job, commit.ci_command(), rel)
+    text = add_job_command(
+        files[0].read_text(), commit.ci_job, commit.ci_command(), rel
+    )
     files[0].write_text(text)
     return [rel]
 
@@ -191,7 +206,9 @@ def upstream_tests(commit: Commit) -> dict[str, str]:
     return files
 
 
-def build(source: Source, out: Path, identity: Identity, commits: Iterable[Commit] = SERIES):
+def build(
+    source: Source, out: Path, identity: Identity, commits: Iterable[Commit] = SERIES
+):
     """Unpack, commit the pinned tree, then one commit per series entry."""
     patches_dir = out.with_name(out.name + "-patches")
     if patches_dir.exists():
@@ -247,11 +264,24 @@ def _build(source, out, patches_dir, identity, commits) -> Result:
             raise ExportError(f"commit {commit.slug!r}: upstream hook {failures[0]}")
         git(out, "add", "--all", "--", *changed)
         message = commit_message(commit, edits)
-        git(out, "commit", "--quiet", "--no-verify", "--signoff", "-m", message, identity=identity)
+        git(
+            out,
+            "commit",
+            "--quiet",
+            "--no-verify",
+            "--signoff",
+            "-m",
+            message,
+            identity=identity,
+        )
         result.commits.append((commit, git(out, "rev-parse", "HEAD").strip(), changed))
     patches_dir.mkdir(parents=True)
     git(out, "format-patch", "--quiet", "-o", str(patches_dir), f"{base}..HEAD")
     for number, (commit, _sha, changed) in enumerate(result.commits, start=1):
-        text = description(commit, [e for e in EDITS if e.patch in commit.patches], changed)
-        (patches_dir / f"{number:04d}-{commit.slug}.pr.md").write_text(text, encoding="utf-8")
+        text = description(
+            commit, [e for e in EDITS if e.patch in commit.patches], changed
+        )
+        (patches_dir / f"{number:04d}-{commit.slug}.pr.md").write_text(
+            text, encoding="utf-8"
+        )
     return result

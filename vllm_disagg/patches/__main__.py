@@ -50,8 +50,14 @@ def _code(text: str) -> str:
 
 def markdown_table(patches: Iterable[Patch] = PATCHES) -> str:
     """The README's table: one row per registry entry, in registry order."""
-    rows = ["| patch | upstream symbol | kind | in-tree form |", "| --- | --- | --- | --- |"]
-    rows += [f"| {p.name} | {_code(p.upstream)} | {p.kind} | {p.in_tree.form} |" for p in patches]
+    rows = [
+        "| patch | upstream symbol | kind | in-tree form |",
+        "| --- | --- | --- | --- |",
+    ]
+    rows += [
+        f"| {p.name} | {_code(p.upstream)} | {p.kind} | {p.in_tree.form} |"
+        for p in patches
+    ]
     return "\n".join(rows) + "\n"
 
 
@@ -85,7 +91,9 @@ def default_readme() -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vllm_disagg.patches")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--markdown", action="store_true", help="print the README's table")
+    group.add_argument(
+        "--markdown", action="store_true", help="print the README's table"
+    )
     group.add_argument(
         "--update-readme",
         nargs="?",

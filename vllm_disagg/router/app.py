@@ -78,10 +78,15 @@ def build_registry(
         breaker_cooldown_s=config.breaker_cooldown_s,
         clock=clock,
     )
-    static = ((Role.PREFILL, config.static_prefill), (Role.DECODE, config.static_decode))
+    static = (
+        (Role.PREFILL, config.static_prefill),
+        (Role.DECODE, config.static_decode),
+    )
     for role, instances in static:
         for instance in instances:
-            registry.add_static(role, instance.http_addr, instance.kv_addr, instance.model)
+            registry.add_static(
+                role, instance.http_addr, instance.kv_addr, instance.model
+            )
     return registry
 
 
@@ -99,7 +104,10 @@ def _error(
 
 def _response(reply: Reply) -> Response:
     return Response(
-        reply.body, status=reply.status, content_type=reply.content_type, headers=reply.headers
+        reply.body,
+        status=reply.status,
+        content_type=reply.content_type,
+        headers=reply.headers,
     )
 
 
@@ -190,7 +198,9 @@ def create_app(
             raw = await request.get_data(cache=False)
         except RequestEntityTooLarge:
             metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
-            return _error(413, f"request body larger than {config.max_body_bytes} bytes", "body")
+            return _error(
+                413, f"request body larger than {config.max_body_bytes} bytes", "body"
+            )
         body, problem = _decode_body(raw)
         if not isinstance(body, dict):
             refused = await proxy.refused_by_decode(endpoint, request.path, raw)
@@ -198,7 +208,9 @@ def create_app(
                 return _response(refused)
             metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
             return _error(400, problem, "body", VALIDATION_ERROR_TYPE)
-        return _response(await proxy.handle(endpoint, request.path, body, request.headers))
+        return _response(
+            await proxy.handle(endpoint, request.path, body, request.headers)
+        )
 
     @app.post("/v1/completions")
     async def completions() -> Response:
@@ -218,7 +230,9 @@ def create_app(
         body, _ = _decode_body(raw)
         if not isinstance(body, dict):
             metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
-            return _error(400, "request body must be a JSON object", "body", VALIDATION_ERROR_TYPE)
+            return _error(
+                400, "request body must be a JSON object", "body", VALIDATION_ERROR_TYPE
+            )
         return _response(await proxy.relay(endpoint, "POST", request.path, body))
 
     @app.post("/tokenize")
@@ -239,7 +253,11 @@ def create_app(
         decode = len(registry.healthy(Role.DECODE))
         ready = prefill > 0 and decode > 0
         return _json(
-            {"status": "ready" if ready else "unavailable", "prefill": prefill, "decode": decode},
+            {
+                "status": "ready" if ready else "unavailable",
+                "prefill": prefill,
+                "decode": decode,
+            },
             200 if ready else 503,
         )
 
@@ -315,7 +333,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=1024)
 
 
-async def serve(app: Quart, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:
+async def serve(
+    app: Quart, shutdown_trigger: Callable[[], Awaitable[None]] | None = None
+) -> None:
     """Serve ``app`` (from create_app) until ``shutdown_trigger`` returns.
 
     Both ports are bound here, before the ASGI server runs: ``--port 0``

@@ -122,7 +122,9 @@ class _RateLimitUvicornWarnings(logging.Filter):
 def rate_limit_uvicorn_warnings() -> None:
     """Install the filter on uvicorn's error logger, once per process."""
     uvicorn_logger = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, _RateLimitUvicornWarnings) for f in uvicorn_logger.filters):
+    if not any(
+        isinstance(f, _RateLimitUvicornWarnings) for f in uvicorn_logger.filters
+    ):
         uvicorn_logger.addFilter(_RateLimitUvicornWarnings())
 
 
@@ -136,7 +138,9 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
             # From a request's first byte (or the connection's) to its last header.
             self._in_head = True
             self._in_body = False  # from its last header to its last body byte
-            self._head_bytes = 0  # received since the last complete head, outside bodies
+            self._head_bytes = (
+                0  # received since the last complete head, outside bodies
+            )
             self._head_timer: asyncio.TimerHandle | None = None
             self._body_timer: asyncio.TimerHandle | None = None
             self._body_deadline: asyncio.TimerHandle | None = None
@@ -300,6 +304,8 @@ def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
                 self._write_timer,
             ):
                 self._cancel(timer)
-            self._head_timer = self._body_timer = self._body_deadline = self._write_timer = None
+            self._head_timer = self._body_timer = self._body_deadline = (
+                self._write_timer
+            ) = None
 
     return LimitedHttpToolsProtocol

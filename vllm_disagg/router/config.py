@@ -102,7 +102,11 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for name in ("port", "discovery_port"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= 65535
+            ):
                 raise ConfigError(
                     f"{_flag(name)}: {value!r} is not a port (0..65535, 0: any free port)"
                 )
@@ -135,17 +139,27 @@ class RouterConfig:
         self._int_range("prefix_chunk_chars", 16, 1 << 20)
         self._int_range("prefix_balance_threshold", 0, 1 << 20)
         if self.registration_token is not None and not self.registration_token:
-            raise ConfigError("--registration-token: must not be empty (leave it unset instead)")
+            raise ConfigError(
+                "--registration-token: must not be empty (leave it unset instead)"
+            )
 
     def _choice(self, name: str, allowed: tuple[str, ...]) -> None:
         value = getattr(self, name)
         if value not in allowed:
-            raise ConfigError(f"{_flag(name)}: {value!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(
+                f"{_flag(name)}: {value!r} is not one of {', '.join(allowed)}"
+            )
 
     def _int_range(self, name: str, low: int, high: int) -> None:
         value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ConfigError(f"{_flag(name)}: {value!r} is not an integer in {low}..{high}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not low <= value <= high
+        ):
+            raise ConfigError(
+                f"{_flag(name)}: {value!r} is not an integer in {low}..{high}"
+            )
 
     @property
     def token(self) -> bytes | None:
@@ -158,7 +172,9 @@ class RouterConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         d = RouterConfig()
         net = parser.add_argument_group("listening")
-        net.add_argument("--host", default=d.host, help="HTTP address (default %(default)s)")
+        net.add_argument(
+            "--host", default=d.host, help="HTTP address (default %(default)s)"
+        )
         net.add_argument(
             "--port",
             type=int,
@@ -228,7 +244,10 @@ class RouterConfig:
             ),
             ("chunk_timeout_s", "streaming: between two chunks of decode's answer"),
             ("request_timeout_s", "the whole request, every leg and retry included"),
-            ("breaker_cooldown_s", "how long an open circuit breaker keeps an instance out"),
+            (
+                "breaker_cooldown_s",
+                "how long an open circuit breaker keeps an instance out",
+            ),
             (
                 "client_header_timeout_s",
                 "a client's request line and headers, from its "
@@ -340,7 +359,15 @@ class RouterConfig:
             f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)
         }
         for name in ("static_prefill", "static_decode"):
-            values[name] = tuple(StaticInstance.parse(_flag(name), s) for s in values[name])
-        for name in ("policy_prefill", "policy_decode", "handoff", "log_level", "http_server"):
+            values[name] = tuple(
+                StaticInstance.parse(_flag(name), s) for s in values[name]
+            )
+        for name in (
+            "policy_prefill",
+            "policy_decode",
+            "handoff",
+            "log_level",
+            "http_server",
+        ):
             values[name] = values[name].lower().replace("-", "_")
         return cls(**values)

@@ -131,12 +131,16 @@ class DiscoveryServer:
             raw = await self._socket.recv_multipart(copy=False)
             frames = [f.bytes for f in raw]
             try:
-                reply = self.handle(frames[1:], _source_ip(raw[1]) if len(raw) > 1 else None)
+                reply = self.handle(
+                    frames[1:], _source_ip(raw[1]) if len(raw) > 1 else None
+                )
             except Exception:  # a bug here must not end discovery for the fleet
                 logger.exception("discovery: failed to handle a message")
                 continue
             with contextlib.suppress(zmq.Again):  # the sender stopped reading: drop
-                await self._socket.send_multipart([frames[0], *reply], flags=zmq.NOBLOCK)
+                await self._socket.send_multipart(
+                    [frames[0], *reply], flags=zmq.NOBLOCK
+                )
             # pyzmq returns finished futures while messages are queued, so
             # without this a flood of frames would never let a request run.
             await asyncio.sleep(0)
@@ -163,13 +167,17 @@ class DiscoveryServer:
             self.rejected[e.kind] += 1
             self._log.warning(e.kind, "discovery: rejected a frame: %s", e)
             reason = str(e)[:MAX_REASON_CHARS]
-            return seal(self._token, Ack(DISCOVERY_VERSION, UNKNOWN_SENDER, False, reason))
+            return seal(
+                self._token, Ack(DISCOVERY_VERSION, UNKNOWN_SENDER, False, reason)
+            )
         if isinstance(msg, Register):
             try:
                 self.registry.register(msg)
             except RegistryRefused as e:
                 self.rejected[e.kind] += 1
-                self._log.warning(e.kind, "discovery: refused %s: %s", msg.instance_id, e)
+                self._log.warning(
+                    e.kind, "discovery: refused %s: %s", msg.instance_id, e
+                )
                 return seal(
                     self._token,
                     Ack(

@@ -21,7 +21,9 @@ class Policy(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def select(self, candidates: Sequence[Instance], body: Mapping[str, Any]) -> Instance:
+    def select(
+        self, candidates: Sequence[Instance], body: Mapping[str, Any]
+    ) -> Instance:
         """Pick one of ``candidates`` (never empty) for the request ``body``."""
 
 
@@ -31,7 +33,9 @@ class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._turn = 0
 
-    def select(self, candidates: Sequence[Instance], body: Mapping[str, Any]) -> Instance:
+    def select(
+        self, candidates: Sequence[Instance], body: Mapping[str, Any]
+    ) -> Instance:
         self._turn += 1
         return candidates[self._turn % len(candidates)]
 
@@ -45,7 +49,9 @@ class LeastOutstandingPolicy(Policy):
     def __init__(self) -> None:
         self._turn = 0
 
-    def select(self, candidates: Sequence[Instance], body: Mapping[str, Any]) -> Instance:
+    def select(
+        self, candidates: Sequence[Instance], body: Mapping[str, Any]
+    ) -> Instance:
         self._turn += 1
         start = self._turn % len(candidates)
         rotated = [*candidates[start:], *candidates[:start]]
@@ -69,7 +75,9 @@ def render_prompt(body: Mapping[str, Any], limit: int | None = None) -> str:
             if not isinstance(message, Mapping):
                 parts.append(render_value(message, limit))
             else:
-                rest = {k: v for k, v in message.items() if k not in ("role", "content")}
+                rest = {
+                    k: v for k, v in message.items() if k not in ("role", "content")
+                }
                 parts.append(
                     f"{render_value(message.get('role'), limit)}\x1f"
                     f"{render_value(message.get('content'), limit)}"
@@ -80,7 +88,9 @@ def render_prompt(body: Mapping[str, Any], limit: int | None = None) -> str:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
         # A batch of prompts: the first one leads the text.
-        return "\x1e".join(_prompt_text(p, limit) for p in prompt[: limit or len(prompt)])[:limit]
+        return "\x1e".join(
+            _prompt_text(p, limit) for p in prompt[: limit or len(prompt)]
+        )[:limit]
     return _prompt_text(prompt, limit)
 
 
@@ -92,9 +102,9 @@ def _prompt_text(prompt: Any, limit: int | None) -> str:
     if isinstance(prompt, list):
         # Every id renders to at least one character: ``limit`` ids suffice.
         ids = prompt if limit is None else prompt[:limit]
-        return ",".join(str(i) if isinstance(i, int) else render_value(i, limit) for i in ids)[
-            :limit
-        ]
+        return ",".join(
+            str(i) if isinstance(i, int) else render_value(i, limit) for i in ids
+        )[:limit]
     return "" if prompt is None else render_value(prompt, limit)
 
 
@@ -210,7 +220,9 @@ class PrefixAwarePolicy(Policy):
 
     name = "prefix_aware"
 
-    def __init__(self, max_entries: int, chunk_chars: int, balance_threshold: int) -> None:
+    def __init__(
+        self, max_entries: int, chunk_chars: int, balance_threshold: int
+    ) -> None:
         self.max_entries = max_entries
         self.chunk_chars = chunk_chars
         self.balance_threshold = balance_threshold
@@ -231,7 +243,9 @@ class PrefixAwarePolicy(Policy):
             hashes.append(previous)
         return hashes
 
-    def select(self, candidates: Sequence[Instance], body: Mapping[str, Any]) -> Instance:
+    def select(
+        self, candidates: Sequence[Instance], body: Mapping[str, Any]
+    ) -> Instance:
         hashes = self.chunk_hashes(render_prompt(body, self.max_chars))
         by_id = {c.instance_id: c for c in candidates}
         holder = None
@@ -242,7 +256,10 @@ class PrefixAwarePolicy(Policy):
             holder = by_id.get(owner, holder)
         least = self._fallback.select(candidates, body)
         chosen = least
-        if holder is not None and holder.outstanding - least.outstanding <= self.balance_threshold:
+        if (
+            holder is not None
+            and holder.outstanding - least.outstanding <= self.balance_threshold
+        ):
             chosen = holder
         self._remember(hashes, chosen.instance_id)
         return chosen
@@ -266,7 +283,8 @@ class Policies:
     @classmethod
     def from_config(cls, config: RouterConfig) -> Policies:
         return cls(
-            make_policy(config.policy_prefill, config), make_policy(config.policy_decode, config)
+            make_policy(config.policy_prefill, config),
+            make_policy(config.policy_decode, config),
         )
 
 
@@ -279,5 +297,7 @@ def make_policy(name: str, config: RouterConfig) -> Policy:
         )
     simple = {p.name: p for p in (RoundRobinPolicy, LeastOutstandingPolicy)}
     if name not in simple:
-        raise ValueError(f"unknown policy {name!r}; one of {', '.join(simple)}, prefix_aware")
+        raise ValueError(
+            f"unknown policy {name!r}; one of {', '.join(simple)}, prefix_aware"
+        )
     return simple[name]()

@@ -176,14 +176,18 @@ def error_reply(
     return Reply(status, JSON, error_json(status, message, param, error_type))
 
 
-def _with_peers(client_params: Any, peers: dict[str, str] | None) -> dict[str, Any] | None:
+def _with_peers(
+    client_params: Any, peers: dict[str, str] | None
+) -> dict[str, Any] | None:
     """The client's kv_transfer_params with the router's peers. A client
     never names peers itself: its p2p_* keys are dropped, so every address
     an instance is sent to came from a registration."""
     params = {}
     if isinstance(client_params, dict):
         params = {
-            k: v for k, v in client_params.items() if k not in PEER_INFO_KEYS and k != GRANT_KEY
+            k: v
+            for k, v in client_params.items()
+            if k not in PEER_INFO_KEYS and k != GRANT_KEY
         }
     if peers:
         params.update(peers)
@@ -207,13 +211,17 @@ def prefill_body(body: Mapping[str, Any], peers: dict[str, str]) -> dict[str, An
     return _set_params(out, _with_peers(body.get("kv_transfer_params"), peers))
 
 
-def decode_body(body: Mapping[str, Any], peers: dict[str, str] | None) -> dict[str, Any]:
+def decode_body(
+    body: Mapping[str, Any], peers: dict[str, str] | None
+) -> dict[str, Any]:
     """The body D gets: the client's, peers named (None: D prefills itself)."""
     return _set_params(dict(body), _with_peers(body.get("kv_transfer_params"), peers))
 
 
 def _out_of_descriptors(error: BaseException) -> bool:
-    os_error = error.os_error if isinstance(error, aiohttp.ClientConnectorError) else error
+    os_error = (
+        error.os_error if isinstance(error, aiohttp.ClientConnectorError) else error
+    )
     return isinstance(os_error, OSError) and os_error.errno in (
         errno.EMFILE,
         errno.ENFILE,
@@ -245,7 +253,9 @@ class _Exchange:
     upstream_s: float = 0.0  # time spent waiting on instances, up to the first byte
     counted: bool = False
     decode_sent: bool = False  # the decode leg took over D's reservation
-    _names: dict[tuple[str, str], tuple[str, dict[str, str]]] = field(default_factory=dict)
+    _names: dict[tuple[str, str], tuple[str, dict[str, str]]] = field(
+        default_factory=dict
+    )
 
     def name_peers(
         self, prefill: Instance, decode: Instance, token: bytes | None
@@ -258,7 +268,9 @@ class _Exchange:
         if pair not in self._names:
             params = make_kv_transfer_params(prefill.kv_addr, decode.kv_addr, self.key)
             if token:
-                params[GRANT_KEY] = make_grant(token, prefill.kv_addr, decode.kv_addr, self.key)
+                params[GRANT_KEY] = make_grant(
+                    token, prefill.kv_addr, decode.kv_addr, self.key
+                )
             self._names[pair] = (self.request_id, params)
         return self._names[pair]
 
@@ -325,8 +337,12 @@ class RequestProxy:
         self._session = aiohttp.ClientSession(
             # An idle connection is dropped before vLLM's (uvicorn's 5 s) keep-alive
             # ends: reusing one the server is closing would fail a request.
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s),
+            connector=aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S
+            ),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=self.config.connect_timeout_s
+            ),
         )
 
     async def close(self) -> None:
@@ -374,7 +390,12 @@ class RequestProxy:
         self.metrics.added_latency.observe(max(0.0, elapsed - ex.upstream_s))
 
     def _error(
-        self, ex: _Exchange, outcome: str, status: int, message: str, param: str | None = None
+        self,
+        ex: _Exchange,
+        outcome: str,
+        status: int,
+        message: str,
+        param: str | None = None,
     ) -> Reply:
         self.count(ex, outcome)
         return error_reply(status, message, param)
@@ -402,7 +423,11 @@ class RequestProxy:
     ) -> Instance | None:
         """An instance of ``side`` serving ``model`` (default: the request's)."""
         model = ex.model if model is None else model
-        candidates = [i for i in self.registry.healthy(side, model) if i.instance_id not in exclude]
+        candidates = [
+            i
+            for i in self.registry.healthy(side, model)
+            if i.instance_id not in exclude
+        ]
         if not candidates:
             return None
         policy = self.policies.prefill if side is Role.PREFILL else self.policies.decode
@@ -425,7 +450,10 @@ class RequestProxy:
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
             return self._error(
-                ex, outcomes.NO_INSTANCE, 503, "no healthy decode instance is registered"
+                ex,
+                outcomes.NO_INSTANCE,
+                503,
+                "no healthy decode instance is registered",
             )
         alone = decode_alone_reason(ex.body)
         if alone is not None:
@@ -470,7 +498,9 @@ class RequestProxy:
 
     # --- endpoints one decode answers alone ---------------------------------
 
-    async def relay(self, endpoint: str, method: str, path: str, body: dict | None) -> Reply:
+    async def relay(
+        self, endpoint: str, method: str, path: str, body: dict | None
+    ) -> Reply:
         """A request with no prefill leg (``/tokenize``, ``/detokenize``,
         ``/version``): one healthy decode of the request's model answers it,
         relayed as it is."""
@@ -486,31 +516,50 @@ class RequestProxy:
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
             return self._error(
-                ex, outcomes.NO_INSTANCE, 503, "no healthy decode instance is registered"
+                ex,
+                outcomes.NO_INSTANCE,
+                503,
+                "no healthy decode instance is registered",
             )
         data = None if body is None else msgspec.json.encode(body)
         headers = {"Content-Type": JSON} if body is not None else {}
         try:
-            async with asyncio.timeout(min(self.config.connect_timeout_s + 30.0, ex.remaining())):
+            async with asyncio.timeout(
+                min(self.config.connect_timeout_s + 30.0, ex.remaining())
+            ):
                 async with self.session.request(
-                    method, f"http://{decode.http_addr}{path}", data=data, headers=headers
+                    method,
+                    f"http://{decode.http_addr}{path}",
+                    data=data,
+                    headers=headers,
                 ) as resp:
                     payload = await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             reason, _ = self._failed(decode, e)
             return self._error(
-                ex, outcomes.UPSTREAM_ERROR, 502, f"the decode instance failed ({reason})"
+                ex,
+                outcomes.UPSTREAM_ERROR,
+                502,
+                f"the decode instance failed ({reason})",
             )
-        self.count(ex, outcomes.OK if resp.status < 400 else outcomes.UPSTREAM_CLIENT_ERROR)
+        self.count(
+            ex, outcomes.OK if resp.status < 400 else outcomes.UPSTREAM_CLIENT_ERROR
+        )
         return Reply(resp.status, _content_type(resp), payload)
 
-    async def refused_by_decode(self, endpoint: str, path: str, raw: bytes) -> Reply | None:
+    async def refused_by_decode(
+        self, endpoint: str, path: str, raw: bytes
+    ) -> Reply | None:
         """A body that is not a JSON object, refused by a decode exactly as
         ``vllm serve`` refuses it (FastAPI's validation error names the
         position), before any compute; None when no decode can say (then
         the router answers itself). Only a 4xx is relayed."""
         ex = _Exchange(
-            endpoint, path, {}, {}, deadline=time.monotonic() + self.config.connect_timeout_s + 5.0
+            endpoint,
+            path,
+            {},
+            {},
+            deadline=time.monotonic() + self.config.connect_timeout_s + 5.0,
         )
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
@@ -518,7 +567,9 @@ class RequestProxy:
         try:
             async with asyncio.timeout(ex.remaining()):
                 async with self.session.post(
-                    f"http://{decode.http_addr}{path}", data=raw, headers={"Content-Type": JSON}
+                    f"http://{decode.http_addr}{path}",
+                    data=raw,
+                    headers={"Content-Type": JSON},
                 ) as resp:
                     payload = await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
@@ -572,13 +623,16 @@ class RequestProxy:
             listed = msgspec.json.decode(payload) if resp.status == 200 else {}
             data = listed.get("data") if isinstance(listed, dict) else None
             if isinstance(data, list):
-                entries = [e for e in data if isinstance(e, dict) and e.get("id") in names]
+                entries = [
+                    e for e in data if isinstance(e, dict) and e.get("id") in names
+                ]
         except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError):
             pass
         if not entries:
             created = int(time.time())
             entries = [
-                {"id": n, "object": "model", "created": created, "owned_by": "vllm"} for n in names
+                {"id": n, "object": "model", "created": created, "owned_by": "vllm"}
+                for n in names
             ]
         else:
             if len(self._models_cache) >= MODELS_CACHE_ENTRIES:
@@ -608,7 +662,10 @@ class RequestProxy:
                 return result.reply
             failures.append(result.reason)
             self.limited_log.warning(
-                "prefill-failed", "prefill on %s failed: %s", prefill.http_addr, result.reason
+                "prefill-failed",
+                "prefill on %s failed: %s",
+                prefill.http_addr,
+                result.reason,
             )
         return await self._without_prefill(ex, decode, failures)
 
@@ -619,7 +676,9 @@ class RequestProxy:
         task = asyncio.create_task(self._concurrent_prefill(ex, prefill, decode))
         return await self._decode(ex, decode, prefill, task)
 
-    async def _concurrent_prefill(self, ex: _Exchange, prefill: Instance, decode: Instance) -> None:
+    async def _concurrent_prefill(
+        self, ex: _Exchange, prefill: Instance, decode: Instance
+    ) -> None:
         result = await self._prefill(ex, prefill, decode)
         if not result.ok:
             self.metrics.concurrent_prefill_failures.inc()
@@ -631,7 +690,9 @@ class RequestProxy:
                 decode.http_addr,
             )
 
-    async def _without_prefill(self, ex: _Exchange, decode: Instance, failures: list[str]) -> Reply:
+    async def _without_prefill(
+        self, ex: _Exchange, decode: Instance, failures: list[str]
+    ) -> Reply:
         """No P could take the request: D prefills itself if allowed, else an error."""
         reason = "prefill_failed" if failures else "no_prefill"
         if self.config.fallback_to_decode_prefill:
@@ -649,7 +710,8 @@ class RequestProxy:
                 ex,
                 outcomes.UPSTREAM_ERROR,
                 502,
-                f"prefill failed on {len(failures)} instance(s): " + "; ".join(failures),
+                f"prefill failed on {len(failures)} instance(s): "
+                + "; ".join(failures),
             )
         return self._error(
             ex, outcomes.NO_INSTANCE, 503, "no healthy prefill instance is registered"
@@ -660,10 +722,14 @@ class RequestProxy:
     def _post(self, ex: _Exchange, instance: Instance, body: dict, request_id: str):
         headers = {**ex.headers, "Content-Type": JSON, "X-Request-Id": request_id}
         return self.session.post(
-            f"http://{instance.http_addr}{ex.path}", data=msgspec.json.encode(body), headers=headers
+            f"http://{instance.http_addr}{ex.path}",
+            data=msgspec.json.encode(body),
+            headers=headers,
         )
 
-    def _failed(self, instance: Instance, error: BaseException) -> tuple[str, bool | None]:
+    def _failed(
+        self, instance: Instance, error: BaseException
+    ) -> tuple[str, bool | None]:
         """Why a call to ``instance`` failed, and what that says about the
         instance (``registry.finish``'s ``ok``): a refused connection drops
         it; a timeout is only a suspicion (``suspect``)."""
@@ -704,7 +770,9 @@ class RequestProxy:
     async def _probe(self, instance: Instance) -> None:
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
-                async with self.session.get(f"http://{instance.http_addr}/health") as resp:
+                async with self.session.get(
+                    f"http://{instance.http_addr}/health"
+                ) as resp:
                     healthy = resp.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             healthy = False
@@ -739,14 +807,18 @@ class RequestProxy:
             leg.lost = True
             leg.timeout.reschedule(asyncio.get_running_loop().time())
 
-    async def _prefill(self, ex: _Exchange, prefill: Instance, decode: Instance) -> _PrefillResult:
+    async def _prefill(
+        self, ex: _Exchange, prefill: Instance, decode: Instance
+    ) -> _PrefillResult:
         request_id, peers = ex.name_peers(prefill, decode, self.config.token)
         started = time.monotonic()
         ok: bool | None = None
         leg: _PrefillLeg | None = None
         self.registry.begin(prefill)
         try:
-            async with asyncio.timeout(min(self.config.prefill_timeout_s, ex.remaining())) as t:
+            async with asyncio.timeout(
+                min(self.config.prefill_timeout_s, ex.remaining())
+            ) as t:
                 leg = _PrefillLeg(t)
                 self._prefill_legs.setdefault(prefill.instance_id, set()).add(leg)
                 body = prefill_body(ex.body, peers)
@@ -762,7 +834,9 @@ class RequestProxy:
             elapsed = time.monotonic() - started
             if reason == "timeout" and ex.remaining() <= 0:
                 deadline = self._deadline_reply()
-                return _PrefillResult(False, elapsed, reason, deadline, outcomes.TIMEOUT)
+                return _PrefillResult(
+                    False, elapsed, reason, deadline, outcomes.TIMEOUT
+                )
             return _PrefillResult(False, elapsed, reason)
         finally:
             self.registry.finish(prefill, ok)
@@ -778,12 +852,18 @@ class RequestProxy:
         if resp.status >= 400:  # the request itself is wrong: D would refuse it too
             reply = Reply(resp.status, _content_type(resp), data)
             return _PrefillResult(
-                False, elapsed, f"status {resp.status}", reply, outcomes.UPSTREAM_CLIENT_ERROR
+                False,
+                elapsed,
+                f"status {resp.status}",
+                reply,
+                outcomes.UPSTREAM_CLIENT_ERROR,
             )
         return _PrefillResult(True, elapsed)
 
     def _deadline_reply(self) -> Reply:
-        return error_reply(504, f"request deadline ({self.config.request_timeout_s:g}s) exceeded")
+        return error_reply(
+            504, f"request deadline ({self.config.request_timeout_s:g}s) exceeded"
+        )
 
     async def _decode(
         self,
@@ -812,7 +892,9 @@ class RequestProxy:
             async with asyncio.timeout(first_byte_s):
                 resp = await self._post(ex, decode, body, request_id)
                 streamed = (
-                    ex.stream and resp.status == 200 and (resp.content_type == "text/event-stream")
+                    ex.stream
+                    and resp.status == 200
+                    and (resp.content_type == "text/event-stream")
                 )
                 data = await (resp.content.readany() if streamed else resp.read())
             ex.upstream_s += time.monotonic() - started
@@ -825,18 +907,30 @@ class RequestProxy:
             if resp.status < 400:
                 self.count(ex, outcomes.OK)
             else:
-                self.count(ex, outcomes.UPSTREAM_CLIENT_ERROR if ok else outcomes.UPSTREAM_ERROR)
+                self.count(
+                    ex,
+                    outcomes.UPSTREAM_CLIENT_ERROR if ok else outcomes.UPSTREAM_ERROR,
+                )
             return Reply(resp.status, _content_type(resp), data, _relayed_headers(resp))
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             reason, ok = self._failed(decode, e)
             self.limited_log.warning(
-                "decode-" + reason, "decode instance %s: %s: %s", decode.http_addr, reason, e
+                "decode-" + reason,
+                "decode instance %s: %s: %s",
+                decode.http_addr,
+                reason,
+                e,
             )
             if reason == "refused":  # nothing was sent: another decode may take it
-                raise _DecodeRefused("the decode instance refused the connection") from None
+                raise _DecodeRefused(
+                    "the decode instance refused the connection"
+                ) from None
             if reason != "timeout":
                 return self._error(
-                    ex, outcomes.UPSTREAM_ERROR, 502, f"the decode instance failed ({reason})"
+                    ex,
+                    outcomes.UPSTREAM_ERROR,
+                    502,
+                    f"the decode instance failed ({reason})",
                 )
             if ex.remaining() <= 0:
                 self.count(ex, outcomes.TIMEOUT)
@@ -919,7 +1013,10 @@ class _RelayStream:
                 e,
             )
             return self._end(
-                outcomes.UPSTREAM_ERROR, False, 502, "the decode instance broke the stream"
+                outcomes.UPSTREAM_ERROR,
+                False,
+                502,
+                "the decode instance broke the stream",
             )
         if not chunk:
             self._close(outcomes.OK, True)
@@ -930,7 +1027,9 @@ class _RelayStream:
         self._at_event_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
         return chunk
 
-    def _end(self, outcome: str, instance_ok: bool | None, status: int, message: str) -> bytes:
+    def _end(
+        self, outcome: str, instance_ok: bool | None, status: int, message: str
+    ) -> bytes:
         """Stop the stream after an error: an SSE error event where one fits
         (vLLM's own format), then the end of the stream."""
         self._proxy.limited_log.warning(outcome, "%s", message)

@@ -76,7 +76,12 @@ class Instance:
 
     def answers_to(self, model: str | None) -> bool:
         """Whether a request for ``model`` (None: any) may go here."""
-        return model is None or self.model is None or model == self.model or (model in self.aliases)
+        return (
+            model is None
+            or self.model is None
+            or model == self.model
+            or (model in self.aliases)
+        )
 
 
 class RegistryRefused(RuntimeError):
@@ -120,7 +125,9 @@ class InstanceRegistry:
     breaker_opens: int = field(default=0, init=False)
     # Called with (instance, reason) after an instance is removed (the proxy
     # ends its legs to an instance whose heartbeats stopped).
-    on_removed: list[Callable[[Instance, str], None]] = field(default_factory=list, init=False)
+    on_removed: list[Callable[[Instance, str], None]] = field(
+        default_factory=list, init=False
+    )
 
     # --- membership ------------------------------------------------------
 
@@ -143,7 +150,8 @@ class InstanceRegistry:
             )
         if known is None and (name := self._name_conflict(msg)) is not None:
             raise RegistryRefused(
-                "conflict", f"{msg.instance_id}: the name {name!r} already names another model"
+                "conflict",
+                f"{msg.instance_id}: the name {name!r} already names another model",
             )
         if known is not None and msg.seq < known.seq:
             raise RegistryRefused(
@@ -152,7 +160,8 @@ class InstanceRegistry:
         until = self._retired.get(msg.instance_id)
         if known is None and until is not None and now < until:
             raise RegistryRefused(
-                "stale", f"{msg.instance_id} was replaced by a newer incarnation at its address"
+                "stale",
+                f"{msg.instance_id} was replaced by a newer incarnation at its address",
             )
         # An address belongs to one instance: a newer incarnation (a later
         # sender clock) takes it over; an older one (a replayed frame) may not.
@@ -161,7 +170,10 @@ class InstanceRegistry:
             for i in sorted(
                 {
                     i
-                    for index, addr in ((self._by_http, msg.http_addr), (self._by_kv, msg.kv_addr))
+                    for index, addr in (
+                        (self._by_http, msg.http_addr),
+                        (self._by_kv, msg.kv_addr),
+                    )
                     for i in index.get(addr, ())
                 }
                 - {msg.instance_id}
@@ -180,7 +192,9 @@ class InstanceRegistry:
             while len(self._retired) > MAX_RETIRED:
                 del self._retired[next(iter(self._retired))]
         if known is None and len(self._instances) >= self.max_instances:
-            raise RegistryFull(f"the registry holds {self.max_instances} instances already")
+            raise RegistryFull(
+                f"the registry holds {self.max_instances} instances already"
+            )
         expires_after_s = max(self.heartbeat_timeout_s, 3 * msg.interval_s)
         if known is not None:
             known.role = msg.role
@@ -216,11 +230,15 @@ class InstanceRegistry:
         )
         return True
 
-    def add_static(self, role: Role, http_addr: str, kv_addr: str, model: str | None) -> Instance:
+    def add_static(
+        self, role: Role, http_addr: str, kv_addr: str, model: str | None
+    ) -> Instance:
         """An instance named on the command line: never expires."""
         now = self.clock()
         instance_id = f"static-{role.value}-{http_addr}"
-        instance = Instance(instance_id, role, http_addr, kv_addr, model, 0, 1, now, now, None)
+        instance = Instance(
+            instance_id, role, http_addr, kv_addr, model, 0, 1, now, now, None
+        )
         self._instances[instance_id] = instance
         self._index(instance)
         return instance
@@ -270,7 +288,10 @@ class InstanceRegistry:
         return None
 
     def _unindex(self, instance: Instance) -> None:
-        for index, addr in ((self._by_http, instance.http_addr), (self._by_kv, instance.kv_addr)):
+        for index, addr in (
+            (self._by_http, instance.http_addr),
+            (self._by_kv, instance.kv_addr),
+        ):
             ids = index.get(addr)
             if ids is not None:
                 ids.discard(instance.instance_id)
@@ -343,11 +364,14 @@ class InstanceRegistry:
         now = self.clock()
         half_open = self.breaker_state(instance, now) is BreakerState.HALF_OPEN
         if half_open or (
-            instance.opened_at is None and instance.consecutive_failures >= self.breaker_failures
+            instance.opened_at is None
+            and instance.consecutive_failures >= self.breaker_failures
         ):
             self._open(instance, now)
 
-    def breaker_state(self, instance: Instance, now: float | None = None) -> BreakerState:
+    def breaker_state(
+        self, instance: Instance, now: float | None = None
+    ) -> BreakerState:
         if instance.opened_at is None:
             return BreakerState.CLOSED
         now = self.clock() if now is None else now
@@ -383,7 +407,9 @@ class InstanceRegistry:
     def models(self) -> list[str]:
         """Model names the registered instances serve, sorted."""
         self.expire()
-        return sorted({i.model for i in self._instances.values() if i.model is not None})
+        return sorted(
+            {i.model for i in self._instances.values() if i.model is not None}
+        )
 
     def model_names(self) -> list[str]:
         """Every name a request may use: models and their aliases, sorted."""

@@ -74,7 +74,9 @@ def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
         lax_bool(body.get("echo")) is True and body.get("logprobs") is not None
     ):
         return "prompt_logprobs"
-    limit_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    limit_name = (
+        "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    )
     limit = lax_int(body[limit_name]) if body.get(limit_name) is not None else None
     low = lax_int(body["min_tokens"]) if body.get("min_tokens") is not None else None
     valid = (
@@ -91,9 +93,12 @@ def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
         and _optional(
             body,
             "stop_token_ids",
-            lambda v: isinstance(v, list) and all(lax_int(i) is not _INVALID for i in v),
+            lambda v: isinstance(v, list)
+            and all(lax_int(i) is not _INVALID for i in v),
         )
-        and _optional(body, "include_stop_str_in_output", lambda v: lax_bool(v) is not _INVALID)
+        and _optional(
+            body, "include_stop_str_in_output", lambda v: lax_bool(v) is not _INVALID
+        )
         and _optional(body, "best_of", lambda v: lax_int(v) is not _INVALID)
         and _optional(body, "use_beam_search", lambda v: lax_bool(v) is not _INVALID)
     )

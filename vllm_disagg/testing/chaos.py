@@ -87,9 +87,13 @@ class Options:
     # ... and at least this many sent after the fault's last step (restart,
     # resume): what recovery is judged on.
     tail_requests: int = 40
-    duration_s: float = 600.0  # no request is sent after this; the run ends within it + timeouts
+    duration_s: float = (
+        600.0  # no request is sent after this; the run ends within it + timeouts
+    )
     concurrency: int = 8
-    request_timeout_s: float = 120.0  # the client's: more than the router's --request-timeout-s
+    request_timeout_s: float = (
+        120.0  # the client's: more than the router's --request-timeout-s
+    )
     fault_after: int = 60  # requests ended before the fault
     # stop-peer: how long the prefill stays stopped; past the fleet's heartbeat (10 s),
     # prefill (10 s) and KV load (10 s) timeouts.
@@ -121,7 +125,9 @@ class _Accumulator:
         prev = self.last.get(key)
         if prev is None:
             prev = value if baseline else 0.0
-        self.total[key] = self.total.get(key, 0.0) + (value - prev if value >= prev else value)
+        self.total[key] = self.total.get(key, 0.0) + (
+            value - prev if value >= prev else value
+        )
         self.last[key] = value
 
 
@@ -195,12 +201,16 @@ class Sampler:
             for name, labels in values.items():
                 if name in (metric, f"{metric}_total"):
                     for label, v in labels.items():
-                        self.counters.add(("router", incarnation, metric, label), v, baseline)
+                        self.counters.add(
+                            ("router", incarnation, metric, label), v, baseline
+                        )
 
     def member_total(self, metric: str, role: str | None = None) -> float:
         names = {m.name for m in self.fleet.serving() if role is None or m.role == role}
         return sum(
-            v for key, v in self.counters.total.items() if key[0] in names and key[2] == metric
+            v
+            for key, v in self.counters.total.items()
+            if key[0] in names and key[2] == metric
         )
 
     def router_total(self, metric: str) -> dict[str, float]:
@@ -215,7 +225,9 @@ class Sampler:
 # --- process growth ------------------------------------------------------------------
 
 
-def growth(before: dict[str, list[ProcStat]], after: dict[str, list[ProcStat]]) -> list[dict]:
+def growth(
+    before: dict[str, list[ProcStat]], after: dict[str, list[ProcStat]]
+) -> list[dict]:
     """Per process present in both snapshots (same pid): RSS, threads, fds
     before and after and the RSS change in percent."""
     rows = []
@@ -277,7 +289,9 @@ def _probe_dict(probes: dict[str, list[ProcStat]]) -> dict[str, list[dict]]:
 # --- faults ------------------------------------------------------------------------
 
 
-def _until(predicate: Callable[[], bool], timeout_s: float, step_s: float = 0.2) -> float | None:
+def _until(
+    predicate: Callable[[], bool], timeout_s: float, step_s: float = 0.2
+) -> float | None:
     """Seconds until ``predicate()`` held, or None at the deadline."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
@@ -289,14 +303,20 @@ def _until(predicate: Callable[[], bool], timeout_s: float, step_s: float = 0.2)
 
 def _since(at: float, predicate: Callable[[], bool], timeout_s: float) -> float | None:
     """Seconds from ``at`` (time.monotonic()) until ``predicate()`` held, or None."""
-    return None if _until(predicate, timeout_s) is None else round(time.monotonic() - at, 3)
+    return (
+        None
+        if _until(predicate, timeout_s) is None
+        else round(time.monotonic() - at, 3)
+    )
 
 
 def _fault_steady(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str, Any]:
     return {}
 
 
-def _fault_kill_prefill(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str, Any]:
+def _fault_kill_prefill(
+    fleet: Fleet, traffic: TrafficRun, opts: Options
+) -> dict[str, Any]:
     victim = fleet.prefills()[0].name
     traffic.wait_for(opts.fault_after, timeout_s=opts.duration_s)
     at = fleet.kill(victim)
@@ -307,28 +327,38 @@ def _fault_kill_prefill(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dic
         restart_at = fleet.restart([victim])
         out["restart_at"] = restart_at
         out["ready_after_restart_s"] = round(time.monotonic() - restart_at, 3)
-        out["registered_after_restart_s"] = _until(lambda: victim in fleet.registered(), 60)
+        out["registered_after_restart_s"] = _until(
+            lambda: victim in fleet.registered(), 60
+        )
     return out
 
 
-def _fault_kill_decode(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str, Any]:
+def _fault_kill_decode(
+    fleet: Fleet, traffic: TrafficRun, opts: Options
+) -> dict[str, Any]:
     names = [m.name for m in fleet.decodes()]
     traffic.wait_for(opts.fault_after, timeout_s=opts.duration_s)
     at = fleet.note(f"kill -9 {','.join(names)}")
     for name in names:
         fleet.members[name].server.kill()
     out: dict[str, Any] = {"victims": names, "at": at}
-    out["removed_after_s"] = _since(at, lambda: not (set(names) & fleet.registered()), 60)
+    out["removed_after_s"] = _since(
+        at, lambda: not (set(names) & fleet.registered()), 60
+    )
     if opts.restart:
         time.sleep(max(0.0, opts.restart_after_s - (time.monotonic() - at)))
         restart_at = fleet.restart(names)
         out["restart_at"] = restart_at
         out["ready_after_restart_s"] = round(time.monotonic() - restart_at, 3)
-        out["registered_after_restart_s"] = _until(lambda: set(names) <= fleet.registered(), 60)
+        out["registered_after_restart_s"] = _until(
+            lambda: set(names) <= fleet.registered(), 60
+        )
     return out
 
 
-def _fault_kill_decode_rank(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str, Any]:
+def _fault_kill_decode_rank(
+    fleet: Fleet, traffic: TrafficRun, opts: Options
+) -> dict[str, Any]:
     decodes = fleet.decodes()
     victim = decodes[-1].name
     others = [m.name for m in decodes[:-1]]
@@ -350,32 +380,44 @@ def _fault_kill_decode_rank(fleet: Fleet, traffic: TrafficRun, opts: Options) ->
         restart_at = fleet.restart(names)
         out["restart_at"] = restart_at
         out["ready_after_restart_s"] = round(time.monotonic() - restart_at, 3)
-        out["registered_after_restart_s"] = _until(lambda: set(names) <= fleet.registered(), 60)
+        out["registered_after_restart_s"] = _until(
+            lambda: set(names) <= fleet.registered(), 60
+        )
     return out
 
 
-def _fault_kill_router(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str, Any]:
+def _fault_kill_router(
+    fleet: Fleet, traffic: TrafficRun, opts: Options
+) -> dict[str, Any]:
     traffic.wait_for(opts.fault_after, timeout_s=opts.duration_s)
     at = fleet.kill("router")
     time.sleep(opts.router_restart_delay_s)
     restart_at = fleet.restart_router()
     up_at = time.monotonic()
-    back = _until(lambda: {m.name for m in fleet.serving()} <= fleet.registered(), 60, 0.05)
+    back = _until(
+        lambda: {m.name for m in fleet.serving()} <= fleet.registered(), 60, 0.05
+    )
     return {
         "at": at,
         "restart_at": restart_at,
         "http_up_after_restart_s": round(up_at - restart_at, 3),
         "instances_back_after_http_up_s": back,
-        "instances_back_after_kill_s": None if back is None else round(up_at + back - at, 3),
+        "instances_back_after_kill_s": None
+        if back is None
+        else round(up_at + back - at, 3),
     }
 
 
-def _fault_stop_peer(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str, Any]:
+def _fault_stop_peer(
+    fleet: Fleet, traffic: TrafficRun, opts: Options
+) -> dict[str, Any]:
     victim = fleet.prefills()[0].name
     traffic.wait_for(opts.fault_after, timeout_s=opts.duration_s)
     at = fleet.pause(victim)
     out: dict[str, Any] = {"victim": victim, "at": at, "stopped_s": opts.stop_s}
-    out["removed_after_s"] = _since(at, lambda: victim not in fleet.registered(), opts.stop_s)
+    out["removed_after_s"] = _since(
+        at, lambda: victim not in fleet.registered(), opts.stop_s
+    )
     time.sleep(max(0.0, opts.stop_s - (time.monotonic() - at)))
     resumed = fleet.resume(victim)
     out["resume_at"] = resumed
@@ -422,7 +464,9 @@ def hostile_targets(fleet: Fleet) -> list[Target]:
     router = fleet.router
     assert router is not None
     targets = [
-        Target("router http", "http", "http", f"127.0.0.1:{router.port}", "router http"),
+        Target(
+            "router http", "http", "http", f"127.0.0.1:{router.port}", "router http"
+        ),
         Target(
             "router discovery",
             "discovery",
@@ -438,12 +482,23 @@ def hostile_targets(fleet: Fleet) -> list[Target]:
             continue
         targets.append(
             Target(
-                f"{m.name} p2p control", "p2p control", "zmq", m.kv_addr, f"{m.name} p2p", control
+                f"{m.name} p2p control",
+                "p2p control",
+                "zmq",
+                m.kv_addr,
+                f"{m.name} p2p",
+                control,
             )
         )
         for addr in _log_addresses(fleet, m.name, _DATA_PORT_LINE):
             targets.append(
-                Target(f"{m.name} p2p data {addr}", "p2p data", "stream", addr, f"{m.name} p2p")
+                Target(
+                    f"{m.name} p2p data {addr}",
+                    "p2p data",
+                    "stream",
+                    addr,
+                    f"{m.name} p2p",
+                )
             )
     step_sync = hostile.step_sync_protocol()
     for m in fleet.decodes():
@@ -472,10 +527,14 @@ def _counted(fleet: Fleet, counter: str) -> float:
         else:
             names = _ROUTER_HTTP_COUNTERS
         total = sum(v for n in names for v in values.get(n, {}).values())
-        if what == "http":  # requests answered with an error (the router's or a decode's)
+        if (
+            what == "http"
+        ):  # requests answered with an error (the router's or a decode's)
             total += sum(
                 v
-                for labels, v in values.get("vllm_disagg_router_requests_total", {}).items()
+                for labels, v in values.get(
+                    "vllm_disagg_router_requests_total", {}
+                ).items()
                 if any(f'outcome="{o}"' in labels for o in _REFUSED_OUTCOMES)
             )
         return total
@@ -503,7 +562,9 @@ def _flood(target: Target, opts: Options, seed: int) -> hostile.Sent:
             time_s=opts.hostile_time_s,
             seed=seed,
         )
-    payloads = hostile.http_payloads if target.kind == "http" else hostile.stream_payloads
+    payloads = (
+        hostile.http_payloads if target.kind == "http" else hostile.stream_payloads
+    )
     return _flood_tcp_parallel(target.address, payloads, opts, seed)
 
 
@@ -557,14 +618,17 @@ def _fault_hostile(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str
     targets = hostile_targets(fleet)
     counters = sorted({t.counter for t in targets})
     before = {c: _counted(fleet, c) for c in counters}
-    pids_before = {name: sorted(s.pid for s in stats) for name, stats in fleet.probes().items()}
+    pids_before = {
+        name: sorted(s.pid for s in stats) for name, stats in fleet.probes().items()
+    }
     at = fleet.note(f"hostile floods on {len(targets)} ports")
     with ThreadPoolExecutor(len(targets)) as pool:
         sent = dict(
             zip(
                 targets,
                 pool.map(
-                    lambda it: _flood(it[1], opts, opts.hostile_seed + it[0]), enumerate(targets)
+                    lambda it: _flood(it[1], opts, opts.hostile_seed + it[0]),
+                    enumerate(targets),
                 ),
             )
         )
@@ -584,7 +648,9 @@ def _fault_hostile(fleet: Fleet, traffic: TrafficRun, opts: Options) -> dict[str
     while any(now[c] < bounds[c][0] for c in counters) and time.monotonic() < deadline:
         time.sleep(1.0)
         now = counted()
-    pids_after = {name: sorted(s.pid for s in stats) for name, stats in fleet.probes().items()}
+    pids_after = {
+        name: sorted(s.pid for s in stats) for name, stats in fleet.probes().items()
+    }
     return {
         "at": at,
         "ended_at": ended_at,
@@ -630,7 +696,11 @@ FAULTS: dict[str, Callable[[Fleet, TrafficRun, Options], dict[str, Any]]] = {
 
 
 def run_scenario(
-    name: str, fleet: Fleet, specs, references: dict[str, list[list[int]]], opts: Options
+    name: str,
+    fleet: Fleet,
+    specs,
+    references: dict[str, list[list[int]]],
+    opts: Options,
 ) -> dict[str, Any]:
     """Run scenario ``name`` on a started fleet; its figures."""
     if name not in FAULTS:
@@ -693,13 +763,19 @@ def run_scenario(
             "decode_retries": sum(
                 sampler.router_total("vllm_disagg_router_decode_retries").values()
             ),
-            "prefill_failures": sampler.router_total("vllm_disagg_router_prefill_failures"),
-            "instance_removals": sampler.router_total("vllm_disagg_router_instance_removals"),
+            "prefill_failures": sampler.router_total(
+                "vllm_disagg_router_prefill_failures"
+            ),
+            "instance_removals": sampler.router_total(
+                "vllm_disagg_router_instance_removals"
+            ),
             "requests": sampler.router_total("vllm_disagg_router_requests"),
             "decode_prefill_fallbacks": sampler.router_total(
                 "vllm_disagg_router_decode_prefill_fallbacks"
             ),
-            "breaker_opens": sum(sampler.router_total("vllm_disagg_router_breaker_opens").values()),
+            "breaker_opens": sum(
+                sampler.router_total("vllm_disagg_router_breaker_opens").values()
+            ),
         },
         "decode": {
             "failed_loads": sampler.member_total("vllm:p2p_failed_loads", "decode"),
@@ -708,17 +784,23 @@ def run_scenario(
             "external_prefix_cache_hits": sampler.member_total(
                 "vllm:external_prefix_cache_hits", "decode"
             ),
-            "rejected_messages": sampler.member_total("vllm:p2p_rejected_messages", "decode"),
+            "rejected_messages": sampler.member_total(
+                "vllm:p2p_rejected_messages", "decode"
+            ),
         },
         "prefill": {
             "failed_sends": sampler.member_total("vllm:p2p_failed_sends", "prefill"),
             "bytes_sent": sampler.member_total("vllm:p2p_bytes_sent", "prefill"),
-            "rejected_messages": sampler.member_total("vllm:p2p_rejected_messages", "prefill"),
+            "rejected_messages": sampler.member_total(
+                "vllm:p2p_rejected_messages", "prefill"
+            ),
         },
         "quiet": quiet,
         "quiet_after_s": quiet_s,
         # Readings of P2P gauges, idle, that needed a step to be fresh (see Fleet.wait_quiet).
-        "gauge_flushes": [{**f, "t": round(f["t"] - t0, 3)} for f in fleet.gauge_flushes[flushes:]],
+        "gauge_flushes": [
+            {**f, "t": round(f["t"] - t0, 3)} for f in fleet.gauge_flushes[flushes:]
+        ],
         "load_before": load_before,
         "load_after": load_after,
         "instances_after": instance_summary(fleet),

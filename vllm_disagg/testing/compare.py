@@ -120,7 +120,9 @@ class FieldDifference:
 def id_shape(value: Any) -> Any:
     """An id with its random part masked: ``cmpl-<hex>``, ``chatcmpl-<hex>``.
     What is not random (a prefix, a client's id, an address) stays."""
-    return re.sub(r"[0-9a-fA-F]{8,}", "<hex>", value) if isinstance(value, str) else value
+    return (
+        re.sub(r"[0-9a-fA-F]{8,}", "<hex>", value) if isinstance(value, str) else value
+    )
 
 
 def type_name(value: Any) -> str:
@@ -129,7 +131,10 @@ def type_name(value: Any) -> str:
 
 
 def send(
-    base_url: str, case: HttpCase, timeout_s: float = 60.0, keep_headers: Iterable[str] = ()
+    base_url: str,
+    case: HttpCase,
+    timeout_s: float = 60.0,
+    keep_headers: Iterable[str] = (),
 ) -> dict[str, Any]:
     """Send ``case`` to ``base_url``; the answer's view (see :func:`answer_view`),
     or ``{"exception": ...}`` when no answer came."""
@@ -139,11 +144,17 @@ def send(
         data = json.dumps(case.body).encode()
     try:
         response = requests.request(
-            case.method, base_url + case.path, data=data, headers=headers, timeout=timeout_s
+            case.method,
+            base_url + case.path,
+            data=data,
+            headers=headers,
+            timeout=timeout_s,
         )
     except requests.RequestException as e:
         return {"exception": type(e).__name__}
-    return answer_view(response.status_code, response.headers, response.content, keep_headers)
+    return answer_view(
+        response.status_code, response.headers, response.content, keep_headers
+    )
 
 
 def media_type(content_type: str | None) -> str | None:
@@ -154,7 +165,10 @@ def media_type(content_type: str | None) -> str | None:
 
 
 def answer_view(
-    status: int, headers: Mapping[str, str], body: bytes, keep_headers: Iterable[str] = ()
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
+    keep_headers: Iterable[str] = (),
 ) -> dict[str, Any]:
     """``{"status", "content_type", "headers", and "body" or "stream"}``: JSON
     bodies decoded, event streams as :func:`stream_view` (and their events
@@ -188,7 +202,9 @@ def parse_sse(text: str) -> list[Any]:
         lines = [line for line in re.split(r"\r?\n", block) if line and line[0] != ":"]
         if not lines:
             continue
-        data = [line[5:].removeprefix(" ") for line in lines if line.startswith("data:")]
+        data = [
+            line[5:].removeprefix(" ") for line in lines if line.startswith("data:")
+        ]
         if len(data) != len(lines):
             events.append({"<unparsed>": block})
             continue
@@ -262,7 +278,11 @@ def merge_chunks(old: Any, new: Any) -> Any:
 
 
 def differences(
-    a: Any, b: Any, rules: FieldRules = FieldRules(), exact: Iterable[str] = (), path: str = ""
+    a: Any,
+    b: Any,
+    rules: FieldRules = FieldRules(),
+    exact: Iterable[str] = (),
+    path: str = "",
 ) -> list[FieldDifference]:
     """Every field path where ``a`` and ``b`` differ (JSON-like values)."""
     out: list[FieldDifference] = []
@@ -271,7 +291,12 @@ def differences(
 
 
 def _walk(
-    a: Any, b: Any, path: str, rules: FieldRules, exact: frozenset[str], out: list[FieldDifference]
+    a: Any,
+    b: Any,
+    path: str,
+    rules: FieldRules,
+    exact: frozenset[str],
+    out: list[FieldDifference],
 ) -> None:
     if isinstance(a, dict) and isinstance(b, dict):
         for k in [*a, *(k for k in b if k not in a)]:
@@ -290,7 +315,9 @@ def _walk(
             if i >= len(a) or i >= len(b):
                 out.append(
                     FieldDifference(
-                        sub, a[i] if i < len(a) else ABSENT, b[i] if i < len(b) else ABSENT
+                        sub,
+                        a[i] if i < len(a) else ABSENT,
+                        b[i] if i < len(b) else ABSENT,
                     )
                 )
             else:
@@ -320,7 +347,9 @@ def compare_servers(
             fb = pool.submit(send, b_url, case, timeout_s, rules.headers)
             va, vb = fa.result(), fb.result()
             views[case.name] = (va, vb)
-            compared = [{k: v for k, v in view.items() if k != SSE_EVENTS} for view in (va, vb)]
+            compared = [
+                {k: v for k, v in view.items() if k != SSE_EVENTS} for view in (va, vb)
+            ]
             diffs[case.name] = differences(*compared, rules, case.exact)
     return diffs, views
 
@@ -350,14 +379,20 @@ def split_known(
         left = [d for d in found if not any(path_matches(p, d.path) for p in patterns)]
         if left:
             unexpected[name] = left
-        unused = [p for p in patterns if not any(path_matches(p, d.path) for d in found)]
+        unused = [
+            p for p in patterns if not any(path_matches(p, d.path) for d in found)
+        ]
         if unused:
             stale[name] = unused
     return unexpected, stale
 
 
 def _short(value: Any, width: int) -> str:
-    text = value if value is ABSENT else json.dumps(value, ensure_ascii=False, default=repr)
+    text = (
+        value
+        if value is ABSENT
+        else json.dumps(value, ensure_ascii=False, default=repr)
+    )
     text = str(text)
     return text if len(text) <= width else text[: width - 3] + "..."
 

@@ -35,12 +35,16 @@ class Seen:
     at: float = field(default_factory=time.monotonic)
 
 
-Handler = Callable[["FakeInstance", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
+Handler = Callable[
+    ["FakeInstance", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]
+]
 
 
 def sse(*payloads: Any) -> list[bytes]:
     """SSE events as vLLM writes them, with the closing [DONE]."""
-    return [f"data: {json.dumps(p)}\n\n".encode() for p in payloads] + [b"data: [DONE]\n\n"]
+    return [f"data: {json.dumps(p)}\n\n".encode() for p in payloads] + [
+        b"data: [DONE]\n\n"
+    ]
 
 
 class FakeInstance:
@@ -66,7 +70,9 @@ class FakeInstance:
         self.hang = False  # never answer anything, /health included
         self.health_status = 200
         self.models: list[dict] | None = None  # what /v1/models lists (None: 404)
-        self.api_key: str | None = None  # /v1/models wants "Bearer <it>" (vllm --api-key)
+        self.api_key: str | None = (
+            None  # /v1/models wants "Bearer <it>" (vllm --api-key)
+        )
         self.chunks = sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]})
         self.chunk_delay_s = 0.0
         self.handler: Handler | None = None
@@ -103,7 +109,9 @@ class FakeInstance:
         return app
 
     async def start(self) -> FakeInstance:
-        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app(), handler_cancellation=True, access_log=None
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
@@ -141,7 +149,9 @@ class FakeInstance:
                 await asyncio.sleep(3600)
             await asyncio.sleep(self.delay_s)
             if self.status != 200:
-                return web.json_response({"error": {"message": self.name}}, status=self.status)
+                return web.json_response(
+                    {"error": {"message": self.name}}, status=self.status
+                )
             if body.get("stream"):
                 return await self._stream(request)
             return web.Response(body=self.answer(), content_type="application/json")
@@ -150,7 +160,10 @@ class FakeInstance:
             raise
 
     async def _models(self, request: web.Request) -> web.Response:
-        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+        if (
+            self.api_key
+            and request.headers.get("Authorization") != f"Bearer {self.api_key}"
+        ):
             return web.json_response({"error": "Unauthorized"}, status=401)
         if self.models is None:
             return web.json_response({"detail": "Not Found"}, status=404)
@@ -165,7 +178,9 @@ class FakeInstance:
         return web.Response(status=self.health_status)
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8"}
+        )
         await resp.prepare(request)
         for i, chunk in enumerate(self.chunks):
             if i:
@@ -239,9 +254,13 @@ async def token_stream(
     model = (fake.models or [{"id": fake.name}])[0]["id"]
     n = max(1, min(int(body.get("max_tokens") or 1), MAX_TOKENS))
     if not body.get("stream"):
-        return web.Response(body=token_answer(model, n), content_type="application/json")
+        return web.Response(
+            body=token_answer(model, n), content_type="application/json"
+        )
     delay = float(body.get(DELAY_KEY) or 0) / 1000
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream; charset=utf-8"}
+    )
     await resp.prepare(request)
     for i in range(n):
         if i and delay:
@@ -273,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     fake.models = [{"id": args.model}]
     if args.tokens:
         fake.handler = token_stream
-    web.run_app(fake.app(), host="127.0.0.1", port=args.port, access_log=None, print=None)
+    web.run_app(
+        fake.app(), host="127.0.0.1", port=args.port, access_log=None, print=None
+    )
     return 0
 
 

@@ -193,7 +193,9 @@ def probe_tree(pid: int) -> list[ProcStat]:
     return stats
 
 
-def _find_children(pid: int, predicate: Callable[[psutil.Process], bool]) -> list[psutil.Process]:
+def _find_children(
+    pid: int, predicate: Callable[[psutil.Process], bool]
+) -> list[psutil.Process]:
     try:
         return [c for c in psutil.Process(pid).children(recursive=True) if predicate(c)]
     except psutil.Error:
@@ -305,14 +307,21 @@ class Fleet:
         kv_port, rpc_port = free_kv_port(max(4, self.config.decode_dp)), get_free_port()
         for rank in range(self.config.decode_dp):
             http_port = get_free_port()
-            args = self._instance_args("kv_consumer", kv_port, http_port, (rank, rpc_port))
+            args = self._instance_args(
+                "kv_consumer", kv_port, http_port, (rank, rpc_port)
+            )
             self.members[f"d{rank}"] = Member(
-                f"d{rank}", "decode", self._server(f"d{rank}", args, http_port), kv_port + rank
+                f"d{rank}",
+                "decode",
+                self._server(f"d{rank}", args, http_port),
+                kv_port + rank,
             )
         if self.config.reference:
             port = get_free_port()
             self.members["ref"] = Member(
-                "ref", "reference", self._server("ref", list(self.config.server_args), port)
+                "ref",
+                "reference",
+                self._server("ref", list(self.config.server_args), port),
             )
         try:
             for member in self.members.values():
@@ -375,7 +384,11 @@ class Fleet:
         return {by_addr[i["http_addr"]] for i in found if i["http_addr"] in by_addr}
 
     def wait_registered(
-        self, names: Iterable[str] | None = None, *, timeout_s: float, absent: Iterable[str] = ()
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        timeout_s: float,
+        absent: Iterable[str] = (),
     ) -> float:
         """Wait until the router lists ``names`` (default: every serving
         member) and none of ``absent``; the seconds it took."""
@@ -398,7 +411,11 @@ class Fleet:
     def probes(self) -> dict[str, list[ProcStat]]:
         """Process stats of every live member and of the router, by member name."""
         out: dict[str, list[ProcStat]] = {}
-        if self.router is not None and self.router.proc and self.router.proc.poll() is None:
+        if (
+            self.router is not None
+            and self.router.proc
+            and self.router.proc.poll() is None
+        ):
             out["router"] = probe_tree(self.router.proc.pid)
         for m in self.members.values():
             if m.pid is not None:
@@ -585,11 +602,21 @@ class Fleet:
             )
             if idle:
                 for name, values in load.items():
-                    held = values.get("p2p_buffer_bytes", 0) + values.get("p2p_pool_bytes", 0)
-                    if held and time.monotonic() - last_flush.get(name, 0.0) >= flush_every_s:
+                    held = values.get("p2p_buffer_bytes", 0) + values.get(
+                        "p2p_pool_bytes", 0
+                    )
+                    if (
+                        held
+                        and time.monotonic() - last_flush.get(name, 0.0)
+                        >= flush_every_s
+                    ):
                         last_flush[name] = time.monotonic()
                         self.gauge_flushes.append(
-                            {"t": time.monotonic(), "member": name, "before": dict(values)}
+                            {
+                                "t": time.monotonic(),
+                                "member": name,
+                                "before": dict(values),
+                            }
                         )
                         self.flush(name)
             time.sleep(0.5)

@@ -57,7 +57,9 @@ def hostile_frames(
     while True:
         kind = rng.choice(KINDS)
         if kind == "garbage":
-            frames = [rng.randbytes(rng.randrange(0, 300)) for _ in range(rng.randrange(0, 5))]
+            frames = [
+                rng.randbytes(rng.randrange(0, 300)) for _ in range(rng.randrange(0, 5))
+            ]
         elif kind == "truncated":
             payload, mac = proto.sample(rng, key)
             frames = [payload[: rng.randrange(0, max(1, len(payload)))], mac]
@@ -74,7 +76,12 @@ def hostile_frames(
                 (
                     [_deep(rng.choice((100, 5000))), mac],
                     [payload + rng.randbytes(8), mac],  # trailing bytes
-                    [msgspec.msgpack.encode({"type": "x", "v": [1.5, None, -(2**63)]}), mac],
+                    [
+                        msgspec.msgpack.encode(
+                            {"type": "x", "v": [1.5, None, -(2**63)]}
+                        ),
+                        mac,
+                    ],
                     [payload, mac, b"extra"],
                 )
             )
@@ -168,7 +175,9 @@ def step_sync_protocol() -> ZmqProtocol:
                 left=False,
             )
         else:
-            msg = s.Abort(version=s.PROTOCOL_VERSION, seq=rng.randrange(1, 100), reason="fuzz")
+            msg = s.Abort(
+                version=s.PROTOCOL_VERSION, seq=rng.randrange(1, 100), reason="fuzz"
+            )
         return s.seal(key or b"\0" * 32, s.TO_COORDINATOR, msg)
 
     return ZmqProtocol("step_sync", s.MAX_MESSAGE_BYTES, sample)
@@ -265,7 +274,10 @@ def _post(path: bytes, body: bytes, extra: bytes = b"") -> bytes:
     """A whole request; the server closes the connection once it answered."""
     return (
         b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Connection: close\r\n" + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body
+        b"Connection: close\r\n"
+        + extra
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
     )
 
 

@@ -64,10 +64,15 @@ class DelayedLookupConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         held = self._held.get(request.request_id)
         if held is None:
-            held = (time.monotonic() + self._requested_delay(request), _release_file(request))
+            held = (
+                time.monotonic() + self._requested_delay(request),
+                _release_file(request),
+            )
             self._held[request.request_id] = held
         ready_at, release_file = held
-        if time.monotonic() < ready_at and not (release_file and os.path.exists(release_file)):
+        if time.monotonic() < ready_at and not (
+            release_file and os.path.exists(release_file)
+        ):
             return None, False
         return 0, False
 
@@ -84,10 +89,14 @@ class DelayedLookupConnector(KVConnectorBase_V1):
             return 0.0
         return min(max(float(delay), 0.0), MAX_DELAY_S)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request, blocks, num_external_tokens: int
+    ) -> None:
         pass
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
         return _NoMetadata()
 
     def request_finished(self, request: Request, block_ids) -> tuple[bool, dict | None]:
@@ -102,7 +111,9 @@ class DelayedLookupConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any
+    ) -> None:
         pass
 
     def wait_for_save(self) -> None:

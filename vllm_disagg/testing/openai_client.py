@@ -55,7 +55,9 @@ def complete(
     """POST /v1/completions; the response body. ``params`` go into the
     request body (``max_tokens=8, temperature=0.0, ...``)."""
     body = {"model": server.model, "prompt": prompt, **params}
-    response = requests.post(completions_url(server), json=body, headers=headers, timeout=timeout_s)
+    response = requests.post(
+        completions_url(server), json=body, headers=headers, timeout=timeout_s
+    )
     response.raise_for_status()
     return response.json()
 
@@ -101,7 +103,9 @@ def stream_completion(
     """
     body = {"model": server.model, "prompt": prompt, **params, "stream": True}
     url = completions_url(server)
-    with requests.post(url, json=body, headers=headers, stream=True, timeout=timeout_s) as r:
+    with requests.post(
+        url, json=body, headers=headers, stream=True, timeout=timeout_s
+    ) as r:
         r.raise_for_status()
         yield from sse_data(r.iter_lines())
 
@@ -117,7 +121,9 @@ def stream_chat(
     """POST /v1/chat/completions with ``stream: true``; its chunks as they arrive."""
     body = {"model": server.model, "messages": messages, **params, "stream": True}
     url = f"{server.url}/v1/chat/completions"
-    with requests.post(url, json=body, headers=headers, stream=True, timeout=timeout_s) as r:
+    with requests.post(
+        url, json=body, headers=headers, stream=True, timeout=timeout_s
+    ) as r:
         r.raise_for_status()
         yield from sse_data(r.iter_lines())
 
@@ -127,7 +133,9 @@ def streamed_text(chunks: Iterable[dict]) -> str:
     parts = []
     for chunk in chunks:
         for choice in chunk.get("choices") or []:
-            parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            parts.append(
+                choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            )
     return "".join(parts)
 
 

@@ -74,8 +74,12 @@ def peer_naming(
     else:
         request_id = make_request_id(prefill_addr, decode_addr, key)
     if grant:
-        params[GRANT_KEY] = make_grant(fleet_router_token(), prefill_addr, decode_addr, key)
-    return {"X-Request-Id": request_id}, ({"kv_transfer_params": params} if params else {})
+        params[GRANT_KEY] = make_grant(
+            fleet_router_token(), prefill_addr, decode_addr, key
+        )
+    return {"X-Request-Id": request_id}, (
+        {"kv_transfer_params": params} if params else {}
+    )
 
 
 def disaggregated_completion(

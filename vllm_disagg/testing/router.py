@@ -93,7 +93,9 @@ class RouterProcess(LoggedProcess):
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RouterStartupError(f"router not up after {STARTUP_TIMEOUT_S:.0f}s\n{self.log_tail()}")
+        raise RouterStartupError(
+            f"router not up after {STARTUP_TIMEOUT_S:.0f}s\n{self.log_tail()}"
+        )
 
     def instances(self) -> list[dict[str, Any]]:
         body = requests.get(f"{self.url}/instances", timeout=5).json()

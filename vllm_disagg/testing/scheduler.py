@@ -44,7 +44,11 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -79,7 +83,9 @@ def write_model_config(outdir: str | Path) -> Path:
     config = _config("tiny-llama", VOCAB_SIZE, 1, 2).to_dict()
     config.pop("transformers_version", None)
     config["architectures"] = [ARCHITECTURES["tiny-llama"]]
-    (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (target / "config.json").write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n"
+    )
     return target
 
 
@@ -132,7 +138,8 @@ def make_vllm_config(
             kv_load_failure_policy=kv_load_failure_policy,
         )
     parallel_config = ParallelConfig(
-        data_parallel_size=max(1, data_parallel_rank + 1), data_parallel_rank=data_parallel_rank
+        data_parallel_size=max(1, data_parallel_rank + 1),
+        data_parallel_rank=data_parallel_rank,
     )
     return VllmConfig(
         model_config=model_config,
@@ -163,7 +170,9 @@ def _with_grant(request_id: str, params: dict | None) -> dict | None:
         return params
     if peer is None or (params is not None and GRANT_KEY in params):
         return params
-    grant = make_grant(fleet_router_token(), peer.prefill_addr, peer.decode_addr, peer.key)
+    grant = make_grant(
+        fleet_router_token(), peer.prefill_addr, peer.decode_addr, peer.key
+    )
     return {**(params or {}), GRANT_KEY: grant}
 
 
@@ -176,7 +185,10 @@ def make_scheduler(vllm_config: VllmConfig, num_blocks: int) -> Scheduler:
             KVCacheGroupSpec(
                 ["layer.0"],
                 FullAttentionSpec(
-                    block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.float32
+                    block_size=block_size,
+                    num_kv_heads=1,
+                    head_size=64,
+                    dtype=torch.float32,
                 ),
             )
         ],
@@ -208,7 +220,9 @@ class Step:
         return dict(self.output.num_scheduled_tokens)
 
     def finished(self) -> dict[str, EngineCoreOutput]:
-        return {o.request_id: o for o in self.engine_outputs if o.finish_reason is not None}
+        return {
+            o.request_id: o for o in self.engine_outputs if o.finish_reason is not None
+        }
 
 
 class SchedulerHarness:
@@ -284,7 +298,9 @@ class SchedulerHarness:
             sampling_params.extra_args = {"kv_transfer_params": kv_transfer_params}
         return Request(
             request_id=request_id,
-            prompt_token_ids=None if prompt_token_ids is None else list(prompt_token_ids),
+            prompt_token_ids=None
+            if prompt_token_ids is None
+            else list(prompt_token_ids),
             sampling_params=sampling_params,
             pooling_params=None,
             prompt_embeds=prompt_embeds,
@@ -348,7 +364,9 @@ class SchedulerHarness:
         request = self.scheduler.requests.get(req_id)
         return request is None or request.is_finished()
 
-    def run_until_finished(self, req_ids: set[str] | str, max_steps: int = 50) -> list[Step]:
+    def run_until_finished(
+        self, req_ids: set[str] | str, max_steps: int = 50
+    ) -> list[Step]:
         """Step (no worker reports) until every id in ``req_ids`` finished."""
         pending = {req_ids} if isinstance(req_ids, str) else set(req_ids)
         steps = []

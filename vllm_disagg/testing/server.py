@@ -176,7 +176,9 @@ class VllmServer(LoggedProcess):
         """Start the process without waiting (for servers that must meet,
         such as the DP ranks of an external load balancer)."""
         if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError(f"server already running (pid {self.proc.pid}); stop() it first")
+            raise RuntimeError(
+                f"server already running (pid {self.proc.pid}); stop() it first"
+            )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -207,7 +209,8 @@ class VllmServer(LoggedProcess):
             time.sleep(1.0)
         self.stop()
         raise ServerStartupError(
-            f"vllm serve not ready after {self.startup_timeout_s:.0f}s\n" + self.log_tail()
+            f"vllm serve not ready after {self.startup_timeout_s:.0f}s\n"
+            + self.log_tail()
         )
 
     def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:

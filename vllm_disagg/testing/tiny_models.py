@@ -89,7 +89,11 @@ def _build_tokenizer(outdir: Path) -> None:
 def _shape(**overrides: int) -> dict[str, int]:
     """The model's dimensions: the module constants, with ``overrides``."""
     shape = dict(
-        layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, hidden=HIDDEN, intermediate=INTERMEDIATE
+        layers=LAYERS,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        hidden=HIDDEN,
+        intermediate=INTERMEDIATE,
     )
     unknown = set(overrides) - set(shape)
     if unknown:
@@ -135,7 +139,12 @@ def checkpoint_shapes(
     module's constants.
     """
     d = _shape(**dims)
-    hidden, inter, heads, kv_heads = d["hidden"], d["intermediate"], d["heads"], d["kv_heads"]
+    hidden, inter, heads, kv_heads = (
+        d["hidden"],
+        d["intermediate"],
+        d["heads"],
+        d["kv_heads"],
+    )
     shapes = [("model.embed_tokens.weight", (vocab_size, hidden))]
     for i in range(d["layers"]):
         p = f"model.layers.{i}"
@@ -162,7 +171,10 @@ def checkpoint_shapes(
                     (f"{q}.w2.weight", (hidden, inter)),
                     (f"{q}.w3.weight", (inter, hidden)),
                 ]
-    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab_size, hidden))]
+    shapes += [
+        ("model.norm.weight", (hidden,)),
+        ("lm_head.weight", (vocab_size, hidden)),
+    ]
     return shapes
 
 
@@ -203,9 +215,16 @@ def build_model(kind: str, outdir: Path, head_dim: int = HEAD_DIM, **dims: int) 
     config_dict = config.to_dict()
     config_dict.pop("transformers_version", None)
     config_dict["architectures"] = [ARCHITECTURES[kind]]
-    (target / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
-    (target / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (target / "config.json").write_text(
+        json.dumps(config_dict, indent=2, sort_keys=True) + "\n"
+    )
+    generation = {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+    }
+    (target / "generation_config.json").write_text(
+        json.dumps(generation, indent=2) + "\n"
+    )
     return target
 
 
@@ -217,7 +236,9 @@ def build_all(outdir: str | os.PathLike) -> dict[str, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("outdir", help="directory to write tiny-llama/ and tiny-mixtral/ into")
+    parser.add_argument(
+        "outdir", help="directory to write tiny-llama/ and tiny-mixtral/ into"
+    )
     args = parser.parse_args(argv)
     for kind, path in build_all(args.outdir).items():
         print(f"{kind}: {path}")

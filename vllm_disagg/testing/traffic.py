@@ -170,7 +170,12 @@ def make_specs(
         prompt = rng.choice(prompts)
         messages = rng.choice(chats)
         if shape in ("completion", "completion-stream"):
-            body = {"model": model, "prompt": prompt, **greedy, "stream": shape.endswith("stream")}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                **greedy,
+                "stream": shape.endswith("stream"),
+            }
             return Spec(i, shape, COMPLETIONS, body, ((completion_ref(prompt), 0),))
         if shape in ("chat", "chat-stream"):
             body = {
@@ -184,7 +189,11 @@ def make_specs(
             a, b = rng.sample([p for p in prompts if isinstance(p, list)], 2)
             body = {"model": model, "prompt": [a, b], **greedy}
             return Spec(
-                i, shape, COMPLETIONS, body, ((completion_ref(a), 0), (completion_ref(b), 0))
+                i,
+                shape,
+                COMPLETIONS,
+                body,
+                ((completion_ref(a), 0), (completion_ref(b), 0)),
             )
         if shape == "n2-seeded":
             j = rng.randrange(6)
@@ -315,7 +324,9 @@ async def _send(
             raise _Failed(200, f"stream ended without [DONE] after {chunks} chunks")
         want = {i for i, _ in enumerate(spec.expect)} or {0}
         if not want <= set(finished):
-            raise _Failed(200, f"stream choices without finish_reason: {sorted(finished)}")
+            raise _Failed(
+                200, f"stream choices without finish_reason: {sorted(finished)}"
+            )
         return 200, tokens, False, ttfb
 
 
@@ -441,7 +452,9 @@ class TrafficRun:
             self.records.append(record)
             if record.outcome == "failed":
                 failures += 1
-                backoff = min(self.max_backoff_s, self.error_backoff_s * 2 ** (failures - 1))
+                backoff = min(
+                    self.max_backoff_s, self.error_backoff_s * 2 ** (failures - 1)
+                )
                 await asyncio.sleep(backoff)
             else:
                 failures = 0
@@ -466,7 +479,15 @@ class TrafficRun:
         finally:
             self.in_flight -= 1
         return Record(
-            spec.index, spec.shape, start, self.now(), status, outcome, detail, ttfb, hang
+            spec.index,
+            spec.shape,
+            start,
+            self.now(),
+            status,
+            outcome,
+            detail,
+            ttfb,
+            hang,
         )
 
 
@@ -483,7 +504,9 @@ def compute_references(
             ) as resp:
                 text = await resp.text()
                 if resp.status != 200:
-                    raise RuntimeError(f"reference {key[:120]}: HTTP {resp.status} {text[:300]}")
+                    raise RuntimeError(
+                        f"reference {key[:120]}: HTTP {resp.status} {text[:300]}"
+                    )
                 choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
                 return key, [list(c["token_ids"]) for c in choices]
 
@@ -551,13 +574,19 @@ def recovery(records: list[Record], fault_at: float) -> dict[str, Any]:
     """
     bad = [r for r in records if r.outcome in ("failed", "wrong")]
     after = sorted((r for r in records if r.start >= fault_at), key=lambda r: r.start)
-    last_bad_start = max((r.start for r in after if r.outcome in ("failed", "wrong")), default=None)
+    last_bad_start = max(
+        (r.start for r in after if r.outcome in ("failed", "wrong")), default=None
+    )
     if last_bad_start is None:
         recovered = 0.0
     else:
-        good_after = [r for r in after if r.start > last_bad_start and r.outcome == "ok"]
+        good_after = [
+            r for r in after if r.start > last_bad_start and r.outcome == "ok"
+        ]
         recovered = (good_after[0].start - fault_at) if good_after else None
-    errors_until = max((r.end - fault_at for r in bad if r.end >= fault_at), default=0.0)
+    errors_until = max(
+        (r.end - fault_at for r in bad if r.end >= fault_at), default=0.0
+    )
     return {
         "recovered_s": _round(recovered),
         "errors_until_s": _round(max(0.0, errors_until)),

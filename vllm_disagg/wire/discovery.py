@@ -59,7 +59,11 @@ class Role(str, enum.Enum):
 
     @classmethod
     def from_kv_role(cls, kv_role: str) -> Role:
-        return {"kv_producer": cls.PREFILL, "kv_consumer": cls.DECODE, "kv_both": cls.BOTH}[kv_role]
+        return {
+            "kv_producer": cls.PREFILL,
+            "kv_consumer": cls.DECODE,
+            "kv_both": cls.BOTH,
+        }[kv_role]
 
 
 class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True):
@@ -98,7 +102,9 @@ class Ack(_Msg, tag="ack"):
 
 Message = Register | Deregister | Ack
 
-_codec = FrameCodec(b"vllm-disagg-discovery", msgspec.msgpack.Decoder(Message), MAX_FRAME_BYTES)
+_codec = FrameCodec(
+    b"vllm-disagg-discovery", msgspec.msgpack.Decoder(Message), MAX_FRAME_BYTES
+)
 # One error type for every protocol's frames (wire/frames.py).
 DiscoveryError = FrameError
 
@@ -107,7 +113,9 @@ def seal(token: bytes | None, msg: Message) -> list[bytes]:
     return _codec.seal(token, msg)
 
 
-def open_frame(token: bytes | None, frames: list[bytes], *, now: float | None = None) -> Message:
+def open_frame(
+    token: bytes | None, frames: list[bytes], *, now: float | None = None
+) -> Message:
     """Authenticate, bound, decode and validate ``[payload, mac]``.
 
     Raises FrameError (kinds: malformed, oversized, unauthenticated, stale,
@@ -121,7 +129,8 @@ def open_frame(token: bytes | None, frames: list[bytes], *, now: float | None = 
         raise
     if msg.version != DISCOVERY_VERSION:
         raise FrameError(
-            "version", f"discovery protocol {msg.version}, this side speaks {DISCOVERY_VERSION}"
+            "version",
+            f"discovery protocol {msg.version}, this side speaks {DISCOVERY_VERSION}",
         )
     validate(msg)
     if not isinstance(msg, Ack):
@@ -143,9 +152,15 @@ def validate(msg: Message) -> None:
         if not cond:
             raise FrameError("malformed", what)
 
-    need(bool(_ID_RE.match(msg.instance_id)), "instance_id must be 1-128 of [A-Za-z0-9._:@[]-]")
+    need(
+        bool(_ID_RE.match(msg.instance_id)),
+        "instance_id must be 1-128 of [A-Za-z0-9._:@[]-]",
+    )
     if not isinstance(msg, Ack):
-        need(math.isfinite(msg.sent_at) and msg.sent_at >= 0, "sent_at must be a finite time")
+        need(
+            math.isfinite(msg.sent_at) and msg.sent_at >= 0,
+            "sent_at must be a finite time",
+        )
     if isinstance(msg, Register):
         for name in ("http_addr", "kv_addr"):
             value = getattr(msg, name)
@@ -157,8 +172,14 @@ def validate(msg: Message) -> None:
         need(len(msg.aliases) <= MAX_ALIASES, f"more than {MAX_ALIASES} aliases")
         for name in (msg.model, *msg.aliases):
             need(0 < len(name) <= MAX_MODEL_CHARS, "model name length")
-            need(name.isprintable(), "model names must be printable (no control characters)")
-        need(1 <= msg.dp_size <= 1024 and 0 <= msg.dp_rank < msg.dp_size, "dp_rank/dp_size")
+            need(
+                name.isprintable(),
+                "model names must be printable (no control characters)",
+            )
+        need(
+            1 <= msg.dp_size <= 1024 and 0 <= msg.dp_rank < msg.dp_size,
+            "dp_rank/dp_size",
+        )
         need(0 <= msg.seq <= MAX_SEQ, f"seq out of [0, {MAX_SEQ}]")
         need(0.05 <= msg.interval_s <= 600, "interval_s out of [0.05, 600]")
     elif isinstance(msg, Ack):

@@ -73,7 +73,10 @@ class FrameCodec:
         payload, mac = frames
         if len(payload) > self.max_payload:
             raise FrameError("oversized", f"{len(payload)} bytes > {self.max_payload}")
-        if key and (len(mac) != MAC_BYTES or not hmac.compare_digest(mac, self.mac(key, payload))):
+        if key and (
+            len(mac) != MAC_BYTES
+            or not hmac.compare_digest(mac, self.mac(key, payload))
+        ):
             raise FrameError("unauthenticated", "bad or missing MAC")
         try:
             return self.decoder.decode(payload)

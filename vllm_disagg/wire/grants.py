@@ -51,7 +51,9 @@ def _spell(addr: str) -> str:
     return f"{host}|{port}"
 
 
-def _mac(token: bytes, prefill_addr: str, decode_addr: str, key: str, expires: int) -> str:
+def _mac(
+    token: bytes, prefill_addr: str, decode_addr: str, key: str, expires: int
+) -> str:
     text = f"p2p-grant|{GRANT_VERSION}|{_spell(prefill_addr)}|{_spell(decode_addr)}|{key}|{expires}"
     return hmac.new(token, text.encode(), hashlib.sha256).hexdigest()[:MAC_HEX_CHARS]
 
@@ -72,7 +74,9 @@ def make_grant(
     return f"{GRANT_VERSION}.{expires}.{_mac(token, prefill_addr, decode_addr, key, expires)}"
 
 
-def check_grant(token: bytes, grant: object, peer: PeerInfo, *, now: float | None = None) -> None:
+def check_grant(
+    token: bytes, grant: object, peer: PeerInfo, *, now: float | None = None
+) -> None:
     """Raise :class:`GrantError` unless ``grant`` vouches for ``peer`` now."""
     if grant is None:
         raise GrantError("missing", "the request names peers without a grant")

@@ -16,7 +16,9 @@ DEFAULT_INTERVAL_S = 10.0
 
 
 class RateLimitedLog:
-    def __init__(self, logger: logging.Logger, interval_s: float = DEFAULT_INTERVAL_S) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = DEFAULT_INTERVAL_S
+    ) -> None:
         self._logger = logger
         self._interval_s = interval_s
         self._lock = threading.Lock()

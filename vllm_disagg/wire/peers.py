@@ -102,15 +102,21 @@ def _check_host(label: str, host: str) -> str:
         try:
             ipaddress.IPv6Address(inner)
         except ValueError:
-            raise PeerInfoError(f"{label}: {_show(host)} is not an IPv6 address") from None
+            raise PeerInfoError(
+                f"{label}: {_show(host)} is not an IPv6 address"
+            ) from None
         return inner
     if len(host) > MAX_HOST_CHARS:
-        raise PeerInfoError(f"{label}: host name longer than {MAX_HOST_CHARS} characters")
+        raise PeerInfoError(
+            f"{label}: host name longer than {MAX_HOST_CHARS} characters"
+        )
     if re.fullmatch(r"[0-9.]+", host):
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
-            raise PeerInfoError(f"{label}: {_show(host)} is not an IPv4 address") from None
+            raise PeerInfoError(
+                f"{label}: {_show(host)} is not an IPv4 address"
+            ) from None
     return host
 
 
@@ -137,7 +143,9 @@ def split_addr(addr: Any, label: str = "address") -> tuple[str, int]:
 def _split_valid_addr(addr: str, label: str) -> tuple[str, int]:
     match = _ADDR_RE.fullmatch(addr)
     if match is None:
-        raise PeerInfoError(f"{label}: {_show(addr)} is not 'host:port' (IPv6 as '[addr]:port')")
+        raise PeerInfoError(
+            f"{label}: {_show(addr)} is not 'host:port' (IPv6 as '[addr]:port')"
+        )
     return _check_host(label, match["host"]), _check_port(label, match["port"])
 
 
@@ -191,7 +199,9 @@ def is_loopback(host: str) -> bool:
 
 def check_key(key: Any, label: str = "key") -> str:
     if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-        raise PeerInfoError(f"{label}: {_show(key)} is not 1..{MAX_KEY_CHARS} letters or digits")
+        raise PeerInfoError(
+            f"{label}: {_show(key)} is not 1..{MAX_KEY_CHARS} letters or digits"
+        )
     return key
 
 
@@ -205,12 +215,18 @@ def make_request_id(prefill_addr: str, decode_addr: str, key: str | None = None)
     return f"{PREFILL_MARKER}{prefill_addr}{DECODE_MARKER}{decode_addr}_{key}"
 
 
-def make_kv_transfer_params(prefill_addr: str, decode_addr: str, key: str) -> dict[str, str]:
+def make_kv_transfer_params(
+    prefill_addr: str, decode_addr: str, key: str
+) -> dict[str, str]:
     """The same information as ``kv_transfer_params`` (survives any id rewrite)."""
     split_addr(prefill_addr, PREFILL_ADDR_KEY)
     split_addr(decode_addr, DECODE_ADDR_KEY)
     check_key(key, REQUEST_KEY_KEY)
-    return {PREFILL_ADDR_KEY: prefill_addr, DECODE_ADDR_KEY: decode_addr, REQUEST_KEY_KEY: key}
+    return {
+        PREFILL_ADDR_KEY: prefill_addr,
+        DECODE_ADDR_KEY: decode_addr,
+        REQUEST_KEY_KEY: key,
+    }
 
 
 def _from_params(params: dict) -> PeerInfo:
@@ -253,7 +269,9 @@ def _from_request_id(request_id: str) -> PeerInfo | None:
     )
 
 
-def parse_peer_info(request_id: str, kv_transfer_params: dict | None) -> PeerInfo | None:
+def parse_peer_info(
+    request_id: str, kv_transfer_params: dict | None
+) -> PeerInfo | None:
     """The peers of a request: from ``kv_transfer_params`` when it carries any
     of :data:`PEER_INFO_KEYS` (then all of them, valid), else from the request
     id (vLLM's internal one is fine). None: the request names no peers (an

@@ -83,13 +83,18 @@ def _wait_with_progress(servers: dict[str, VllmServer], started: float) -> None:
 
     def report() -> None:
         while not done.wait(15):
-            print(f"  ... still starting ({time.monotonic() - started:.0f}s)", flush=True)
+            print(
+                f"  ... still starting ({time.monotonic() - started:.0f}s)", flush=True
+            )
 
     threading.Thread(target=report, daemon=True).start()
     try:
         for name, server in servers.items():
             server.wait_ready()
-            print(f"  {name} ready at {server.url} ({time.monotonic() - started:.0f}s)", flush=True)
+            print(
+                f"  {name} ready at {server.url} ({time.monotonic() - started:.0f}s)",
+                flush=True,
+            )
     finally:
         done.set()
 
@@ -104,7 +109,9 @@ def _ask_all(target, max_tokens: int) -> list[tuple[str, str]]:
         texts = list(
             pool.map(
                 lambda p: _completion_text(
-                    openai_client.complete(target, p, max_tokens=max_tokens, temperature=0.0)
+                    openai_client.complete(
+                        target, p, max_tokens=max_tokens, temperature=0.0
+                    )
                 ),
                 PROMPTS,
             )
@@ -121,14 +128,20 @@ def _ask_all(target, max_tokens: int) -> list[tuple[str, str]]:
         )
     )
     chat = openai_client.chat(target, CHAT, max_tokens=max_tokens, temperature=0.0)
-    answers.append((f"chat {CHAT[0]['content']!r}", chat["choices"][0]["message"]["content"]))
+    answers.append(
+        (f"chat {CHAT[0]['content']!r}", chat["choices"][0]["message"]["content"])
+    )
     return answers
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=".cache/models", help="where tiny models are built")
-    parser.add_argument("--logs", default=".cache/demo-logs", help="server and router logs")
+    parser.add_argument(
+        "--models", default=".cache/models", help="where tiny models are built"
+    )
+    parser.add_argument(
+        "--logs", default=".cache/demo-logs", help="server and router logs"
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
 
@@ -138,7 +151,10 @@ def main() -> int:
     router = RouterProcess(log_path=log_dir / "router.log", model=str(model))
     print(f"starting the router (log: {router.log_path})", flush=True)
     router.start()
-    print(f"  router at {router.url}, discovery on port {router.discovery_port}", flush=True)
+    print(
+        f"  router at {router.url}, discovery on port {router.discovery_port}",
+        flush=True,
+    )
 
     rpc_port, d_kv_port = get_free_port(), free_kv_port()
     dp = [
@@ -182,10 +198,15 @@ def main() -> int:
                 f"(KV at {inst['kv_addr']})"
             )
 
-        print("\ncolocated run (the prefill instance, requests naming no peers) ...", flush=True)
+        print(
+            "\ncolocated run (the prefill instance, requests naming no peers) ...",
+            flush=True,
+        )
         colocated = _ask_all(servers["prefill"], args.max_tokens)
         print("disaggregated run through the router ...", flush=True)
-        print("(random weights: the text is noise by design; what counts is that both runs agree)")
+        print(
+            "(random weights: the text is noise by design; what counts is that both runs agree)"
+        )
         routed = _ask_all(router, args.max_tokens)
 
         matches = 0
@@ -210,7 +231,9 @@ def main() -> int:
             f"\n{matches} of {len(routed)} answers through the router match the colocated run"
             + ("" if matches == len(routed) else " (MISMATCH)")
         )
-        print(f"the decode ranks received {received / 1024:.0f} KiB of KV from the prefill")
+        print(
+            f"the decode ranks received {received / 1024:.0f} KiB of KV from the prefill"
+        )
         return 0 if matches == len(routed) else 1
     except (ServerStartupError, TimeoutError) as exc:
         print(exc, file=sys.stderr)

@@ -31,7 +31,9 @@ COMMON_ARGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--seed", "0"]
 
 def _prompts() -> list[str]:
     # Different lengths so that DP ranks schedule uneven token counts.
-    return [" ".join(WORDS[i % 7 : i % 7 + 2 + (i * 3) % 17]) for i in range(NUM_PROMPTS)]
+    return [
+        " ".join(WORDS[i % 7 : i % 7 + 2 + (i * 3) % 17]) for i in range(NUM_PROMPTS)
+    ]
 
 
 def _greedy(server) -> list[GreedyResult]:

@@ -97,7 +97,8 @@ def _workload() -> list[Job]:
 # loaded 2-core machine the engines run well ahead of the streamed chunks.
 PAUSE_MAX_TOKENS = 256
 PAUSE_JOBS = [
-    Job(1000 + i, " ".join(WORDS[i : i + 6]), PAUSE_MAX_TOKENS, "stream") for i in range(6)
+    Job(1000 + i, " ".join(WORDS[i : i + 6]), PAUSE_MAX_TOKENS, "stream")
+    for i in range(6)
 ]
 HELD_JOB = Job(2000, " ".join(WORDS[3:20]), 16, "plain")
 BUSY_JOBS = [Job(2001 + i, " ".join(WORDS[i : i + 10]), 16, "plain") for i in range(6)]
@@ -142,7 +143,9 @@ def run_job(
         return body["choices"][0]["token_ids"]
     token_ids: list[int] = []
     params = {**_params(job, True), **extra}
-    stream = stream_completion(server, job.prompt, headers=headers, timeout_s=300, **params)
+    stream = stream_completion(
+        server, job.prompt, headers=headers, timeout_s=300, **params
+    )
     with contextlib.closing(stream) as chunks:
         for chunk in chunks:
             token_ids += chunk_token_ids(chunk)
@@ -156,7 +159,9 @@ def run_job(
     return token_ids
 
 
-def run_all(server: VllmServer, jobs: list[Job], workers: int = 48) -> dict[int, list[int]]:
+def run_all(
+    server: VllmServer, jobs: list[Job], workers: int = 48
+) -> dict[int, list[int]]:
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = pool.map(lambda job: (job.index, run_job(server, job)), jobs)
         return dict(results)
@@ -179,7 +184,9 @@ def wait_until_still(
         time.sleep(interval_s)
 
 
-def wait_for_settled_steps(servers: list[VllmServer], timeout_s: float = DRAIN_TIMEOUT_S):
+def wait_for_settled_steps(
+    servers: list[VllmServer], timeout_s: float = DRAIN_TIMEOUT_S
+):
     """Wait until every rank reports local_step == coordinator_step and the
     values stop moving; return {rank: local_step}."""
 
@@ -233,7 +240,9 @@ def dp2_server(tiny_models, start_server):
     server.stop()
 
 
-def test_200_mixed_requests_match_dp1_and_ranks_stay_in_lockstep(dp1_reference, dp2_server):
+def test_200_mixed_requests_match_dp1_and_ranks_stay_in_lockstep(
+    dp1_reference, dp2_server
+):
     jobs = _workload()
     got = run_all(dp2_server, jobs)
     cancelled = [job for job in jobs if job.mode == "cancel"]
@@ -243,7 +252,9 @@ def test_200_mixed_requests_match_dp1_and_ranks_stay_in_lockstep(dp1_reference, 
             assert 3 <= len(got[job.index]) < job.max_tokens, job
             continue
         assert len(got[job.index]) == job.max_tokens, job
-        assert got[job.index] == dp1_reference[job.index], f"request {job.index} ({job.mode})"
+        assert got[job.index] == dp1_reference[job.index], (
+            f"request {job.index} ({job.mode})"
+        )
 
     steps = wait_for_settled_steps([dp2_server])
     assert set(steps) == {0, 1}
@@ -253,7 +264,9 @@ def test_200_mixed_requests_match_dp1_and_ranks_stay_in_lockstep(dp1_reference, 
     assert forward[0] > 0 and forward[1] > 0
     assert forward[0] + dummy[0] == forward[1] + dummy[1] == steps[0]
     # Cancelled requests were aborted in the engines: nothing is left running.
-    running = dp2_server.metrics("vllm:num_requests_running")["vllm:num_requests_running"]
+    running = dp2_server.metrics("vllm:num_requests_running")[
+        "vllm:num_requests_running"
+    ]
     assert sum(running.values()) == 0, running
 
 
@@ -263,17 +276,24 @@ def test_no_wave_traffic_on_the_wire(dp2_server):
     start_wave. Step sync produces none of it."""
     run_all(dp2_server, _workload()[:20])
     wait_for_settled_steps([dp2_server])
-    for name in ("start_dp_wave_received", "wave_stamped_requests", "wave_outputs_sent"):
+    for name in (
+        "start_dp_wave_received",
+        "wave_stamped_requests",
+        "wave_outputs_sent",
+    ):
         values = step_sync_metric(dp2_server, f"{name}_total")
         assert values == {0: 0.0, 1: 0.0}, (name, values)
     malformed = step_sync_metric(dp2_server, "malformed_messages_total")
     assert malformed == {0: 0.0, 1: 0.0}
-    assert step_sync_metric(dp2_server, "coordinator_pause_violations_total") == {0: 0.0}
+    assert step_sync_metric(dp2_server, "coordinator_pause_violations_total") == {
+        0: 0.0
+    }
 
 
 def _coordinator_address(server: VllmServer) -> str:
     match = re.search(
-        r"step sync DP engine core dp_rank=0/\d+ .*coordinator=(tcp://\S+)", server.log_text()
+        r"step sync DP engine core dp_rank=0/\d+ .*coordinator=(tcp://\S+)",
+        server.log_text(),
     )
     assert match, "rank 0 did not log its coordinator address"
     return match.group(1)
@@ -307,7 +327,9 @@ def _stranger_frames(rng: random.Random) -> list[bytes]:
     return [payload, rng.randbytes(16)]
 
 
-def test_foreign_frames_flooding_the_coordinator_change_no_output(dp1_reference, dp2_server):
+def test_foreign_frames_flooding_the_coordinator_change_no_output(
+    dp1_reference, dp2_server
+):
     """Thousands of foreign frames at the coordinator port while requests
     flow: every output equals DP=1, nothing is aborted, all are counted."""
     address = _coordinator_address(dp2_server)
@@ -328,7 +350,9 @@ def test_foreign_frames_flooding_the_coordinator_change_no_output(dp1_reference,
             while not stop.is_set() and sent[0] < 5000 and time.monotonic() < deadline:
                 with contextlib.suppress(zmq.ZMQError):
                     if sent[0] % 10 == 0:
-                        big.send_multipart([rng.randbytes(2000), rng.randbytes(16)], zmq.NOBLOCK)
+                        big.send_multipart(
+                            [rng.randbytes(2000), rng.randbytes(16)], zmq.NOBLOCK
+                        )
                     else:
                         sock.send_multipart(_stranger_frames(rng))
                 sent[0] += 1
@@ -362,7 +386,9 @@ def test_idle_group_runs_no_steps(dp2_server):
     assert wait_for_settled_steps([dp2_server]) == before
 
 
-def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_reference, dp2_server):
+def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(
+    dp1_reference, dp2_server
+):
     # Pause as soon as the first token streams. Waiting for every stream to
     # start instead let the earliest ones run to max_tokens on a busy machine
     # before the pause landed; requests not yet running must freeze as well.
@@ -371,18 +397,28 @@ def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_referenc
     with ThreadPoolExecutor(max_workers=len(PAUSE_JOBS)) as pool:
         futures = {
             job.index: pool.submit(
-                run_job, dp2_server, job, on_first_chunk=generating.set, progress=progress
+                run_job,
+                dp2_server,
+                job,
+                on_first_chunk=generating.set,
+                progress=progress,
             )
             for job in PAUSE_JOBS
         }
         assert generating.wait(timeout=120), "no request started generating"
-        r = requests.post(f"{dp2_server.url}/pause", params={"mode": "keep"}, timeout=120)
+        r = requests.post(
+            f"{dp2_server.url}/pause", params={"mode": "keep"}, timeout=120
+        )
         assert r.status_code == 200, r.text
         paused = wait_for_settled_steps([dp2_server])
         # Chunks made before the pause may still be in flight.
-        frozen = wait_until_still(lambda: dict(progress), 30, "tokens kept arriving while paused")
+        frozen = wait_until_still(
+            lambda: dict(progress), 30, "tokens kept arriving while paused"
+        )
         time.sleep(2.0)
-        assert wait_for_settled_steps([dp2_server]) == paused, "a rank stepped while paused"
+        assert wait_for_settled_steps([dp2_server]) == paused, (
+            "a rank stepped while paused"
+        )
         # The streams drained what was generated before the pause, then stopped.
         assert progress == frozen, "tokens arrived while paused"
         done = {i: f.exception() or "finished" for i, f in futures.items() if f.done()}
@@ -391,7 +427,9 @@ def test_pause_stops_all_ranks_at_one_step_and_resume_restarts_them(dp1_referenc
         r = requests.post(f"{dp2_server.url}/resume", timeout=60)
         assert r.status_code == 200, r.text
         for index, future in futures.items():
-            assert future.result(timeout=300) == dp1_reference[index], f"request {index}"
+            assert future.result(timeout=300) == dp1_reference[index], (
+                f"request {index}"
+            )
     resumed = wait_for_settled_steps([dp2_server])
     assert resumed[0] > paused[0]
 
@@ -419,11 +457,15 @@ def test_sleep_under_dp_freezes_every_rank_without_spinning(dp1_reference, dp2_s
     assert requests.get(f"{url}/is_sleeping", timeout=10).json()["is_sleeping"] is True
     asleep = wait_for_settled_steps([dp2_server])
     with ThreadPoolExecutor(max_workers=len(SLEEP_JOBS)) as pool:
-        futures = {job.index: pool.submit(run_job, dp2_server, job) for job in SLEEP_JOBS}
+        futures = {
+            job.index: pool.submit(run_job, dp2_server, job) for job in SLEEP_JOBS
+        }
         cpu_before = engine_cpu_seconds(dp2_server)
         time.sleep(3.0)
         cpu_used = engine_cpu_seconds(dp2_server) - cpu_before
-        assert wait_for_settled_steps([dp2_server]) == asleep, "a rank stepped while asleep"
+        assert wait_for_settled_steps([dp2_server]) == asleep, (
+            "a rank stepped while asleep"
+        )
         assert not any(f.done() for f in futures.values()), "a request ran while asleep"
         # Two engines blocked on their queues use next to nothing; one
         # spinning would burn about a core for the whole interval.
@@ -431,7 +473,9 @@ def test_sleep_under_dp_freezes_every_rank_without_spinning(dp1_reference, dp2_s
         r = requests.post(f"{url}/wake_up", params={"tags": "scheduling"}, timeout=60)
         assert r.status_code == 200 and r.json()["status"] == "awake", r.text
         for index, future in futures.items():
-            assert future.result(timeout=120) == dp1_reference[index], f"request {index}"
+            assert future.result(timeout=120) == dp1_reference[index], (
+                f"request {index}"
+            )
     assert requests.get(f"{url}/is_sleeping", timeout=10).json()["is_sleeping"] is False
     awake = wait_for_settled_steps([dp2_server])
     assert awake[0] > asleep[0]
@@ -468,7 +512,9 @@ def dp2_delayed_lookup_server(tiny_models, start_server):
 
 def waiting_requests(server: VllmServer, dp_rank: int) -> float:
     # Absent until the engines' first stats reach the front end.
-    waiting = server.metrics("vllm:num_requests_waiting").get("vllm:num_requests_waiting", {})
+    waiting = server.metrics("vllm:num_requests_waiting").get(
+        "vllm:num_requests_waiting", {}
+    )
     return sum(v for labels, v in waiting.items() if f'engine="{dp_rank}"' in labels)
 
 
@@ -488,27 +534,40 @@ def test_rank_holding_only_unschedulable_requests_neither_stalls_nor_spins(
     pool = ThreadPoolExecutor(max_workers=1 + len(BUSY_JOBS))
     try:
         release = tmp_path / "release-held"
-        held = pool.submit(run_job, server, HELD_JOB, dp_rank=1, kv_transfer_params=_hold(release))
+        held = pool.submit(
+            run_job, server, HELD_JOB, dp_rank=1, kv_transfer_params=_hold(release)
+        )
         deadline = time.monotonic() + 30
         while waiting_requests(server, 1) < 1:
-            assert time.monotonic() < deadline and not held.done(), "held request never queued"
+            assert time.monotonic() < deadline and not held.done(), (
+                "held request never queued"
+            )
             time.sleep(0.2)
 
         # Rank 0 works while rank 1 holds nothing schedulable: rank 1 must
         # run the matching dummy passes or rank 0 would block in a collective.
-        busy = {job.index: pool.submit(run_job, server, job, dp_rank=0) for job in BUSY_JOBS}
+        busy = {
+            job.index: pool.submit(run_job, server, job, dp_rank=0) for job in BUSY_JOBS
+        }
         for index, future in busy.items():
-            assert future.result(timeout=BUSY_TIMEOUT_S) == dp1_reference[index], f"request {index}"
+            assert future.result(timeout=BUSY_TIMEOUT_S) == dp1_reference[index], (
+                f"request {index}"
+            )
 
         # Rank 0 is done; rank 1 still holds its request: the group is idle.
         idle = wait_for_settled_steps([server])
         time.sleep(2.0)
-        assert wait_for_settled_steps([server]) == idle, "a rank kept stepping while idle"
+        assert wait_for_settled_steps([server]) == idle, (
+            "a rank kept stepping while idle"
+        )
         assert not held.done() and waiting_requests(server, 1) == 1, (
             f"the held request was released before the idle check; raise HOLD_S ({HOLD_S})"
         )
         release.touch()
-        assert held.result(timeout=HOLD_S + BUSY_TIMEOUT_S) == dp1_reference[HELD_JOB.index]
+        assert (
+            held.result(timeout=HOLD_S + BUSY_TIMEOUT_S)
+            == dp1_reference[HELD_JOB.index]
+        )
     finally:
         # After a failure a request may hang in a stuck engine: do not wait
         # for it here; stopping the server ends it.
@@ -548,12 +607,18 @@ def test_sigterm_drains_in_flight_work_and_the_group_leaves_at_one_step(
         )
         release = tmp_path / "release-held"
         held = pool.submit(
-            run_job, server, DRAIN_HELD_JOB, dp_rank=1, kv_transfer_params=_hold(release)
+            run_job,
+            server,
+            DRAIN_HELD_JOB,
+            dp_rank=1,
+            kv_transfer_params=_hold(release),
         )
         assert started.wait(60), "the stream never started"
         deadline = time.monotonic() + 30
         while waiting_requests(server, 1) < 1:
-            assert time.monotonic() < deadline and not held.done(), "held request never queued"
+            assert time.monotonic() < deadline and not held.done(), (
+                "held request never queued"
+            )
             time.sleep(0.2)
         group = server.proc.pid  # the server leads its own process group
         server.proc.send_signal(signal.SIGTERM)
@@ -561,14 +626,22 @@ def test_sigterm_drains_in_flight_work_and_the_group_leaves_at_one_step(
             "the stream finished before SIGTERM; the test proves nothing"
         )
         release.touch()  # its KV "arrives" during the drain
-        assert stream.result(timeout=SHUTDOWN_TIMEOUT_S) == dp1_reference[DRAIN_STREAM_JOB.index]
-        assert held.result(timeout=SHUTDOWN_TIMEOUT_S) == dp1_reference[DRAIN_HELD_JOB.index]
+        assert (
+            stream.result(timeout=SHUTDOWN_TIMEOUT_S)
+            == dp1_reference[DRAIN_STREAM_JOB.index]
+        )
+        assert (
+            held.result(timeout=SHUTDOWN_TIMEOUT_S)
+            == dp1_reference[DRAIN_HELD_JOB.index]
+        )
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     returncode = server.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
     deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
     while process_group_alive(group):
-        assert time.monotonic() < deadline, "engine or worker processes outlived the server"
+        assert time.monotonic() < deadline, (
+            "engine or worker processes outlived the server"
+        )
         time.sleep(0.2)
     log = server.log_text()
     assert returncode == 0, server.log_tail()

@@ -35,7 +35,8 @@ from vllm_disagg.testing.server import cpu_test_env
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = (
-    Path(__file__).resolve().parents[3] / "examples/offline_inference/data_parallel_tiny_moe.py"
+    Path(__file__).resolve().parents[3]
+    / "examples/offline_inference/data_parallel_tiny_moe.py"
 )
 STARTUP_TIMEOUT_S = 420.0
 # All rounds of generate() once every rank is up: a few seconds when it works.
@@ -109,7 +110,11 @@ def _run_example(model: Path, dp_size: int, workdir: Path) -> tuple[dict, str, f
     if timed_out or proc.returncode != 0:
         pytest.fail(
             f"offline DP={dp_size} run "
-            + (f"killed after {elapsed:.0f}s" if timed_out else f"exited {proc.returncode}")
+            + (
+                f"killed after {elapsed:.0f}s"
+                if timed_out
+                else f"exited {proc.returncode}"
+            )
             + f" ({log_path}):\n{tail}"
         )
     return json.loads(out.read_text()), text, elapsed
@@ -129,7 +134,9 @@ def test_offline_dp_llm_per_rank_matches_dp1(tiny_models, tmp_path):
 
     # Every rank's generate() returned in every round, on the patched client;
     # in round 1 only rank 1 had prompts and rank 0 did not call generate().
-    assert log.count("client vllm_disagg.v1.engine.core_client.StepSyncSyncMPClient") == 2
+    assert (
+        log.count("client vllm_disagg.v1.engine.core_client.StepSyncSyncMPClient") == 2
+    )
     done = set(re.findall(r"^rank (\d+): round (\d+): (\d+) prompts", log, re.M))
     assert done == {
         (str(rank), str(round_no), str(len(example.prompts_for(rank, 2, round_no))))
@@ -141,4 +148,6 @@ def test_offline_dp_llm_per_rank_matches_dp1(tiny_models, tmp_path):
     dp1, _, dp1_s = _run_example(model, 1, tmp_path)
     expected = {prompt: n for jobs in example.ROUNDS for prompt, n in jobs}
     assert {prompt: len(ids) for prompt, ids in dp1.items()} == expected
-    assert dp2 == dp1, f"DP=2 and DP=1 differ (DP=2 run {dp2_s:.0f}s, DP=1 run {dp1_s:.0f}s)"
+    assert dp2 == dp1, (
+        f"DP=2 and DP=1 differ (DP=2 run {dp2_s:.0f}s, DP=1 run {dp1_s:.0f}s)"
+    )

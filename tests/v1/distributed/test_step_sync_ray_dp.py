@@ -116,12 +116,21 @@ def settled_steps(server: VllmServer) -> dict[int, float]:
 def test_ray_actors_are_step_sync_engines(ray_dp2_server):
     log = ray_dp2_server.log_text()
     # Plain `vllm serve`: the executor backend was left unset and became mp.
-    assert "workers with --distributed-executor-backend mp" in log, ray_dp2_server.log_tail()
+    assert "workers with --distributed-executor-backend mp" in log, (
+        ray_dp2_server.log_tail()
+    )
     for rank in (0, 1):
         assert f"Ray engine actor dp_rank={rank} " in log, ray_dp2_server.log_tail()
-        assert f"step sync DP engine core dp_rank={rank}/2" in log, ray_dp2_server.log_tail()
-    verified = [line for line in log.splitlines() if "Ray engine actor dp_rank=" in line]
-    assert all("step-sync-ray-actor" in line and "step-sync-dp-engine" in line for line in verified)
+        assert f"step sync DP engine core dp_rank={rank}/2" in log, (
+            ray_dp2_server.log_tail()
+        )
+    verified = [
+        line for line in log.splitlines() if "Ray engine actor dp_rank=" in line
+    ]
+    assert all(
+        "step-sync-ray-actor" in line and "step-sync-dp-engine" in line
+        for line in verified
+    )
 
 
 def test_requests_to_one_rank_complete_and_ranks_stay_in_lockstep(ray_dp2_server):

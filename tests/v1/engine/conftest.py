@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from step_sync_helpers import LossyRelay, SimEngine
 
-from vllm_disagg.v1.engine.step_sync import Coordinator, StepSyncConfig, new_group_secret
+from vllm_disagg.v1.engine.step_sync import (
+    Coordinator,
+    StepSyncConfig,
+    new_group_secret,
+)
 
 
 @pytest.fixture
@@ -15,10 +19,14 @@ def group():
     made = []
 
     def make(dp_size, work, lookahead=2, timeout_s=10.0, delays=None, relay=False):
-        config = StepSyncConfig(dp_size=dp_size, lookahead=lookahead, peer_timeout_s=timeout_s)
+        config = StepSyncConfig(
+            dp_size=dp_size, lookahead=lookahead, peer_timeout_s=timeout_s
+        )
         secret = new_group_secret()
         failures: list[str] = []
-        coord = Coordinator(config, "tcp://127.0.0.1:0", secret, on_failure=failures.append)
+        coord = Coordinator(
+            config, "tcp://127.0.0.1:0", secret, on_failure=failures.append
+        )
         coord.failures = failures
         coord.start()
         proxy = LossyRelay(coord.address) if relay else None
@@ -26,7 +34,9 @@ def group():
         for r in range(dp_size):
             address = proxy.address if proxy is not None and r == 0 else coord.address
             delay = (delays or [0] * dp_size)[r]
-            engines.append(SimEngine(config, r, address, secret, work[r], delay).start())
+            engines.append(
+                SimEngine(config, r, address, secret, work[r], delay).start()
+            )
         made.append((coord, engines, proxy))
         return (coord, engines, proxy) if relay else (coord, engines)
 

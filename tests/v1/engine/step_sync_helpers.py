@@ -48,7 +48,9 @@ class SimEngine:
 
     def _drain(self, block: bool):
         try:
-            kind, value = self.events.get(timeout=0.05) if block else self.events.get_nowait()
+            kind, value = (
+                self.events.get(timeout=0.05) if block else self.events.get_nowait()
+            )
         except queue.Empty:
             return
         if kind == "grant":
@@ -140,7 +142,9 @@ class LossyRelay:
             with self._lock:
                 self._conns += [client, server]
             for src, dst, up in ((client, server, True), (server, client, False)):
-                threading.Thread(target=self._pump, args=(src, dst, up), daemon=True).start()
+                threading.Thread(
+                    target=self._pump, args=(src, dst, up), daemon=True
+                ).start()
 
     def _pump(self, src, dst, upstream):
         try:
@@ -164,7 +168,9 @@ class LossyRelay:
             conns, self._conns = self._conns, []
         for sock in conns:
             try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
                 # shutdown() wakes the pump blocked in recv(); close() alone
                 # would leave the connection open until that recv returned.
                 sock.shutdown(socket.SHUT_RDWR)
@@ -308,9 +314,15 @@ def make_engine(config, rank, address, secret, shutdown_timeout=0):
         rank,
         address,
         secret,
-        on_grant=lambda step: engine.input_queue.put_nowait((StepSyncInput.GRANT, step)),
-        on_failure=lambda reason: engine.input_queue.put_nowait((StepSyncInput.FAILED, reason)),
-        on_group=lambda state: engine.input_queue.put_nowait((StepSyncInput.GROUP, state)),
+        on_grant=lambda step: engine.input_queue.put_nowait(
+            (StepSyncInput.GRANT, step)
+        ),
+        on_failure=lambda reason: engine.input_queue.put_nowait(
+            (StepSyncInput.FAILED, reason)
+        ),
+        on_group=lambda state: engine.input_queue.put_nowait(
+            (StepSyncInput.GROUP, state)
+        ),
     ).start()
     return engine
 

@@ -28,7 +28,9 @@ def test_every_rank_runs_the_same_number_of_passes(group, lookahead):
     work = [rng.randint(0, 60) for _ in range(4)]
     work[1] = 75  # one rank clearly busiest
     coord, engines = group(4, work, lookahead=lookahead, delays=[0, 0.05, 0.02, 0])
-    wait_until(lambda: _settled(coord, engines), what="all ranks at the coordinator step")
+    wait_until(
+        lambda: _settled(coord, engines), what="all ranks at the coordinator step"
+    )
     time.sleep(0.2)  # nothing further may happen once work has drained
     steps = {e.part.local_step for e in engines}
     assert steps == {coord.step}
@@ -89,7 +91,9 @@ def test_out_of_range_step_request_is_rejected(group):
     # A registered rank asking far beyond its lease is a protocol violation.
     part.core.requested = 10**9
     part._publish()
-    wait_until(lambda: coord.counters.snapshot()["malformed_messages"] >= 1, what="rejection")
+    wait_until(
+        lambda: coord.counters.snapshot()["malformed_messages"] >= 1, what="rejection"
+    )
     assert coord.step == 0
     # Asking within the lease, then repeating or lowering the ask, moves
     # the coordinator step once.
@@ -109,7 +113,9 @@ def test_coordinator_shutdown_aborts_participants_at_once(group):
     wait_until(lambda: coord.registered == [0, 1], what="registration")
     started = time.monotonic()
     coord.close(abort_reason="DP rank 0 crashed")
-    wait_until(lambda: all(e.failures for e in engines), timeout_s=15, what="failure reports")
+    wait_until(
+        lambda: all(e.failures for e in engines), timeout_s=15, what="failure reports"
+    )
     assert time.monotonic() - started < 10  # far below the 30 s peer timeout
     assert "DP rank 0 crashed" in engines[1].failures[0]
 
@@ -122,7 +128,9 @@ def test_silent_coordinator_fails_participants_fast(group):
     # a coordinator process that hangs or is SIGKILLed looks like.
     coord._deliver = lambda sends: False
     coord._stop.set()
-    wait_until(lambda: all(e.failures for e in engines), timeout_s=15, what="failure reports")
+    wait_until(
+        lambda: all(e.failures for e in engines), timeout_s=15, what="failure reports"
+    )
     assert time.monotonic() - started < 10
     assert "coordinator silent" in engines[0].failures[0]
 
@@ -132,7 +140,9 @@ def test_participant_death_aborts_the_group(group):
     wait_until(lambda: coord.registered == [0, 1], what="registration")
     engines[1].stop.set()
     engines[1].part._stop.set()  # the process is gone: no goodbye
-    wait_until(lambda: coord.failures and engines[0].failures, timeout_s=5, what="abort")
+    wait_until(
+        lambda: coord.failures and engines[0].failures, timeout_s=5, what="abort"
+    )
     assert "DP rank 1 silent" in coord.failures[0]
     assert "aborted the DP group" in engines[0].failures[0]
 
@@ -141,7 +151,9 @@ def test_a_rank_leaving_outside_an_agreed_exit_aborts_the_group(group):
     coord, engines = group(2, [0, 0], timeout_s=30)
     wait_until(lambda: coord.registered == [0, 1], what="registration")
     engines[1].part.close()  # says goodbye, but the group did not agree to exit
-    wait_until(lambda: coord.failures and engines[0].failures, timeout_s=5, what="abort")
+    wait_until(
+        lambda: coord.failures and engines[0].failures, timeout_s=5, what="abort"
+    )
     assert "DP rank 1 left the group" in coord.failures[0]
 
 
@@ -189,7 +201,9 @@ def recorders():
         coord = Coordinator(config, "tcp://127.0.0.1:0", secret).start()
         parts = [_Recorder(config, r, coord.address, secret) for r in range(dp_size)]
         made.append((coord, parts))
-        wait_until(lambda: coord.registered == list(range(dp_size)), what="registration")
+        wait_until(
+            lambda: coord.registered == list(range(dp_size)), what="registration"
+        )
         for rec in parts:
             rec.part.wait_for_group(5)
         return coord, parts
@@ -213,7 +227,9 @@ def test_pause_completes_only_when_every_rank_paused_at_one_step(recorders):
         r0.part.begin_forward(dummy=False)
     intent0 = _pause(r0)
     wait_until(lambda: r0.part.group.intent_ack == intent0, what="ack")
-    assert r0.phase() == r1.phase() == GroupPhase.RUNNING, "paused before every rank agreed"
+    assert r0.phase() == r1.phase() == GroupPhase.RUNNING, (
+        "paused before every rank agreed"
+    )
     intent1 = _pause(r1)
     wait_until(
         lambda: r0.phase() == r1.phase() == GroupPhase.PAUSED
@@ -228,7 +244,9 @@ def test_pause_completes_only_when_every_rank_paused_at_one_step(recorders):
     wait_until(lambda: r0.part.group.intent_ack == intent0, what="ack")
     assert r0.phase() == GroupPhase.PAUSED
     r1.part.set_pause_intent(False)
-    wait_until(lambda: r0.phase() == r1.phase() == GroupPhase.RUNNING, what="the group resumed")
+    wait_until(
+        lambda: r0.phase() == r1.phase() == GroupPhase.RUNNING, what="the group resumed"
+    )
 
 
 def test_step_request_from_a_paused_group_is_granted_and_counted(recorders):
@@ -287,22 +305,31 @@ def test_only_an_ungranted_pass_waits_for_its_grant(recorders):
         r1.part.begin_forward(dummy=False)
         # A pass takes longer than a loopback round trip (made deterministic
         # here, so that a loaded machine cannot turn it around).
-        wait_until(lambda: r1.part.delivered >= r1.part.requested, what="renewal granted")
+        wait_until(
+            lambda: r1.part.delivered >= r1.part.requested, what="renewal granted"
+        )
         r1.part.observe_grant(r1.grants[-1])
     assert r1.part.stats["grant_waits"] == 1
-    wait_until(lambda: r0.grants and r0.grants[-1] == coord.step >= 21, what="peer grants")
+    wait_until(
+        lambda: r0.grants and r0.grants[-1] == coord.step >= 21, what="peer grants"
+    )
 
 
 def test_options_come_from_additional_config():
     config = StepSyncConfig.from_additional_config(
-        {"step_sync_lookahead": 4, "step_sync_peer_timeout_s": 2.5, "other": 1}, dp_size=2
+        {"step_sync_lookahead": 4, "step_sync_peer_timeout_s": 2.5, "other": 1},
+        dp_size=2,
     )
     assert (config.lookahead, config.peer_timeout_s) == (4, 2.5)
     assert StepSyncConfig.from_additional_config({}, dp_size=2).lookahead == 2
-    with pytest.raises(ConfigError, match="step_sync_lookahead, step_sync_peer_timeout_s"):
+    with pytest.raises(
+        ConfigError, match="step_sync_lookahead, step_sync_peer_timeout_s"
+    ):
         StepSyncConfig.from_additional_config({"step_sync_lookahed": 4}, dp_size=2)
     with pytest.raises(ConfigError, match="step_sync_peer_timeout_s"):
-        StepSyncConfig.from_additional_config({"step_sync_peer_timeout_s": True}, dp_size=2)
+        StepSyncConfig.from_additional_config(
+            {"step_sync_peer_timeout_s": True}, dp_size=2
+        )
 
 
 def test_ipv6_loopback_group():
@@ -310,7 +337,9 @@ def test_ipv6_loopback_group():
     secret = new_group_secret()
     coord = Coordinator(config, "tcp://[::1]:0", secret).start()
     parts = [
-        Participant(config, r, coord.address, secret, lambda s: None, lambda r: None).start()
+        Participant(
+            config, r, coord.address, secret, lambda s: None, lambda r: None
+        ).start()
         for r in range(2)
     ]
     try:

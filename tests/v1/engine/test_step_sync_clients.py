@@ -43,7 +43,9 @@ def _sync_client(cls: type) -> tuple[object, list]:
     client.engines_running = False
     client.outputs_queue = queue.Queue()
     sent: list = []
-    client._send_input = lambda request_type, request: sent.append((request_type, request))
+    client._send_input = lambda request_type, request: sent.append(
+        (request_type, request)
+    )
     return client, sent
 
 

@@ -39,7 +39,9 @@ CONFIG = StepSyncConfig(dp_size=3, lookahead=2, peer_timeout_s=1.0)  # heartbeat
 class Rank:
     """The messages one rank sends; ``fields`` is its latest state."""
 
-    def __init__(self, rank: int, config: StepSyncConfig = CONFIG, incarnation: str = ""):
+    def __init__(
+        self, rank: int, config: StepSyncConfig = CONFIG, incarnation: str = ""
+    ):
         self.route = f"route-{rank}".encode()
         self.fields = dict(
             version=PROTOCOL_VERSION,
@@ -86,7 +88,9 @@ class Checked:
     core: CoordinatorCore = field(init=False)
     accepted: dict[int, RankState] = field(default_factory=dict)  # latest per member
     last_seen: dict[int, float] = field(default_factory=dict)
-    sent_step: dict[bytes, int] = field(default_factory=dict)  # highest step told per route
+    sent_step: dict[bytes, int] = field(
+        default_factory=dict
+    )  # highest step told per route
     grants: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -99,10 +103,14 @@ class Checked:
         step, phase, failed = core.step, core.phase, core.failed
         counts = core.counters.snapshot()
         known = self.accepted.get(msg.dp_rank)
-        previous = core.members[msg.dp_rank].state if msg.dp_rank in core.members else None
+        previous = (
+            core.members[msg.dp_rank].state if msg.dp_rank in core.members else None
+        )
         assert previous == known
         if frames:
-            out = core.on_frames([rank.route, *seal(SECRET, TO_COORDINATOR, msg)], self.now)
+            out = core.on_frames(
+                [rank.route, *seal(SECRET, TO_COORDINATOR, msg)], self.now
+            )
         else:
             out = core.on_message(rank.route, msg, self.now)
         if failed is not None:  # a failed group answers everyone with its reason
@@ -110,15 +118,25 @@ class Checked:
             assert (core.step, core.phase, core.failed) == (step, phase, failed)
             return out
         member = core.members.get(msg.dp_rank)
-        accepted = member is not None and member.state is not previous and member.state == msg
+        accepted = (
+            member is not None and member.state is not previous and member.state == msg
+        )
         bound = max(step, msg.local_step) + cfg.lookahead + 1
         if accepted:
-            assert known is None or (known.incarnation == msg.incarnation and msg.seq > known.seq)
+            assert known is None or (
+                known.incarnation == msg.incarnation and msg.seq > known.seq
+            )
             assert msg.requested <= bound
-            self.accepted[msg.dp_rank], self.last_seen[msg.dp_rank] = member.state, self.now
+            self.accepted[msg.dp_rank], self.last_seen[msg.dp_rank] = (
+                member.state,
+                self.now,
+            )
         elif known is not None and known.incarnation == msg.incarnation:
             if msg.seq <= known.seq:
-                assert core.counters.snapshot()["stale_messages"] == counts["stale_messages"] + 1
+                assert (
+                    core.counters.snapshot()["stale_messages"]
+                    == counts["stale_messages"] + 1
+                )
             else:
                 assert msg.requested > bound
                 assert core.counters.snapshot()["malformed_messages"] == (
@@ -152,7 +170,11 @@ class Checked:
         late = missing and self.now > cfg.peer_timeout_s
         # A peer silent past its timeout (or a rank that never joined) fails the group; nothing
         # else does on a tick.
-        assert (core.failed is not None) == bool(late or silent), (self.now, missing, silent)
+        assert (core.failed is not None) == bool(late or silent), (
+            self.now,
+            missing,
+            silent,
+        )
         if late:
             assert "did not join" in core.failed
         elif silent:
@@ -166,7 +188,9 @@ class Checked:
         if failed is not None or all_left:
             assert out == []
         else:
-            assert sorted(r for r, _ in out) == sorted(m.route for m in self.core.members.values())
+            assert sorted(r for r, _ in out) == sorted(
+                m.route for m in self.core.members.values()
+            )
             assert all(isinstance(m, Abort) and m.reason == reason for _, m in out)
         return out
 
@@ -176,13 +200,21 @@ class Checked:
         if core.failed is not None:
             return
         if core.phase != before:
-            assert before != GroupPhase.EXITING and complete and core.phase_step == core.step
+            assert (
+                before != GroupPhase.EXITING
+                and complete
+                and core.phase_step == core.step
+            )
             if core.phase == GroupPhase.EXITING:
                 assert all(s.leaving or s.left for s in states)
             elif core.phase == GroupPhase.PAUSED:
-                assert before == GroupPhase.RUNNING and all(s.pause_ready for s in states)
+                assert before == GroupPhase.RUNNING and all(
+                    s.pause_ready for s in states
+                )
             else:
-                assert before == GroupPhase.PAUSED and not any(s.want_pause for s in states)
+                assert before == GroupPhase.PAUSED and not any(
+                    s.want_pause for s in states
+                )
         if complete:  # and it moves as soon as every rank agrees
             if core.phase != GroupPhase.EXITING:
                 assert not all(s.leaving or s.left for s in states)
@@ -228,7 +260,9 @@ def _deliver(rng: random.Random, ranks: list[Rank], out: list, loss: float) -> N
             rank.group, rank.granted = msg, max(rank.granted, msg.step)
 
 
-def _act(rng: random.Random, group: Checked, rank: Rank, ranks: list[Rank], loss: float) -> None:
+def _act(
+    rng: random.Random, group: Checked, rank: Rank, ranks: list[Rank], loss: float
+) -> None:
     """One thing a (well-behaved, mostly) rank does next."""
     f, cfg = rank.fields, group.config
     g = rank.group
@@ -248,18 +282,36 @@ def _act(rng: random.Random, group: Checked, rank: Rank, ranks: list[Rank], loss
     elif roll < 0.7 and g is not None and g.phase == GroupPhase.EXITING:
         msg = rank.state(local_step=max(f["local_step"], g.phase_step), left=True)
     elif roll < 0.75 and rank.sent:
-        msg = copy.copy(rng.choice(rank.sent))  # a replay, or a duplicate the network made
+        msg = copy.copy(
+            rng.choice(rank.sent)
+        )  # a replay, or a duplicate the network made
     elif roll < 0.8:
-        over = max(group.core.step, f["local_step"]) + cfg.lookahead + 1 + rng.randint(1, 10)
+        over = (
+            max(group.core.step, f["local_step"])
+            + cfg.lookahead
+            + 1
+            + rng.randint(1, 10)
+        )
         msg = rank.forged(requested=over)
     elif roll < 0.83:
-        msg = rank.state(requested=f["requested"] + 1)  # within the bound: a greedy rank
+        msg = rank.state(
+            requested=f["requested"] + 1
+        )  # within the bound: a greedy rank
     else:
         msg = rank.state()  # heartbeat
     _deliver(rng, ranks, group.send(rank, msg, frames=rng.random() < 0.1), loss)
 
 
-FAULTS = ["none", "none", "silence", "late join", "restart", "leave alone", "options", "close"]
+FAULTS = [
+    "none",
+    "none",
+    "silence",
+    "late join",
+    "restart",
+    "leave alone",
+    "options",
+    "close",
+]
 
 
 def _schedule(seed: int) -> Checked:
@@ -283,7 +335,9 @@ def _schedule(seed: int) -> Checked:
             elif fault == "leave alone" and group.core.phase != GroupPhase.EXITING:
                 group.send(victim, victim.state(left=True))
             elif fault == "options":  # the missing rank comes, with other options
-                stranger = Rank(ranks[-1].fields["dp_rank"], StepSyncConfig(3, lookahead=5))
+                stranger = Rank(
+                    ranks[-1].fields["dp_rank"], StepSyncConfig(3, lookahead=5)
+                )
                 group.send(stranger, stranger.state())
             elif fault == "close":
                 group.close("the coordinator (DP rank 0) shut down")
@@ -299,7 +353,9 @@ def _schedule(seed: int) -> Checked:
         _act(rng, group, rng.choice(speakers), ranks, loss)
         if group.core.failed is not None and rng.random() < 0.05:
             break
-    for _ in range(int(2 * CONFIG.peer_timeout_s / 0.1) + 2):  # let every timeout run out
+    for _ in range(
+        int(2 * CONFIG.peer_timeout_s / 0.1) + 2
+    ):  # let every timeout run out
         group.tick(0.1)
         for rank in ranks:
             if not rank.silent and rank in joining and group.core.failed is None:
@@ -318,7 +374,13 @@ def test_random_schedules_keep_the_coordinator_rules():
     # The schedules reach every phase and every kind of failure.
     assert phases == set(GroupPhase), phases
     text = " | ".join(outcomes)
-    for kind in ("silent", "did not join", "re-registered", "left the group", "was rejected"):
+    for kind in (
+        "silent",
+        "did not join",
+        "re-registered",
+        "left the group",
+        "was rejected",
+    ):
         assert kind in text, text
 
 
@@ -415,7 +477,9 @@ def test_a_missing_rank_fails_the_group_at_the_join_deadline():
         group.tick(0.1)
         for rank in ranks:
             group.send(rank, rank.state())
-    assert "DP rank(s) 1 did not join the step-sync group within 1s" in group.core.failed
+    assert (
+        "DP rank(s) 1 did not join the step-sync group within 1s" in group.core.failed
+    )
     # Whoever speaks later hears why.
     late = Rank(1)
     out = group.send(late, late.state())
@@ -428,7 +492,10 @@ def test_a_rank_with_other_options_is_told_why_and_the_group_fails():
     stranger = Rank(1, StepSyncConfig(dp_size=4, lookahead=2))
     out = group.send(stranger, stranger.state())
     assert out[0] == (stranger.route, out[0][1]) and isinstance(out[0][1], Abort)
-    assert "data_parallel_size=4" in out[0][1].reason and group.core.failed == out[0][1].reason
+    assert (
+        "data_parallel_size=4" in out[0][1].reason
+        and group.core.failed == out[0][1].reason
+    )
     assert group.core.registered == (0,)
 
 
@@ -437,14 +504,26 @@ def test_a_rank_with_other_options_is_told_why_and_the_group_fails():
     [
         ([b"route"], "malformed_messages"),
         ([b"route", b"payload", b"not a mac"], "unauthenticated_messages"),
-        ([b"route", *seal(b"x" * 32, TO_COORDINATOR, Rank(0).state())], "unauthenticated_messages"),
-        ([b"route", *seal(SECRET, TO_PARTICIPANT, Rank(0).state())], "unauthenticated_messages"),
+        (
+            [b"route", *seal(b"x" * 32, TO_COORDINATOR, Rank(0).state())],
+            "unauthenticated_messages",
+        ),
+        (
+            [b"route", *seal(SECRET, TO_PARTICIPANT, Rank(0).state())],
+            "unauthenticated_messages",
+        ),
         (
             [b"route", *seal(SECRET, TO_COORDINATOR, Abort(PROTOCOL_VERSION, 1, "no"))],
             "malformed_messages",
         ),
-        ([b"route", *seal(SECRET, TO_COORDINATOR, Abort(1, 1, "old"))], "malformed_messages"),
-        ([b"route", *seal(SECRET, TO_COORDINATOR, Rank(7).state())], "malformed_messages"),
+        (
+            [b"route", *seal(SECRET, TO_COORDINATOR, Abort(1, 1, "old"))],
+            "malformed_messages",
+        ),
+        (
+            [b"route", *seal(SECRET, TO_COORDINATOR, Rank(7).state())],
+            "malformed_messages",
+        ),
     ],
 )
 def test_frames_the_coordinator_drops_are_counted_and_change_nothing(frames, counter):
@@ -453,7 +532,11 @@ def test_frames_the_coordinator_drops_are_counted_and_change_nothing(frames, cou
     assert group.core.on_frames(frames, 0.0) == []
     after = group.core.counters.snapshot()
     assert after[counter] == before[counter] + 1
-    assert (group.core.step, group.core.failed, group.core.registered) == (0, None, (0, 1, 2))
+    assert (group.core.step, group.core.failed, group.core.registered) == (
+        0,
+        None,
+        (0, 1, 2),
+    )
 
 
 # --- participant core ---------------------------------------------------------------------------
@@ -476,7 +559,9 @@ def test_a_participant_renews_its_lease_before_it_runs_out():
     assert part.request_ahead() is None  # already asked
     part.observe_grant(2)
     assert part.begin_forward(dummy=False) == 1
-    assert part.requested == 2  # one granted step left: margin (lookahead + 1) // 2 not reached
+    assert (
+        part.requested == 2
+    )  # one granted step left: margin (lookahead + 1) // 2 not reached
     part.begin_forward(dummy=False)
     assert part.requested == 4 and part.counters.snapshot()["requests_sent"] == 2
     assert part.begin_forward(dummy=True) == 3 and part.dummy_steps == 1
@@ -490,7 +575,9 @@ def test_a_participant_takes_each_grant_once_and_drops_stale_ones():
     assert part.on_frames(_group_frames(1, 5), 0.2) is None  # replayed seq
     received = part.on_frames(_group_frames(2, 2), 0.3)
     assert received == (None, None)  # nothing new for the engine
-    received = part.on_frames(_group_frames(3, 2, phase=GroupPhase.PAUSED, phase_step=2), 0.4)
+    received = part.on_frames(
+        _group_frames(3, 2, phase=GroupPhase.PAUSED, phase_step=2), 0.4
+    )
     assert received.grant is None and received.group.phase == GroupPhase.PAUSED
     assert part.on_frames(seal(b"x" * 32, TO_PARTICIPANT, received.group), 0.5) is None
     assert part.counters.snapshot()["malformed_messages"] == 2
@@ -520,7 +607,10 @@ def test_a_participant_fails_when_the_coordinator_is_silent_or_aborts():
     assert part.failed.startswith("step sync coordinator silent for 1.0s")
     aborted = _participant()
     aborted.start(0.0)
-    assert aborted.on_frames(seal(SECRET, TO_PARTICIPANT, Abort(2, 1, "why")), 0.1) == (None, None)
+    assert aborted.on_frames(seal(SECRET, TO_PARTICIPANT, Abort(2, 1, "why")), 0.1) == (
+        None,
+        None,
+    )
     assert aborted.failed == "step sync coordinator aborted the DP group: why"
 
 
@@ -536,10 +626,14 @@ def test_the_progress_watch_reports_a_rank_that_cannot_progress(ahead):
     now, seq = 0.0, 1
     while part.failed is None and now < 5:
         now, seq = now + 0.1, seq + 1
-        part.on_frames(_group_frames(seq, 0 if ahead else 3), now)  # the coordinator is alive
+        part.on_frames(
+            _group_frames(seq, 0 if ahead else 3), now
+        )  # the coordinator is alive
         part.on_tick(now)
     assert part.failed == part.stalled
-    expected = "ran pass 1 but the group granted only up to 0" if ahead else "owes passes 1..3"
+    expected = (
+        "ran pass 1 but the group granted only up to 0" if ahead else "owes passes 1..3"
+    )
     assert expected in part.failed and 1.0 < now < 1.5
 
 
@@ -566,7 +660,9 @@ def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank]]:
         SimRank(ParticipantCore(cfg, r, f"i{r}", SECRET), rng.randint(0, 40))
         for r in range(cfg.dp_size)
     ]
-    wire: list[tuple[float, int | None, list[bytes]]] = []  # (arrives at, to rank, frames)
+    wire: list[
+        tuple[float, int | None, list[bytes]]
+    ] = []  # (arrives at, to rank, frames)
 
     def to_coord(now: float, rank: int, msg: RankState | None) -> None:
         if msg is not None and rng.random() >= loss:
@@ -582,7 +678,11 @@ def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank]]:
         for route, msg in out:
             if rng.random() >= loss:
                 wire.append(
-                    (now + rng.uniform(0, 0.01), route[0], seal(SECRET, TO_PARTICIPANT, msg))
+                    (
+                        now + rng.uniform(0, 0.01),
+                        route[0],
+                        seal(SECRET, TO_PARTICIPANT, msg),
+                    )
                 )
 
     now = 0.0
@@ -619,8 +719,12 @@ def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank]]:
             to_coord(now, r, part.on_tick(now))
             assert part.failed is None, (seed, part.failed)
         assert coord.failed is None, (seed, coord.failed)
-        quiet = all(not s.work and not s.in_pass and not s.core.steps_owed for s in ranks)
-        if quiet and all(s.core.local_step == s.core.delivered == coord.step for s in ranks):
+        quiet = all(
+            not s.work and not s.in_pass and not s.core.steps_owed for s in ranks
+        )
+        if quiet and all(
+            s.core.local_step == s.core.delivered == coord.step for s in ranks
+        ):
             return coord, ranks
     raise AssertionError(f"seed {seed}: no settled state by t={now:.1f}s")
 
@@ -631,6 +735,8 @@ def test_random_groups_run_the_same_passes():
         last_real = max(s.last_real for s in ranks)
         for sim in ranks:
             part = sim.core
-            assert part.local_step == part.forward_steps + part.dummy_steps == coord.step
+            assert (
+                part.local_step == part.forward_steps + part.dummy_steps == coord.step
+            )
         # Passes wasted after the last real pass are bounded by the lease.
         assert last_real <= coord.step <= last_real + coord.config.lookahead

@@ -91,7 +91,9 @@ def test_a_rank_that_owes_passes_and_runs_none_is_reported(group):
     engines[0].thread.join(2)
     engines[1].add_work(2)
     wait_until(lambda: engines[0].part.failure, timeout_s=5, what="the progress watch")
-    assert re.search(r"DP rank 0 owes passes 1\.\.\d+ but ran none", engines[0].part.failure)
+    assert re.search(
+        r"DP rank 0 owes passes 1\.\.\d+ but ran none", engines[0].part.failure
+    )
 
 
 def test_a_pass_that_is_never_granted_is_reported(group):

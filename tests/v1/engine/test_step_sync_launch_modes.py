@@ -59,7 +59,11 @@ def test_apply_replaces_the_actor_class(ray_actor_patch):
 
 def test_actor_mro_keeps_the_actor_mixin_and_step_sync_overrides():
     mro = StepSyncDPMoEEngineCoreActor.__mro__
-    assert mro[1:4] == (EngineCoreActorMixin, StepSyncDPEngineCoreProc, DPEngineCoreProc)
+    assert mro[1:4] == (
+        EngineCoreActorMixin,
+        StepSyncDPEngineCoreProc,
+        DPEngineCoreProc,
+    )
     cls = StepSyncDPMoEEngineCoreActor
     # The mixin's Ray-specific pieces (no ZMQ handshake, run() entry) ...
     assert cls._perform_handshakes is EngineCoreActorMixin._perform_handshakes
@@ -154,7 +158,11 @@ def _fake_ray(monkeypatch, captured: list):
     util = types.ModuleType("ray.util")
     strategies = types.ModuleType("ray.util.scheduling_strategies")
     strategies.PlacementGroupSchedulingStrategy = lambda **kwargs: kwargs
-    ray.runtime_env, ray.util, util.scheduling_strategies = runtime_env, util, strategies
+    ray.runtime_env, ray.util, util.scheduling_strategies = (
+        runtime_env,
+        util,
+        strategies,
+    )
     for name, module in {
         "ray": ray,
         "ray.runtime_env": runtime_env,
@@ -165,7 +173,9 @@ def _fake_ray(monkeypatch, captured: list):
     return Stop
 
 
-def test_upstream_ray_launch_path_starts_the_step_sync_actor(monkeypatch, ray_actor_patch):
+def test_upstream_ray_launch_path_starts_the_step_sync_actor(
+    monkeypatch, ray_actor_patch
+):
     """CoreEngineActorManager (launch_core_engines, --data-parallel-backend
     ray) hands the step-sync actor class to ray.remote."""
     from vllm.v1.engine.utils import CoreEngineActorManager
@@ -230,4 +240,7 @@ def test_fresh_worker_process_loads_the_actor_and_the_patch_set():
         timeout=180,
     )
     assert out.returncode == 0, out.stderr.decode(errors="replace")[-3000:]
-    assert b"OK vllm_disagg.v1.engine.core_actor StepSyncDPMoEEngineCoreActor" in out.stdout
+    assert (
+        b"OK vllm_disagg.v1.engine.core_actor StepSyncDPMoEEngineCoreActor"
+        in out.stdout
+    )

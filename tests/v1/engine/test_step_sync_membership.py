@@ -28,7 +28,12 @@ from vllm_disagg.wire.frames import MAC_BYTES
 
 def _participant(config, rank, address, secret, failures):
     return Participant(
-        config, rank, address, secret, lambda step: None, lambda r: failures.append((rank, r))
+        config,
+        rank,
+        address,
+        secret,
+        lambda step: None,
+        lambda r: failures.append((rank, r)),
     ).start()
 
 
@@ -36,18 +41,27 @@ def test_a_rank_that_never_registers_fails_every_rank_at_start_up():
     config = StepSyncConfig(dp_size=3, lookahead=2, peer_timeout_s=0.5)
     secret = new_group_secret()
     failures: list = []
-    coord = Coordinator(config, "tcp://127.0.0.1:0", secret, on_failure=failures.append).start()
+    coord = Coordinator(
+        config, "tcp://127.0.0.1:0", secret, on_failure=failures.append
+    ).start()
     parts = [_participant(config, r, coord.address, secret, failures) for r in (0, 2)]
     try:
         started = time.monotonic()
         for part in parts:
-            with pytest.raises(StepSyncGroupError, match=r"DP rank\(s\) 1 did not join"):
+            with pytest.raises(
+                StepSyncGroupError, match=r"DP rank\(s\) 1 did not join"
+            ):
                 part.wait_for_group(30)
-        assert time.monotonic() - started < 15  # the coordinator's reason, not a 30 s wait
+        assert (
+            time.monotonic() - started < 15
+        )  # the coordinator's reason, not a 30 s wait
         # Participants append (rank, reason) and may hear the Abort before the
         # coordinator's own report lands.
         coordinator_reports = [f for f in failures if isinstance(f, str)]
-        assert coordinator_reports and "DP rank(s) 1 did not join" in coordinator_reports[0]
+        assert (
+            coordinator_reports
+            and "DP rank(s) 1 did not join" in coordinator_reports[0]
+        )
     finally:
         coord.close(timeout_s=1)
         for part in parts:
@@ -60,7 +74,9 @@ def test_a_rank_that_registers_after_the_group_failed_is_told_why():
     config = StepSyncConfig(dp_size=2, lookahead=2, peer_timeout_s=0.3)
     secret = new_group_secret()
     failures: list = []
-    coord = Coordinator(config, "tcp://127.0.0.1:0", secret, on_failure=failures.append).start()
+    coord = Coordinator(
+        config, "tcp://127.0.0.1:0", secret, on_failure=failures.append
+    ).start()
     late = None
     try:
         wait_until(lambda: failures, timeout_s=5, what="the join deadline")
@@ -68,7 +84,9 @@ def test_a_rank_that_registers_after_the_group_failed_is_told_why():
         started = time.monotonic()
         with pytest.raises(StepSyncGroupError, match=r"DP rank\(s\) 0, 1 did not join"):
             late.wait_for_group(10)
-        assert time.monotonic() - started < 8, "learned by its own deadline, not from rank 0"
+        assert time.monotonic() - started < 8, (
+            "learned by its own deadline, not from rank 0"
+        )
     finally:
         coord.close(timeout_s=1)
         if late is not None:
@@ -81,7 +99,9 @@ def test_a_rejected_rank_is_told_why_and_the_group_does_not_start():
     other = StepSyncConfig(dp_size=2, lookahead=4, peer_timeout_s=30)
     secret = new_group_secret()
     failures: list = []
-    coord = Coordinator(config, "tcp://127.0.0.1:0", secret, on_failure=failures.append).start()
+    coord = Coordinator(
+        config, "tcp://127.0.0.1:0", secret, on_failure=failures.append
+    ).start()
     parts = [
         _participant(config, 0, coord.address, secret, failures),
         _participant(other, 1, coord.address, secret, failures),
@@ -89,7 +109,9 @@ def test_a_rejected_rank_is_told_why_and_the_group_does_not_start():
     try:
         started = time.monotonic()
         for part in parts:
-            with pytest.raises(StepSyncGroupError, match="DP rank 1 was rejected") as error:
+            with pytest.raises(
+                StepSyncGroupError, match="DP rank 1 was rejected"
+            ) as error:
                 part.wait_for_group(10)
             assert "step_sync_lookahead=4" in str(error.value)
         assert time.monotonic() - started < 8, "failed by the deadline, not at once"
@@ -106,7 +128,9 @@ def test_a_participant_without_the_secret_cannot_join():
     config = StepSyncConfig(dp_size=2, lookahead=2, peer_timeout_s=0.5)
     secret = new_group_secret()
     failures: list = []
-    coord = Coordinator(config, "tcp://127.0.0.1:0", secret, on_failure=failures.append).start()
+    coord = Coordinator(
+        config, "tcp://127.0.0.1:0", secret, on_failure=failures.append
+    ).start()
     good = _participant(config, 0, coord.address, secret, failures)
     bad = _participant(config, 1, coord.address, new_group_secret(), failures)
     try:
@@ -139,7 +163,9 @@ def _state(rank, seq, **overrides):
     return RankState(**fields)
 
 
-def _forged_frames(rng: random.Random, secret: bytes, real_incarnations: dict[int, str]):
+def _forged_frames(
+    rng: random.Random, secret: bytes, real_incarnations: dict[int, str]
+):
     """Frames a stranger (or a replayer) could send to the coordinator port."""
     enc = msgspec.msgpack.encode
     kind = rng.randrange(9)
@@ -151,7 +177,10 @@ def _forged_frames(rng: random.Random, secret: bytes, real_incarnations: dict[in
     if kind == 2:  # oversized: ZMQ drops it (MAXMSGSIZE) and the connection
         return None
     if kind == 3:  # a new "incarnation" of a real rank, unauthenticated
-        return [enc(_state(1, 10**6, incarnation="restarted")), rng.randbytes(MAC_BYTES)]
+        return [
+            enc(_state(1, 10**6, incarnation="restarted")),
+            rng.randbytes(MAC_BYTES),
+        ]
     if kind == 4:  # a step request for a real rank with its real incarnation
         rank = rng.randrange(2)
         state = _state(rank, 10**6, requested=3, incarnation=real_incarnations[rank])
@@ -207,7 +236,12 @@ def test_a_flood_of_foreign_forged_and_malformed_frames_changes_nothing(group, c
     def dropped():
         counts = coord.counters.snapshot()
         return sum(
-            counts[k] for k in ("unauthenticated_messages", "malformed_messages", "stale_messages")
+            counts[k]
+            for k in (
+                "unauthenticated_messages",
+                "malformed_messages",
+                "stale_messages",
+            )
         )
 
     flooder = threading.Thread(target=flood, daemon=True)
@@ -215,7 +249,9 @@ def test_a_flood_of_foreign_forged_and_malformed_frames_changes_nothing(group, c
     wait_until(lambda: dropped() > 100, what="the flood to arrive")
     engines[0].add_work(60)  # requests flow while the flood goes on
     engines[1].add_work(40)
-    wait_until(lambda: settled(coord, engines), timeout_s=30, what="the group to finish work")
+    wait_until(
+        lambda: settled(coord, engines), timeout_s=30, what="the group to finish work"
+    )
     flooder.join(30)
     stop.set()
     assert sent[0] >= 5000
@@ -226,7 +262,9 @@ def test_a_flood_of_foreign_forged_and_malformed_frames_changes_nothing(group, c
         what=lambda: f"rejections of {counted[0]} frames: {coord.counters.snapshot()}",
     )
     counts = coord.counters.snapshot()
-    assert counts["unauthenticated_messages"] > 0 and counts["stale_messages"] > 0, counts
+    assert counts["unauthenticated_messages"] > 0 and counts["stale_messages"] > 0, (
+        counts
+    )
     assert not coord.failures and not engines[0].failures and not engines[1].failures
     assert coord.registered == [0, 1]
     assert engines[0].part.forward_steps == 60 and engines[1].part.forward_steps == 40

@@ -27,7 +27,9 @@ from vllm_disagg.v1.engine.step_sync import (
 
 class Group:
     def __init__(self, dp_size=2, timeout_s=5.0, shutdown_timeout=0):
-        self.config = StepSyncConfig(dp_size=dp_size, lookahead=2, peer_timeout_s=timeout_s)
+        self.config = StepSyncConfig(
+            dp_size=dp_size, lookahead=2, peer_timeout_s=timeout_s
+        )
         secret = new_group_secret()
         self.failures: list[str] = []
         self.coord = Coordinator(
@@ -70,7 +72,9 @@ class Group:
 
     def assert_healthy(self):
         for thread in self.threads:
-            assert thread.hung_at is None, f"rank hung in the collective of pass {thread.hung_at}"
+            assert thread.hung_at is None, (
+                f"rank hung in the collective of pass {thread.hung_at}"
+            )
             assert thread.error is None, thread.error
             assert thread.ran_while_asleep == 0
         assert not self.failures
@@ -94,7 +98,16 @@ def _futures(thread) -> list[Future]:
     return [r for _, r in thread.results if isinstance(r, Future)]
 
 
-OPS = ["pause_keep", "pause_abort", "pause_wait", "resume", "sleep0", "sleep1", "wake", "work"]
+OPS = [
+    "pause_keep",
+    "pause_abort",
+    "pause_wait",
+    "resume",
+    "sleep0",
+    "sleep1",
+    "wake",
+    "work",
+]
 
 
 def _apply(thread, op):
@@ -129,12 +142,16 @@ def _apply(thread, op):
 )
 @given(
     schedule=st.lists(
-        st.tuples(st.integers(0, 1), st.sampled_from(OPS), st.sampled_from([0, 0.001, 0.02])),
+        st.tuples(
+            st.integers(0, 1), st.sampled_from(OPS), st.sampled_from([0, 0.001, 0.02])
+        ),
         min_size=1,
         max_size=10,
     )
 )
-def test_any_interleaving_of_pause_resume_sleep_and_wake_ends_agreed(make_group, schedule):
+def test_any_interleaving_of_pause_resume_sleep_and_wake_ends_agreed(
+    make_group, schedule
+):
     # One fixture serves every example: close each example's group at its end,
     # or 15 groups' threads pile up and slow the later examples down.
     group = make_group()
@@ -199,7 +216,9 @@ def _run_schedule_and_check(group, schedule):
         for name, result in thread.results:
             if isinstance(result, Exception):
                 assert name in ("resume_scheduler", "wake_up"), (name, result)
-                assert "pause is still in flight" in str(result) or "is asleep" in str(result)
+                assert "pause is still in flight" in str(result) or "is asleep" in str(
+                    result
+                )
 
 
 def test_a_rank_pausing_again_before_its_peers_resumed_is_not_wedged(make_group):
@@ -224,21 +243,27 @@ def test_a_rank_pausing_again_before_its_peers_resumed_is_not_wedged(make_group)
     t1.call("resume_scheduler")
     wait_until(lambda: all(e.pause_phase == PausePhase.RUNNING for e in group.engines))
     group.assert_healthy()
-    assert not any(isinstance(r, Exception) for t in group.threads for _, r in t.results)
+    assert not any(
+        isinstance(r, Exception) for t in group.threads for _, r in t.results
+    )
 
 
 def test_a_sleeping_rank_never_spins_and_a_broken_pause_is_reported(make_group):
     group = make_group(timeout_s=1.0)
     for t in group.threads:
         t.call("sleep", level=1, mode="keep")
-    wait_until(lambda: all(e.model_executor.is_sleeping for e in group.engines), what="sleep")
+    wait_until(
+        lambda: all(e.model_executor.is_sleeping for e in group.engines), what="sleep"
+    )
     steps = group.steps()
     time.sleep(0.3)
     assert group.steps() == steps and all(not e.has_work() for e in group.engines)
     # A peer that breaks the pause (asks for steps while the group sleeps):
     # the sleeping rank neither runs nor spins; the stall is reported.
     group.engines[1].step_sync.begin_forward(dummy=False)
-    wait_until(lambda: group.threads[0].error is not None, timeout_s=5, what="the report")
+    wait_until(
+        lambda: group.threads[0].error is not None, timeout_s=5, what="the report"
+    )
     assert "its engine is stuck or asleep" in str(group.threads[0].error)
     assert group.threads[0].ran_while_asleep == 0
     group.threads[1].hung_at = None  # its simulated pass is the one left waiting
@@ -266,7 +291,9 @@ def _leave_together(group, work_on_rank0: int, ready_in_s: float = 0.0):
     assert group.coord.phase == GroupPhase.EXITING
 
 
-def test_drain_shutdown_completes_the_busy_ranks_work_and_all_leave_at_one_step(make_group):
+def test_drain_shutdown_completes_the_busy_ranks_work_and_all_leave_at_one_step(
+    make_group,
+):
     group = make_group(shutdown_timeout=30)
     _leave_together(group, work_on_rank0=200)
     assert group.steps()[0] >= 200
@@ -291,8 +318,12 @@ def test_a_rank_shut_down_alone_leaves_after_the_grace_and_the_peer_fails_fast(
     e0, e1 = group.engines
     e1.shutdown_state = EngineShutdownState.REQUESTED  # only rank 1's server stopped
     e1.input_queue.put_nowait(("wake", None))
-    wait_until(lambda: group.threads[1].exited, timeout_s=5, what="rank 1 to give up waiting")
+    wait_until(
+        lambda: group.threads[1].exited, timeout_s=5, what="rank 1 to give up waiting"
+    )
     e1.step_sync.close()  # what its shutdown() does: tell the group it left
-    wait_until(lambda: group.threads[0].error is not None, timeout_s=5, what="rank 0 to fail")
+    wait_until(
+        lambda: group.threads[0].error is not None, timeout_s=5, what="rank 0 to fail"
+    )
     assert "DP rank 1 left the group" in str(group.threads[0].error)
     group.failures.clear()

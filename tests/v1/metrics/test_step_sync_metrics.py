@@ -81,13 +81,17 @@ def per_rank(exposition: str) -> dict[str, dict[int, float]]:
         for sample in family.samples:
             if sample.name.startswith(PREFIX) and "dp_rank" in sample.labels:
                 rank = int(sample.labels["dp_rank"])
-                assert rank not in found.get(sample.name, {}), f"two {sample.name} for {rank}"
+                assert rank not in found.get(sample.name, {}), (
+                    f"two {sample.name} for {rank}"
+                )
                 found.setdefault(sample.name, {})[rank] = sample.value
     return found
 
 
 def assert_families_served_once(exposition: str) -> None:
-    types = [line.split()[2] for line in exposition.splitlines() if line.startswith("# TYPE")]
+    types = [
+        line.split()[2] for line in exposition.splitlines() if line.startswith("# TYPE")
+    ]
     ours = [name for name in types if name.startswith(PREFIX)]
     assert ours and len(ours) == len(set(ours)), f"a family is served twice: {ours}"
 
@@ -150,11 +154,18 @@ def test_multiprocess_mode_per_rank_series_reach_the_api_server(tmp_path):
     snapshots_dir.mkdir()
     # The vllm command sets both; multiprocess mode must win.
     env = clean_env(
-        **{MULTIPROC_ENV: str(multiproc), envs.VLLM_DISAGG_METRICS_DIR: str(snapshots_dir)}
+        **{
+            MULTIPROC_ENV: str(multiproc),
+            envs.VLLM_DISAGG_METRICS_DIR: str(snapshots_dir),
+        }
     )
-    run_python(WRITER, env, *([str(rank), json.dumps(s)] for rank, s in SNAPSHOTS.items()))
+    run_python(
+        WRITER, env, *([str(rank), json.dumps(s)] for rank, s in SNAPSHOTS.items())
+    )
     assert sorted(p.name for p in multiproc.iterdir()), "no multiprocess files written"
-    assert list(snapshots_dir.iterdir()) == [], "multiprocess mode wrote JSON snapshots too"
+    assert list(snapshots_dir.iterdir()) == [], (
+        "multiprocess mode wrote JSON snapshots too"
+    )
 
     (served,) = run_python(SERVE, env)
     assert_families_served_once(served)
@@ -179,14 +190,18 @@ def snapshot_mode(monkeypatch, tmp_path):
 def test_single_api_server_snapshots_reach_the_api_server(snapshot_mode):
     for rank, snapshots in SNAPSHOTS.items():  # the JSON branch needs no fresh process
         published = iter(snapshots)
-        writer = StepSyncMetricsWriter(rank, lambda published=published: next(published))
+        writer = StepSyncMetricsWriter(
+            rank, lambda published=published: next(published)
+        )
         for _ in snapshots[1:]:
             writer.maybe_write(force=True)
         writer.close()
     files = sorted(p.name for p in snapshot_mode.iterdir())
     assert files == ["step_sync_dp0.json", "step_sync_dp1.json"]
 
-    (served,) = run_python(SERVE, clean_env(**{envs.VLLM_DISAGG_METRICS_DIR: str(snapshot_mode)}))
+    (served,) = run_python(
+        SERVE, clean_env(**{envs.VLLM_DISAGG_METRICS_DIR: str(snapshot_mode)})
+    )
     assert_families_served_once(served)  # the collector is registered once
     assert per_rank(served) == EXPECTED
 
@@ -211,7 +226,9 @@ def test_writer_publishes_at_most_every_interval(snapshot_mode):
 def test_collector_skips_foreign_and_torn_files(snapshot_mode):
     StepSyncMetricsWriter(1, lambda: {"dummy_steps": 3}).close()
     (snapshot_mode / "step_sync_dp7.json").write_text('{"dp_rank": 7, "stats": {"dumm')
-    (snapshot_mode / "step_sync_dp8.json").write_text('{"dp_rank": "eight", "stats": {}}')
+    (snapshot_mode / "step_sync_dp8.json").write_text(
+        '{"dp_rank": "eight", "stats": {}}'
+    )
     (snapshot_mode / "step_sync_dp9.json").write_text('["not", "a", "snapshot"]')
     assert collected(snapshot_mode) == {f"{PREFIX}dummy_steps_total": {1: 3.0}}
 

@@ -57,7 +57,9 @@ class _FakeSampler:
         return SimpleNamespace(sampled_token_ids=tokens, logprobs_tensors=None)
 
 
-def _runner(generators: dict[int, torch.Generator], discard: list[bool]) -> SimpleNamespace:
+def _runner(
+    generators: dict[int, torch.Generator], discard: list[bool]
+) -> SimpleNamespace:
     """What upstream's _sample and _bookkeeping_sync read of a runner
     (vLLM 0.32.0, no async scheduling, no spec decode)."""
     num_reqs = len(discard)
@@ -94,14 +96,20 @@ def _step(runner, *, sample=patch._sample, bookkeeping=patch._bookkeeping_sync):
     sampler_output = sample(runner, logits, None)
     scheduler_output = SimpleNamespace(num_scheduled_tokens={})
     hidden_states = torch.zeros(num_reqs, 4)
-    return bookkeeping(runner, scheduler_output, sampler_output, logits, hidden_states, 0)
+    return bookkeeping(
+        runner, scheduler_output, sampler_output, logits, hidden_states, 0
+    )
 
 
 def test_upstream_rewind_raises_for_a_cpu_generator():
     """The bug (and the drop-when check): upstream alone kills the step."""
     runner = _runner({0: _generator(7)}, [True])
     with pytest.raises(RuntimeError, match="does not use offset"):
-        _step(runner, sample=GPUModelRunner._sample, bookkeeping=GPUModelRunner._bookkeeping_sync)
+        _step(
+            runner,
+            sample=GPUModelRunner._sample,
+            bookkeeping=GPUModelRunner._bookkeeping_sync,
+        )
 
 
 def test_discarded_sample_does_not_consume_the_random_stream():
@@ -171,7 +179,9 @@ def test_generators_of_other_devices_are_left_to_upstream(monkeypatch):
     sees any other (a stand-in whose device is "cuda")."""
     cuda_like = SimpleNamespace(device=torch.device("cuda"))
     runner = _runner({0: cuda_like, 1: _generator(7)}, [True, True])
-    assert patch.discarded_cpu_generators(runner) == {1: runner.input_batch.generators[1]}
+    assert patch.discarded_cpu_generators(runner) == {
+        1: runner.input_batch.generators[1]
+    }
     seen = {}
 
     def upstream_bookkeeping(self, *args, **kwargs):
@@ -222,7 +232,11 @@ def test_applied_by_the_plugin_even_with_features_off():
     )
     env = {**os.environ, envs.VLLM_DISAGG_DISABLE: "1"}
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert "OK" in out.stdout

@@ -37,12 +37,16 @@ DP_MASTER_PORT_KEY = "dp_master_port"  # upstream's store key
 @functools.wraps(_upstream_pick_stateless_dp_port)
 def _pick_stateless_dp_port(self) -> tuple[int, socket.socket | None]:
     """Upstream's method, with the listening socket in the address's family."""
-    if not self._coord_store_port or not is_valid_ipv6_address(self.data_parallel_master_ip):
+    if not self._coord_store_port or not is_valid_ipv6_address(
+        self.data_parallel_master_ip
+    ):
         return _upstream_pick_stateless_dp_port(self)
 
     from vllm.distributed.utils import get_cached_tcp_store_client
 
-    store = get_cached_tcp_store_client(self.data_parallel_master_ip, self._coord_store_port)
+    store = get_cached_tcp_store_client(
+        self.data_parallel_master_ip, self._coord_store_port
+    )
     if self.data_parallel_rank == 0:
         s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
         s.bind((self.data_parallel_master_ip, 0))

@@ -73,7 +73,9 @@ def add_engine_args_fixup(fixup: Callable[[EngineArgs], None]) -> None:
 
 def is_hooked(hook: Callable) -> bool:
     """Whether a feature's check or fix-up is in place (its ``is_applied``)."""
-    return is_applied() and (hook in _feature_config_checks or hook in _feature_args_fixups)
+    return is_applied() and (
+        hook in _feature_config_checks or hook in _feature_args_fixups
+    )
 
 
 def looks_like_local_path(model: str) -> bool:

@@ -63,7 +63,9 @@ def _load_p2p_json(text: object) -> dict | None:
     return None
 
 
-def wrap_kv_transfer_type(upstream_type: Callable[[str], object]) -> Callable[[str], object]:
+def wrap_kv_transfer_type(
+    upstream_type: Callable[[str], object],
+) -> Callable[[str], object]:
     """The ``--kv-transfer-config`` argparse type, accepting the seed's JSON:
     normalised, parsed by upstream, then the connector's options checked, so
     argparse prints one line naming the key and exits 2."""
@@ -104,7 +106,9 @@ functools.update_wrapper(add_cli_args, _upstream_add_cli_args)
 def normalize_engine_args_kv_transfer(engine_args) -> None:
     """``EngineArgs(kv_transfer_config={...})``: the seed's spelling as a dict."""
     if isinstance(engine_args.kv_transfer_config, dict):
-        engine_args.kv_transfer_config = normalize_kv_transfer_json(engine_args.kv_transfer_config)
+        engine_args.kv_transfer_config = normalize_kv_transfer_json(
+            engine_args.kv_transfer_config
+        )
 
 
 def apply() -> None:

@@ -27,7 +27,11 @@ def check_step_sync_options(vllm_config) -> None:
     """
     parallel_config = vllm_config.parallel_config
     dp_size = parallel_config.data_parallel_size
-    if vllm_config.model_config.is_moe and dp_size > 1 and parallel_config.enable_fault_tolerance:
+    if (
+        vllm_config.model_config.is_moe
+        and dp_size > 1
+        and parallel_config.enable_fault_tolerance
+    ):
         raise ConfigError(
             "step sync does not support --enable-fault-tolerance (vLLM's "
             "fault-tolerance retry re-forms the DP group but not the step-sync "

@@ -13,5 +13,7 @@ class StatsOnlyDPCoordinator(DPCoordinator):
     START_DP_WAVE, because step-synchronized engines wake each other.
     """
 
-    def __init__(self, parallel_config, enable_wave_coordination: bool = False, **kwargs):
+    def __init__(
+        self, parallel_config, enable_wave_coordination: bool = False, **kwargs
+    ):
         super().__init__(parallel_config, enable_wave_coordination=False, **kwargs)

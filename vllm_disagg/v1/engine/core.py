@@ -191,9 +191,13 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             self.dp_rank,
             address,
             secret,
-            on_grant=lambda step: self.input_queue.put_nowait((StepSyncInput.GRANT, step)),
+            on_grant=lambda step: self.input_queue.put_nowait(
+                (StepSyncInput.GRANT, step)
+            ),
             on_failure=self._on_step_sync_failure,
-            on_group=lambda state: self.input_queue.put_nowait((StepSyncInput.GROUP, state)),
+            on_group=lambda state: self.input_queue.put_nowait(
+                (StepSyncInput.GROUP, state)
+            ),
         ).start()
         # Every rank joins or none starts (raises with the reason).
         self.step_sync.wait_for_group(config.peer_timeout_s + GROUP_FORM_MARGIN_S)
@@ -258,9 +262,16 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         if self.is_running() or self._left_alone:
             return False
         group = self.step_sync.group
-        if group.phase == GroupPhase.EXITING and self.step_sync.local_step >= group.phase_step:
+        if (
+            group.phase == GroupPhase.EXITING
+            and self.step_sync.local_step >= group.phase_step
+        ):
             return False
-        waited = 0.0 if self._leaving_since is None else time.monotonic() - self._leaving_since
+        waited = (
+            0.0
+            if self._leaving_since is None
+            else time.monotonic() - self._leaving_since
+        )
         if waited > self._leave_wait_s():
             logger.warning(
                 "step sync: dp_rank=%d leaves the DP group alone: the peers did not shut "
@@ -301,13 +312,17 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         if not self.has_work():
             # About to block: publish the state the group settled at.
             self._metrics.maybe_write(force=True)
-        elif not self.is_running() and self._locally_drained() and not self._dummy_due():
+        elif (
+            not self.is_running() and self._locally_drained() and not self._dummy_due()
+        ):
             # Shutting down with nothing to run but the group's decision to
             # come: wait for it (upstream's loop does not block once
             # shutdown was requested).
             self._report_drained()
             try:
-                self._handle_client_request(*self.input_queue.get(timeout=SHUTDOWN_POLL_S))
+                self._handle_client_request(
+                    *self.input_queue.get(timeout=SHUTDOWN_POLL_S)
+                )
             except queue.Empty:
                 pass
         super()._process_input_queue()
@@ -341,7 +356,9 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             raise StepSyncFailure(f"DP rank {self.dp_rank}: {request}")
         elif request_type == EngineCoreRequestType.START_DP_WAVE:
             self.wave_audit.start_dp_wave_received += 1
-            logger.warning_once("step sync: ignoring START_DP_WAVE (waves are not used)")
+            logger.warning_once(
+                "step sync: ignoring START_DP_WAVE (waves are not used)"
+            )
         else:
             # Skip DPEngineCoreProc's wave handling.
             EngineCoreProc._handle_client_request(self, request_type, request)
@@ -398,7 +415,10 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
                 state.phase_step,
                 self.step_sync.local_step,
             )
-        elif self.pause_phase == PausePhase.RESUMING and state.phase == GroupPhase.RUNNING:
+        elif (
+            self.pause_phase == PausePhase.RESUMING
+            and state.phase == GroupPhase.RUNNING
+        ):
             self.pause_phase = PausePhase.RUNNING
             EngineCoreProc.resume_scheduler(self)
             logger.info("step sync: dp_rank=%d group resumed", self.dp_rank)
@@ -431,7 +451,10 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         stats: dict[str, int] = dict(self.step_sync.stats)
         if self.step_sync_coordinator is not None:
             stats.update(
-                {f"coordinator_{k}": v for k, v in self.step_sync_coordinator.stats.items()}
+                {
+                    f"coordinator_{k}": v
+                    for k, v in self.step_sync_coordinator.stats.items()
+                }
             )
         stats.update(self.wave_audit.as_dict())
         return stats

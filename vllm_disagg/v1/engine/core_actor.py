@@ -47,7 +47,9 @@ class StepSyncDPMoEEngineCoreActor(EngineCoreActorMixin, StepSyncDPEngineCorePro
     ):
         load_patch_set(vllm_config, dp_rank, process="Ray engine actor")
         vllm_config.parallel_config.data_parallel_rank = dp_rank
-        EngineCoreActorMixin.__init__(self, vllm_config, addresses, dp_rank, local_dp_rank)
+        EngineCoreActorMixin.__init__(
+            self, vllm_config, addresses, dp_rank, local_dp_rank
+        )
         # Named explicitly (upstream resolves the module global at call time).
         StepSyncDPEngineCoreProc.__init__(
             self, vllm_config, local_client, "", executor_class, log_stats

@@ -42,7 +42,9 @@ class ForwardProbe:
         logger = init_logger(__name__)
         directory = envs.metrics_dir()
         if not directory:
-            logger.warning("probe: %s unset, counts go nowhere", envs.VLLM_DISAGG_METRICS_DIR)
+            logger.warning(
+                "probe: %s unset, counts go nowhere", envs.VLLM_DISAGG_METRICS_DIR
+            )
             return
         logger.info("probe: pid=%d writes its counts to %s", os.getpid(), directory)
         last, failing = None, False
@@ -65,4 +67,6 @@ PROBE = ForwardProbe()
 
 
 def read_probes(directory: str | os.PathLike) -> dict[int, dict[str, int]]:
-    return {int(doc["dp_rank"]): doc for doc in read_json_files(directory, "probe_dp*.json")}
+    return {
+        int(doc["dp_rank"]): doc for doc in read_json_files(directory, "probe_dp*.json")
+    }

@@ -41,10 +41,26 @@ PREFIX = "vllm_disagg:step_sync_"
 
 # snapshot key -> (metric name without prefix, type, help)
 METRICS: dict[str, tuple[str, str, str]] = {
-    "forward_steps": ("forward_steps", "counter", "Real forward passes run by this DP rank."),
-    "dummy_steps": ("dummy_steps", "counter", "Dummy forward passes run to match peers."),
-    "requests_sent": ("requests_sent", "counter", "Step requests sent to the coordinator."),
-    "grants_received": ("grants_received", "counter", "Grants received from the coordinator."),
+    "forward_steps": (
+        "forward_steps",
+        "counter",
+        "Real forward passes run by this DP rank.",
+    ),
+    "dummy_steps": (
+        "dummy_steps",
+        "counter",
+        "Dummy forward passes run to match peers.",
+    ),
+    "requests_sent": (
+        "requests_sent",
+        "counter",
+        "Step requests sent to the coordinator.",
+    ),
+    "grants_received": (
+        "grants_received",
+        "counter",
+        "Grants received from the coordinator.",
+    ),
     "grant_waits": (
         "grant_waits",
         "counter",
@@ -125,7 +141,9 @@ def new_metrics_dir() -> Path:
     path = tempfile.mkdtemp(prefix="vllm-disagg-metrics-")
     envs.set_metrics_dir(path, created=True)
     owner = os.getpid()
-    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
+    atexit.register(
+        lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True)
+    )
     return Path(path)
 
 
@@ -195,9 +213,13 @@ class StepSyncMetricsWriter:
     def __init__(self, dp_rank: int, snapshot: Callable[[], dict[str, int]]):
         self.dp_rank = dp_rank
         self._snapshot = snapshot
-        self._exporter = _MultiprocessExporter(dp_rank) if prometheus_multiprocess() else None
+        self._exporter = (
+            _MultiprocessExporter(dp_rank) if prometheus_multiprocess() else None
+        )
         directory = envs.metrics_dir()
-        self._path = Path(directory) / f"step_sync_dp{dp_rank}.json" if directory else None
+        self._path = (
+            Path(directory) / f"step_sync_dp{dp_rank}.json" if directory else None
+        )
         self._next_write = 0.0
         self._last: dict[str, int] | None = None
 
@@ -244,7 +266,9 @@ class StepSyncCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         snapshots = self.read_snapshots()
         for key, (name, kind, doc) in METRICS.items():
-            family_type = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family_type = (
+                CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            )
             family = family_type(PREFIX + name, doc, labels=["dp_rank"])
             for dp_rank, stats in snapshots.items():
                 if key in stats:

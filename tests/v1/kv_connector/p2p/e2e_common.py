@@ -56,7 +56,8 @@ LENGTH_PROMPTS = [token_prompt(_rng, n) for n in PROMPT_LENGTHS]
 # Many requests in flight: shared prefixes too, so prefix-cache hits happen on both sides.
 _shared = token_prompt(_rng, 2 * BLOCK_SIZE)
 MANY_PROMPTS = [
-    (_shared if i % 3 == 0 else []) + token_prompt(_rng, _rng.randint(5, 150)) for i in range(32)
+    (_shared if i % 3 == 0 else []) + token_prompt(_rng, _rng.randint(5, 150))
+    for i in range(32)
 ]
 
 
@@ -85,7 +86,9 @@ def colocated_reference(instance: P2pInstance, prompts: list[list[int]]) -> dict
     return {key(p): o for p, o in zip(prompts, outs)}
 
 
-def start_instance(start_server, model, name, role, *, routers=(), **extra) -> P2pInstance:
+def start_instance(
+    start_server, model, name, role, *, routers=(), **extra
+) -> P2pInstance:
     """Start (without waiting) one instance of the tiny model with the
     connector in ``role``; it registers with ``routers`` if any."""
     port, http_port = free_kv_port(), get_free_port()
@@ -118,7 +121,9 @@ def metric(inst: P2pInstance, name: str) -> float:
     )
 
 
-def wait_metric(inst: P2pInstance, name: str, at_least: float, timeout_s: float = 15.0) -> float:
+def wait_metric(
+    inst: P2pInstance, name: str, at_least: float, timeout_s: float = 15.0
+) -> float:
     """``metric`` once it reaches ``at_least`` or ``timeout_s`` passed: stats
     reach the API server with the engine's periodic outputs."""
     deadline = time.monotonic() + timeout_s
@@ -129,7 +134,9 @@ def wait_metric(inst: P2pInstance, name: str, at_least: float, timeout_s: float 
         time.sleep(0.5)
 
 
-def check_lengths(prefill, decode, reference, *, prompts=None, via_params=False) -> None:
+def check_lengths(
+    prefill, decode, reference, *, prompts=None, via_params=False
+) -> None:
     """Every prompt of ``LENGTH_PROMPTS`` (or ``prompts``) through the pair
     equals the colocated run."""
     for prompt in LENGTH_PROMPTS if prompts is None else prompts:

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import PROTOCOL_VERSION
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    PROTOCOL_VERSION,
+)
 from vllm_disagg.wire.peers import (
     DECODE_ADDR_KEY,
     DECODE_MARKER,
@@ -46,7 +48,9 @@ def test_protocol_version_and_keys():
     assert len(set(PEER_INFO_KEYS)) == 3
 
 
-@pytest.mark.parametrize("prefill, decode, fields", ADDRS, ids=["ipv4", "hostname", "ipv6"])
+@pytest.mark.parametrize(
+    "prefill, decode, fields", ADDRS, ids=["ipv4", "hostname", "ipv6"]
+)
 def test_round_trips(prefill, decode, fields):
     request_id = make_request_id(prefill, decode, KEY)
     assert request_id == f"___prefill_addr_{prefill}___decode_addr_{decode}_{KEY}"
@@ -54,7 +58,11 @@ def test_round_trips(prefill, decode, fields):
     assert parse_peer_info(request_id, None) == expected
     assert (expected.prefill_addr, expected.decode_addr) == (prefill, decode)
     params = make_kv_transfer_params(prefill, decode, KEY)
-    assert params == {PREFILL_ADDR_KEY: prefill, DECODE_ADDR_KEY: decode, REQUEST_KEY_KEY: KEY}
+    assert params == {
+        PREFILL_ADDR_KEY: prefill,
+        DECODE_ADDR_KEY: decode,
+        REQUEST_KEY_KEY: KEY,
+    }
     assert parse_peer_info("cmpl-unrelated-0-af5c0d3e", params) == expected
     assert expected.to_kv_transfer_params() == params
 
@@ -85,7 +93,10 @@ def test_default_key_is_a_fresh_uuid_hex():
 
 def test_params_win_over_the_id():
     request_id = make_request_id("10.0.0.1:21001", "10.0.0.2:22001", "fromid")
-    params = {**make_kv_transfer_params("10.9.9.9:1", "10.8.8.8:2", "fromparams"), "x": 1}
+    params = {
+        **make_kv_transfer_params("10.9.9.9:1", "10.8.8.8:2", "fromparams"),
+        "x": 1,
+    }
     peer = parse_peer_info(request_id, params)
     assert (peer.prefill_addr, peer.decode_addr, peer.key) == (
         "10.9.9.9:1",
@@ -122,7 +133,10 @@ def test_incomplete_params_are_an_error_naming_the_key(missing):
     ],
 )
 def test_bad_params_name_the_key(key, value):
-    params = {**make_kv_transfer_params("10.0.0.1:21001", "10.0.0.2:22001", KEY), key: value}
+    params = {
+        **make_kv_transfer_params("10.0.0.1:21001", "10.0.0.2:22001", KEY),
+        key: value,
+    }
     with pytest.raises(PeerInfoError, match=f"^kv_transfer_params.{key}: ") as info:
         parse_peer_info("plain", params)
     assert "\n" not in str(info.value)
@@ -130,7 +144,13 @@ def test_bad_params_name_the_key(key, value):
 
 @pytest.mark.parametrize(
     "request_id",
-    ["", "cmpl-abc-0-af5c0d3e", "chatcmpl-7f3e", "prefill_addr_10.0.0.1:1", "__prefill_addr_x"],
+    [
+        "",
+        "cmpl-abc-0-af5c0d3e",
+        "chatcmpl-7f3e",
+        "prefill_addr_10.0.0.1:1",
+        "__prefill_addr_x",
+    ],
 )
 def test_ordinary_requests_name_no_peers(request_id):
     assert parse_peer_info(request_id, None) is None
@@ -173,7 +193,10 @@ def test_fields_never_run_into_each_other():
         "first",
     )
     assert parse_peer_info(f"{proxy_id[:-1]}-{'9' * 50}", None).key == "firs"
-    assert parse_peer_info(make_request_id("h:1", "h:2", "k" * 128) + "-0", None).key == "k" * 128
+    assert (
+        parse_peer_info(make_request_id("h:1", "h:2", "k" * 128) + "-0", None).key
+        == "k" * 128
+    )
 
 
 def test_addresses():
@@ -181,7 +204,16 @@ def test_addresses():
     assert split_addr("node-7.example.com:80") == ("node-7.example.com", 80)
     assert format_addr("::1", 21001) == "[::1]:21001"
     assert format_addr("10.0.0.1", 1) == "10.0.0.1:1"
-    for bad in ("::1:21001", "host", "host:", ":1", "h:1:2", "[::1]", 5, "a" * 400 + ":1"):
+    for bad in (
+        "::1:21001",
+        "host",
+        "host:",
+        ":1",
+        "h:1:2",
+        "[::1]",
+        5,
+        "a" * 400 + ":1",
+    ):
         with pytest.raises(PeerInfoError):
             split_addr(bad)
     with pytest.raises(PeerInfoError, match="prefill_addr"):
@@ -200,7 +232,9 @@ def test_repeated_addresses_are_parsed_once_and_errors_keep_their_label():
         assert split_addr("[2001:db8::7]:21001", "p") == ("2001:db8::7", 21001)
     assert metadata._split_valid_addr.cache_info().hits == 2
     for label in ("prefill_addr", "decode_addr", "prefill_addr"):
-        with pytest.raises(PeerInfoError, match=f"^{label}: '999.1.1.1' is not an IPv4"):
+        with pytest.raises(
+            PeerInfoError, match=f"^{label}: '999.1.1.1' is not an IPv4"
+        ):
             split_addr("999.1.1.1:1", label)
     assert metadata._split_valid_addr.cache_info().currsize == 1
 
@@ -275,16 +309,25 @@ def test_fuzz_never_raises_anything_else(request_id, params):
 _HOSTS = st.sampled_from(
     ["10.0.0.1", "[::1]", "[2001:db8::7]", "node-1.example.com", "localhost", "a"]
 )
-_BAD_HOSTS = st.sampled_from(["::1", "[::x]", "a_b", "300.1.1.1", "-a", "", "[]", "a..b"])
-_KEYS = st.text(st.sampled_from("0123456789abcdefXYZ"), min_size=1, max_size=MAX_KEY_CHARS)
-_WRAPS = st.sampled_from(["{}", "cmpl-{}-0-af5c0d3e", "chatcmpl-{}-1a2b3c4d", "3_cmpl-{}-0-00"])
+_BAD_HOSTS = st.sampled_from(
+    ["::1", "[::x]", "a_b", "300.1.1.1", "-a", "", "[]", "a..b"]
+)
+_KEYS = st.text(
+    st.sampled_from("0123456789abcdefXYZ"), min_size=1, max_size=MAX_KEY_CHARS
+)
+_WRAPS = st.sampled_from(
+    ["{}", "cmpl-{}-0-af5c0d3e", "chatcmpl-{}-1a2b3c4d", "3_cmpl-{}-0-00"]
+)
 
 
 @settings(derandomize=True, max_examples=300, deadline=None)
 @given(
     _WRAPS,
     st.tuples(_HOSTS, st.integers(1, 65535), _HOSTS, st.integers(1, 65535), _KEYS),
-    st.one_of(st.none(), st.tuples(st.integers(0, 4), st.one_of(_BAD_HOSTS, st.text(max_size=6)))),
+    st.one_of(
+        st.none(),
+        st.tuples(st.integers(0, 4), st.one_of(_BAD_HOSTS, st.text(max_size=6))),
+    ),
 )
 def test_fuzz_structured_ids(wrap, parts, damage):
     """Valid ids in every wrapping parse to exactly their parts; a damaged

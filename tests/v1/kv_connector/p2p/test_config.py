@@ -43,7 +43,9 @@ def _config(extra=None, *, role="kv_consumer", port=22001, **top) -> P2pConfig:
     """P2pConfig from the real KVTransferConfig, the way vLLM builds it."""
     obj = {"kv_connector": CONNECTOR_NAME, "kv_role": role, "kv_port": port, **top}
     obj["kv_connector_extra_config"] = {"kv_ip": "127.0.0.1", **(extra or {})}
-    return P2pConfig.from_kv_transfer_config(KVTransferConfig(**normalize_kv_transfer_json(obj)))
+    return P2pConfig.from_kv_transfer_config(
+        KVTransferConfig(**normalize_kv_transfer_json(obj))
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -82,8 +84,16 @@ def test_seed_json_is_normalised_for_kv_transfer_config():
     assert SEED_PRODUCER["kv_buffer_size"] == "1e1"  # a copy; the input is untouched
     assert "kv_buffer_size" not in SEED_PRODUCER["kv_connector_extra_config"]
     config = P2pConfig.from_kv_transfer_config(KVTransferConfig(**out))
-    assert (config.role, config.base_port, config.kv_buffer_size) == ("kv_producer", 21001, 10)
-    assert (config.proxy_ip, config.proxy_port, config.http_port) == ("10.0.1.1", 30001, 20001)
+    assert (config.role, config.base_port, config.kv_buffer_size) == (
+        "kv_producer",
+        21001,
+        10,
+    )
+    assert (config.proxy_ip, config.proxy_port, config.http_port) == (
+        "10.0.1.1",
+        30001,
+        20001,
+    )
 
 
 def test_stock_kv_transfer_config_rejects_the_seed_json():
@@ -93,12 +103,18 @@ def test_stock_kv_transfer_config_rejects_the_seed_json():
 
 
 def test_other_connectors_are_untouched():
-    obj = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_size": "1e1"}
+    obj = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_size": "1e1",
+    }
     assert normalize_kv_transfer_json(obj) is obj
 
 
 def test_explicit_failure_policy_is_kept():
-    out = normalize_kv_transfer_json({**SEED_PRODUCER, "kv_load_failure_policy": "fail"})
+    out = normalize_kv_transfer_json(
+        {**SEED_PRODUCER, "kv_load_failure_policy": "fail"}
+    )
     assert out["kv_load_failure_policy"] == "fail"
 
 
@@ -135,7 +151,9 @@ def test_bad_kv_port(port):
 
 def test_extra_config_must_be_an_object():
     obj = {**SEED_PRODUCER, "kv_connector_extra_config": "proxy"}
-    assert _error(normalize_kv_transfer_json, obj).startswith("kv_connector_extra_config: ")
+    assert _error(normalize_kv_transfer_json, obj).startswith(
+        "kv_connector_extra_config: "
+    )
 
 
 # --- P2pConfig --------------------------------------------------------------
@@ -151,7 +169,9 @@ def test_defaults(monkeypatch):
     assert config.mem_pool_size_bytes == GIB and config.mem_pool_size_gb == 1.0
     assert config.transport == "auto"
     assert (config.kv_load_timeout_s, config.kv_hold_timeout_s) == (30.0, 60.0)
-    assert (config.proxy_ip, config.proxy_port, config.http_port, config.secret) == (None,) * 4
+    assert (config.proxy_ip, config.proxy_port, config.http_port, config.secret) == (
+        None,
+    ) * 4
 
 
 def test_default_host_is_vllms_ip(monkeypatch):
@@ -189,7 +209,9 @@ def test_default_host_is_the_address_vllm_serve_listens_on(monkeypatch):
     config = P2pConfig.from_kv_transfer_config(KVTransferConfig(**obj))
     assert config.host == "127.0.0.1" and config.http_addr == "127.0.0.1:20001"
     assert not config.binds_beyond_loopback
-    assert envs.serve_port() == 8000  # vllm serve's default, exported for the start-up check
+    assert (
+        envs.serve_port() == 8000
+    )  # vllm serve's default, exported for the start-up check
     monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_HOST)
     monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_PORT)
 
@@ -205,13 +227,23 @@ def test_serve_port_is_the_one_vllm_serve_listens_on():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("1e1", 10), ("8e9", 8 * 10**9), (" 1e9 ", 10**9), (1e9, 10**9), (5, 5), ("0", 0), (2.5, 2)],
+    [
+        ("1e1", 10),
+        ("8e9", 8 * 10**9),
+        (" 1e9 ", 10**9),
+        (1e9, 10**9),
+        (5, 5),
+        ("0", 0),
+        (2.5, 2),
+    ],
 )
 def test_kv_buffer_size(value, expected):
     assert _config({"kv_buffer_size": value}).kv_buffer_size == expected
 
 
-@pytest.mark.parametrize("value", ["lots", "-1", -1, "nan", "inf", True, None, [1], "1e20"])
+@pytest.mark.parametrize(
+    "value", ["lots", "-1", -1, "nan", "inf", True, None, [1], "1e20"]
+)
 def test_bad_kv_buffer_size(value):
     message = _error(_config, {"kv_buffer_size": value})
     assert message.startswith("kv_connector_extra_config.kv_buffer_size: ")
@@ -265,7 +297,13 @@ def test_bad_values_name_the_key(extra, key):
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("TCP", "tcp"), ("gloo", "gloo"), ("nccl", "nccl"), ("fake", "fake"), ("auto", "auto")],
+    [
+        ("TCP", "tcp"),
+        ("gloo", "gloo"),
+        ("nccl", "nccl"),
+        ("fake", "fake"),
+        ("auto", "auto"),
+    ],
 )
 def test_transport(value, expected):
     assert _config({"transport": value}).transport == expected
@@ -289,14 +327,21 @@ def test_unknown_extra_key_lists_the_allowed_keys():
     assert message.startswith("kv_connector_extra_config.send_typ: unknown key")
     assert "did you mean 'send_type'?" in message
     assert ", ".join(EXTRA_CONFIG_KEYS) in message
-    assert _error(_config, {"kv_rank": 0}).startswith("kv_connector_extra_config.kv_rank")
+    assert _error(_config, {"kv_rank": 0}).startswith(
+        "kv_connector_extra_config.kv_rank"
+    )
 
 
 def test_role_and_connector_are_checked():
     ktc = SimpleNamespace(
-        kv_connector=CONNECTOR_NAME, kv_role="kv_sender", kv_port=1, kv_connector_extra_config={}
+        kv_connector=CONNECTOR_NAME,
+        kv_role="kv_sender",
+        kv_port=1,
+        kv_connector_extra_config={},
     )
-    assert _error(P2pConfig.from_kv_transfer_config, ktc).startswith("kv_role: 'kv_sender'")
+    assert _error(P2pConfig.from_kv_transfer_config, ktc).startswith(
+        "kv_role: 'kv_sender'"
+    )
     ktc.kv_connector = "NixlConnector"
     assert _error(P2pConfig.from_kv_transfer_config, ktc).startswith("kv_connector: ")
 
@@ -312,8 +357,14 @@ def test_secret_comes_from_the_environment_and_is_not_printed(monkeypatch):
 
 
 def test_direct_construction_is_checked_and_frozen():
-    config = P2pConfig(role="kv_both", base_port="21001", send_type="get", transport="TCP")
-    assert (config.base_port, config.send_type, config.transport) == (21001, SendType.GET, "tcp")
+    config = P2pConfig(
+        role="kv_both", base_port="21001", send_type="get", transport="TCP"
+    )
+    assert (config.base_port, config.send_type, config.transport) == (
+        21001,
+        SendType.GET,
+        "tcp",
+    )
     with pytest.raises(AttributeError):
         config.base_port = 1  # type: ignore[misc]
     assert _error(P2pConfig, role="kv_both", base_port=0).startswith("base_port: ")
@@ -335,9 +386,9 @@ def test_every_worker_of_every_dp_rank_gets_its_own_port():
     ]
     assert ports == list(range(21001, 21001 + dp * tp * pp))
     assert config.instance_port(1, tp, pp) == 21001 + 4
-    assert config.worker_port(dp_rank=2, tp_size=2, pp_size=2, tp_rank=1, pp_rank=1) == (
-        21001 + 2 * 4 + 1 * 2 + 1
-    )
+    assert config.worker_port(
+        dp_rank=2, tp_size=2, pp_size=2, tp_rank=1, pp_rank=1
+    ) == (21001 + 2 * 4 + 1 * 2 + 1)
     with pytest.raises(ValueError):
         config.worker_port(dp_rank=0, tp_size=2, pp_size=1, tp_rank=2, pp_rank=0)
 
@@ -345,22 +396,30 @@ def test_every_worker_of_every_dp_rank_gets_its_own_port():
 def test_ports_beyond_65535_are_a_config_error():
     config = P2pConfig(role="kv_both", base_port=65535)
     assert config.instance_port(0, 1, 1) == 65535
-    message = _error(config.worker_port, dp_rank=0, tp_size=2, pp_size=1, tp_rank=1, pp_rank=0)
+    message = _error(
+        config.worker_port, dp_rank=0, tp_size=2, pp_size=1, tp_rank=1, pp_rank=0
+    )
     assert message.startswith("kv_port: ") and "at most 65534" in message
     parallel = SimpleNamespace(
         data_parallel_size=2, tensor_parallel_size=4, pipeline_parallel_size=1
     )
-    message = _error(P2pConfig(role="kv_both", base_port=65530).check_port_plan, parallel)
+    message = _error(
+        P2pConfig(role="kv_both", base_port=65530).check_port_plan, parallel
+    )
     assert message.startswith("kv_port: 65530 needs ports 65530..65537")
     assert "at most 65528" in message
-    assert P2pConfig(role="kv_both", base_port=65528).check_port_plan(parallel) == range(
-        65528, 65536
-    )
+    assert P2pConfig(role="kv_both", base_port=65528).check_port_plan(
+        parallel
+    ) == range(65528, 65536)
 
 
 def test_http_port_inside_the_kv_ports_is_refused():
     config = P2pConfig(
-        role="kv_both", base_port=20000, proxy_ip="10.0.0.1", proxy_port=30001, http_port=20001
+        role="kv_both",
+        base_port=20000,
+        proxy_ip="10.0.0.1",
+        proxy_port=30001,
+        http_port=20001,
     )
     parallel = SimpleNamespace(
         data_parallel_size=1, tensor_parallel_size=2, pipeline_parallel_size=1
@@ -377,7 +436,9 @@ def _vllm_config(kv_transfer_config, dp=1, tp=1, pp=1, external_lb=False):
         pipeline_parallel_size=pp,
         data_parallel_external_lb=external_lb,
     )
-    return SimpleNamespace(kv_transfer_config=kv_transfer_config, parallel_config=parallel)
+    return SimpleNamespace(
+        kv_transfer_config=kv_transfer_config, parallel_config=parallel
+    )
 
 
 def test_check_p2p_config():
@@ -386,7 +447,9 @@ def test_check_p2p_config():
     assert check_p2p_config(_vllm_config(other)) is None
     good = KVTransferConfig(**normalize_kv_transfer_json(SEED_PRODUCER))
     assert check_p2p_config(_vllm_config(good, dp=2, tp=2)) is None
-    assert _error(check_p2p_config, _vllm_config(good, dp=50000)).startswith("kv_port: 21001")
+    assert _error(check_p2p_config, _vllm_config(good, dp=50000)).startswith(
+        "kv_port: 21001"
+    )
     bad = KVTransferConfig(
         kv_connector=CONNECTOR_NAME,
         kv_role="kv_both",
@@ -430,7 +493,10 @@ def test_internal_lb_refuses_what_needs_the_named_rank(role, send_type):
         "balancing) so each rank registers as its own instance"
     )
     # The same deployment with one `vllm serve` per rank starts.
-    assert check_p2p_config(_vllm_config(_ktc(role, send_type), dp=2, external_lb=True)) is None
+    assert (
+        check_p2p_config(_vllm_config(_ktc(role, send_type), dp=2, external_lb=True))
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -451,7 +517,11 @@ def test_internal_lb_check_needs_more_than_one_rank():
 @pytest.mark.parametrize(
     "extra, proxy_ip, routers",
     [
-        ({"proxy_ip": "10.0.0.1", "proxy_port": 30001}, "10.0.0.1", [("10.0.0.1", 30001)]),
+        (
+            {"proxy_ip": "10.0.0.1", "proxy_port": 30001},
+            "10.0.0.1",
+            [("10.0.0.1", 30001)],
+        ),
         (
             {"proxy_ip": "10.0.0.1,10.0.0.2", "proxy_port": "30001"},
             "10.0.0.1,10.0.0.2",
@@ -510,7 +580,9 @@ def test_proxy_ip_lists_one_or_several_routers(extra, proxy_ip, routers):
     ],
 )
 def test_bad_proxy_ip_names_the_key_and_the_allowed_values(proxy_ip):
-    message = _error(_config, {"proxy_ip": proxy_ip, "proxy_port": 30001, "http_port": 1})
+    message = _error(
+        _config, {"proxy_ip": proxy_ip, "proxy_port": 30001, "http_port": 1}
+    )
     assert message.startswith("kv_connector_extra_config.proxy_ip: ")
     assert message.endswith(
         "is not a router address: host or host:port ([IPv6]:port), or a comma-separated "
@@ -530,11 +602,15 @@ def test_proxy_ip_refusals_with_their_own_reason():
         "kv_connector_extra_config.proxy_ip: router 10.0.0.1:30001 is listed twice"
     )
     many = ",".join(f"10.0.0.{i}" for i in range(p2p_config.MAX_ROUTERS + 1))
-    assert error(proxy_ip=many).startswith("kv_connector_extra_config.proxy_ip: 17 routers")
+    assert error(proxy_ip=many).startswith(
+        "kv_connector_extra_config.proxy_ip: 17 routers"
+    )
 
 
 def test_proxy_port_may_be_left_out_only_when_every_router_has_its_port():
-    assert _config({"proxy_ip": "10.0.0.1:30001", "http_port": 1}).routers == (("10.0.0.1", 30001),)
+    assert _config({"proxy_ip": "10.0.0.1:30001", "http_port": 1}).routers == (
+        ("10.0.0.1", 30001),
+    )
     message = _error(_config, {"proxy_ip": "10.0.0.1:30001,10.0.0.2", "http_port": 1})
     assert message.startswith(
         "kv_connector_extra_config.proxy_ip, kv_connector_extra_config.proxy_port: give both"
@@ -543,9 +619,13 @@ def test_proxy_port_may_be_left_out_only_when_every_router_has_its_port():
 
 
 def test_http_addr_defaults_to_the_kv_host():
-    config = _config({"kv_ip": "10.0.0.5", "proxy_ip": "r", "proxy_port": 1, "http_port": 8000})
+    config = _config(
+        {"kv_ip": "10.0.0.5", "proxy_ip": "r", "proxy_port": 1, "http_port": 8000}
+    )
     assert (config.http_ip, config.http_addr) == (None, "10.0.0.5:8000")
-    config = _config({"http_ip": "[fd00::7]", "proxy_ip": "r", "proxy_port": 1, "http_port": 80})
+    config = _config(
+        {"http_ip": "[fd00::7]", "proxy_ip": "r", "proxy_port": 1, "http_port": 80}
+    )
     assert (config.http_ip, config.http_addr) == ("fd00::7", "[fd00::7]:80")
     assert _config().http_addr is None
 
@@ -554,7 +634,9 @@ def test_http_addr_defaults_to_the_kv_host():
 def test_bad_http_ip(http_ip):
     message = _error(_config, {"http_ip": http_ip})
     assert message.startswith("kv_connector_extra_config.http_ip: ")
-    assert _error(P2pConfig, role="kv_both", base_port=1, http_ip=http_ip).startswith("http_ip: ")
+    assert _error(P2pConfig, role="kv_both", base_port=1, http_ip=http_ip).startswith(
+        "http_ip: "
+    )
 
 
 def test_dense_dp_ranks_keep_their_own_ports_after_vllm_resets_the_rank():
@@ -562,7 +644,9 @@ def test_dense_dp_ranks_keep_their_own_ports_after_vllm_resets_the_rank():
     port plan must still use the rank the user launched."""
     from vllm.config import ParallelConfig
 
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import dp_rank_of
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
+        dp_rank_of,
+    )
 
     parallel = ParallelConfig(data_parallel_size=4, data_parallel_rank=3)
     assert dp_rank_of(parallel) == 3
@@ -576,7 +660,9 @@ def test_dense_dp_ranks_keep_their_own_ports_after_vllm_resets_the_rank():
 
 def test_beyond_loopback_without_a_secret_refuses_to_start(monkeypatch):
     monkeypatch.delenv(envs.VLLM_DISAGG_P2P_SECRET, raising=False)
-    config = P2pConfig(role="kv_producer", base_port=21001, host="10.1.2.3", grant_token=b"t")
+    config = P2pConfig(
+        role="kv_producer", base_port=21001, host="10.1.2.3", grant_token=b"t"
+    )
     message = _error(config.check_security)
     assert message.startswith("kv_connector_extra_config.kv_ip: 10.1.2.3 is reachable")
     assert envs.VLLM_DISAGG_P2P_SECRET in message and "allow_unauthenticated" in message
@@ -584,7 +670,11 @@ def test_beyond_loopback_without_a_secret_refuses_to_start(monkeypatch):
     # Loopback-only needs no secret; a secret or the explicit opt-in does.
     P2pConfig(role="kv_producer", base_port=21001, grant_token=b"t").check_security()
     P2pConfig(
-        role="kv_producer", base_port=21001, host="10.1.2.3", grant_token=b"t", secret=b"s"
+        role="kv_producer",
+        base_port=21001,
+        host="10.1.2.3",
+        grant_token=b"t",
+        secret=b"s",
     ).check_security()
     P2pConfig(
         role="kv_producer",
@@ -605,12 +695,18 @@ def test_allow_unauthenticated_is_read_and_checked():
 def test_nothing_to_vouch_for_peers_refuses_to_start(monkeypatch):
     config = P2pConfig(role="kv_consumer", base_port=21001)
     assert "nothing vouches for the peers" in _error(config.check_security)
-    P2pConfig(role="kv_consumer", base_port=21001, allowed_peers="10.0.0.0/8").check_security()
+    P2pConfig(
+        role="kv_consumer", base_port=21001, allowed_peers="10.0.0.0/8"
+    ).check_security()
 
 
 def test_allowed_peers_grammar():
-    allowed = _config({"allowed_peers": ["10.0.0.5:22001", "10.1.0.0/16"]}).allowed_peers
-    assert allowed.allows(("10.0.0.5", 22001)) and not allowed.allows(("10.0.0.5", 22002))
+    allowed = _config(
+        {"allowed_peers": ["10.0.0.5:22001", "10.1.0.0/16"]}
+    ).allowed_peers
+    assert allowed.allows(("10.0.0.5", 22001)) and not allowed.allows(
+        ("10.0.0.5", 22002)
+    )
     assert allowed.allows(("10.1.200.3", 1)) and not allowed.allows(("10.2.0.1", 1))
     for bad in ("10.0.0.0/99", "a_b:1", [], 5):
         assert _error(_config, {"allowed_peers": bad}).startswith(
@@ -658,7 +754,9 @@ def test_both_ways_in_share_the_cross_field_rules():
     assert _error(P2pConfig, role="kv_both", base_port=1, proxy_port=30001).startswith(
         "proxy_ip, proxy_port: give both"
     )
-    assert _error(P2pConfig, role="kv_both", base_port=1, proxy_ip="r", proxy_port=1) == (
+    assert _error(
+        P2pConfig, role="kv_both", base_port=1, proxy_ip="r", proxy_port=1
+    ) == (
         "http_port: required with proxy_ip/proxy_port (the port of this instance's API "
         "server that the router forwards requests to)"
     )
@@ -688,6 +786,8 @@ def test_update_doc_rewrites_only_the_table(tmp_path):
     path.write_text(stale)
     assert p2p_config.update_doc(path) is True
     text = path.read_text()
-    assert text.startswith("intro\n\n") and text.endswith(f"{p2p_config.DOC_END}\n\nafter\n")
+    assert text.startswith("intro\n\n") and text.endswith(
+        f"{p2p_config.DOC_END}\n\nafter\n"
+    )
     assert p2p_config.doc_table(text) == p2p_config.markdown_table()
     assert p2p_config.update_doc(path) is False

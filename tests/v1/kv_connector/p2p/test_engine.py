@@ -47,7 +47,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
     TransportError,
     create_transport,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import FakeTransport
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import (
+    FakeTransport,
+)
 from vllm_disagg.testing.server import get_free_port
 
 LAYERS = 3
@@ -105,7 +107,9 @@ def make_engine():
     ) -> Node:
         gen = torch.Generator().manual_seed(seed)
         kv = {
-            f"model.layers.{i}.self_attn.attn": torch.randn(BLOCKS, *shape, generator=gen).to(dtype)
+            f"model.layers.{i}.self_attn.attn": torch.randn(
+                BLOCKS, *shape, generator=gen
+            ).to(dtype)
             for i in range(layers)
         }
         for attempt in range(5):
@@ -163,18 +167,24 @@ def deadline(seconds: float = WAIT_S) -> float:
     return time.monotonic() + seconds
 
 
-def assert_blocks_equal(dst: Node, dst_ids: list[int], src: Node, src_ids: list[int]) -> None:
+def assert_blocks_equal(
+    dst: Node, dst_ids: list[int], src: Node, src_ids: list[int]
+) -> None:
     for layer in range(len(src.layers)):
         got = dst.block_bytes(layer, dst_ids)
         want = src.block_bytes(layer, src_ids)
-        assert torch.equal(got, want), f"layer {layer}: blocks {dst_ids} != source {src_ids}"
+        assert torch.equal(got, want), (
+            f"layer {layer}: blocks {dst_ids} != source {src_ids}"
+        )
 
 
 def open_keys(node: Node) -> dict[str, RecvState]:
     """Receive-side keys not closed yet (closed ones only refuse late offers)."""
     with node.engine._lock:
         return {
-            k: e.state for k, e in node.engine._recv.keys.items() if e.state is not RecvState.CLOSED
+            k: e.state
+            for k, e in node.engine._recv.keys.items()
+            if e.state is not RecvState.CLOSED
         }
 
 
@@ -204,13 +214,24 @@ def send(
     if mode == "GET":
         xfer = sender.hold(key, f"req-{key}", src_ids, prompt_digest=DIGEST)
         receiver.expect(
-            key, skip, exp_deadline or deadline(), get_from=sender.addr, prompt_digest=DIGEST
+            key,
+            skip,
+            exp_deadline or deadline(),
+            get_from=sender.addr,
+            prompt_digest=DIGEST,
         )
         return xfer
     if expect:
-        receiver.expect(key, skip, exp_deadline or deadline(), get_from=None, prompt_digest=DIGEST)
+        receiver.expect(
+            key, skip, exp_deadline or deadline(), get_from=None, prompt_digest=DIGEST
+        )
     xfer = sender.start_send(
-        key, f"req-{key}", receiver.addr, src_ids, all_saved=mode == "PUT", prompt_digest=DIGEST
+        key,
+        f"req-{key}",
+        receiver.addr,
+        src_ids,
+        all_saved=mode == "PUT",
+        prompt_digest=DIGEST,
     )
     if mode == "PUT_ASYNC":
         for layer in range(sender.engine.layout.num_layers):
@@ -278,7 +299,11 @@ def test_transfer_lands_byte_equal(make_engine, transport, mode, skip):
 
     slot = wait_slot(decode, "k")
     assert slot.state is SlotState.COMPLETE, slot.reason
-    assert (slot.num_blocks, slot.skip_blocks, slot.blocks_held) == (len(src), skip, held)
+    assert (slot.num_blocks, slot.skip_blocks, slot.blocks_held) == (
+        len(src),
+        skip,
+        held,
+    )
     assert decode.occupancy() == (nbytes, 0)
     decode.copy_into_cache(slot, dst, skip)
     decode.release(slot)
@@ -340,7 +365,9 @@ def test_tiny_buffer_spills_to_the_pool(make_engine, transport):
     assert_nothing_held(decode)
     assert wait_done(xfer).ok
     got = decode.totals()
-    assert got["spills"] == 1 and got["bytes_received"] == nbytes and got["dropped"] == 0
+    assert (
+        got["spills"] == 1 and got["bytes_received"] == nbytes and got["dropped"] == 0
+    )
 
 
 def test_buffer_first_then_pool_accounting_is_exact(make_engine):
@@ -429,7 +456,9 @@ def test_an_expectation_nobody_serves_is_left_to_the_worker(make_engine):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_key_abandoned_while_its_offer_takes_room_is_refused_and_freed(make_engine, transport):
+def test_a_key_abandoned_while_its_offer_takes_room_is_refused_and_freed(
+    make_engine, transport
+):
     """CI caught this interleaving: the worker gave up between the offer
     taking room and the slot being filed, and the bytes stayed held until
     the sweep (kv_hold_timeout_s later)."""
@@ -455,7 +484,9 @@ def test_a_key_abandoned_while_its_offer_takes_room_is_refused_and_freed(make_en
 
 @pytest.mark.parametrize("abandon", [False, True], ids=["release", "abandon"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_layers_never_saved_fail_at_the_sender_deadline(make_engine, transport, abandon):
+def test_layers_never_saved_fail_at_the_sender_deadline(
+    make_engine, transport, abandon
+):
     hold = 2.0  # the channel's set-up and the offer must fit in it on a loaded host
     prefill = make_engine(transport, "PUT_ASYNC", hold=hold, seed=1)
     decode = make_engine(transport, "PUT_ASYNC", hold=30.0, seed=2)
@@ -464,12 +495,17 @@ def test_layers_never_saved_fail_at_the_sender_deadline(make_engine, transport, 
         "k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST
     )  # the receiver waits long
     start = time.monotonic()
-    xfer = prefill.start_send("k", "req-k", decode.addr, src, all_saved=False, prompt_digest=DIGEST)
+    xfer = prefill.start_send(
+        "k", "req-k", decode.addr, src, all_saved=False, prompt_digest=DIGEST
+    )
     nbytes = LAYERS * len(src) * PAGE
     wait_for(lambda: decode.occupancy() == (nbytes, 0), "the offer to reserve room")
     # The room is taken just before the slot is filed: wait for both, so that
     # abandon() meets a receiving slot (the other order has its own test).
-    wait_for(lambda: decode.engine._recv.state("k") is RecvState.RECEIVING, "the offer's slot")
+    wait_for(
+        lambda: decode.engine._recv.state("k") is RecvState.RECEIVING,
+        "the offer's slot",
+    )
     if abandon:
         decode.abandon("k")  # while receiving: freed when the receive ends, not now
         with decode.engine._lock:
@@ -485,7 +521,9 @@ def test_layers_never_saved_fail_at_the_sender_deadline(make_engine, transport, 
         wait_for(lambda: decode.occupancy() == (0, 0), "the abandoned slot to be freed")
         assert decode.poll("k") is None
     else:
-        slot = wait_slot(decode, "k")  # failed by the broken channel, long before its deadline
+        slot = wait_slot(
+            decode, "k"
+        )  # failed by the broken channel, long before its deadline
         assert slot.state is SlotState.FAILED and "receive failed" in slot.reason
         assert time.monotonic() - start < 10.0
         assert decode.occupancy() == (nbytes, 0)
@@ -511,12 +549,18 @@ def test_get_for_a_key_never_held_fails_at_the_deadline(make_engine):
     exp_deadline = start + 1.0
     decode.expect("k", 0, exp_deadline, get_from=prefill.addr, prompt_digest=DIGEST)
     time.sleep(0.3)
-    if time.monotonic() < exp_deadline - 0.2:  # (a heavily loaded machine may oversleep)
-        assert decode.poll("k") is None  # NOT_READY: the GET is retried until the deadline
+    if (
+        time.monotonic() < exp_deadline - 0.2
+    ):  # (a heavily loaded machine may oversleep)
+        assert (
+            decode.poll("k") is None
+        )  # NOT_READY: the GET is retried until the deadline
     slot = wait_slot(decode, "k", timeout=5.0)
     assert slot.state is SlotState.FAILED
     # Asked until the deadline: the last Get's reply or the last retry ends it.
-    assert ("no reply" in slot.reason or "in time" in slot.reason) and prefill.addr in slot.reason
+    assert (
+        "no reply" in slot.reason or "in time" in slot.reason
+    ) and prefill.addr in slot.reason
     assert time.monotonic() >= exp_deadline - limits.GET_RETRY_INTERVAL_S - 0.01
     decode.release(slot)
     assert_nothing_held(decode)
@@ -566,11 +610,15 @@ def test_a_hold_is_pulled_once(make_engine):
         pytest.param(dict(shape=(1, 16, 128)), "page_bytes", id="page-size"),
         pytest.param(dict(layers=2), "num_layers", id="layer-count"),
         pytest.param(dict(block_size=16), "block_size", id="block-size"),
-        pytest.param(dict(shape=(1, 32, 256), dtype=torch.bfloat16), "dtype", id="dtype"),
+        pytest.param(
+            dict(shape=(1, 32, 256), dtype=torch.bfloat16), "dtype", id="dtype"
+        ),
     ],
 )
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_layout_mismatch_refuses_the_hello(make_engine, transport, decode_kw, field, caplog):
+def test_layout_mismatch_refuses_the_hello(
+    make_engine, transport, decode_kw, field, caplog
+):
     prefill = make_engine(transport, "PUT", seed=1)
     decode = make_engine(transport, "PUT", seed=2, **decode_kw)
     with caplog.at_level(logging.WARNING):
@@ -580,7 +628,8 @@ def test_layout_mismatch_refuses_the_hello(make_engine, transport, decode_kw, fi
     assert "refused the channel (layout;" in xfer.reason, xfer.reason
     assert "KV layout mismatch" not in xfer.reason and field not in xfer.reason
     assert any(
-        "KV layout mismatch" in r.getMessage() and field in r.getMessage() for r in caplog.records
+        "KV layout mismatch" in r.getMessage() and field in r.getMessage()
+        for r in caplog.records
     )
     assert decode.totals()["rejected_messages"] == 1
     assert_nothing_allocated(decode)
@@ -591,9 +640,14 @@ def test_layout_mismatch_refuses_the_hello(make_engine, transport, decode_kw, fi
     "prefill_kw, decode_kw, words",
     [
         pytest.param(
-            dict(send_type="PUT"), dict(send_type="PUT_ASYNC"), "send_type", id="send-type"
+            dict(send_type="PUT"),
+            dict(send_type="PUT_ASYNC"),
+            "send_type",
+            id="send-type",
         ),
-        pytest.param(dict(transport="fake"), dict(transport="tcp"), "transport", id="transport"),
+        pytest.param(
+            dict(transport="fake"), dict(transport="tcp"), "transport", id="transport"
+        ),
     ],
 )
 def test_mismatched_peers_are_refused(make_engine, prefill_kw, decode_kw, words):
@@ -628,7 +682,9 @@ def test_many_concurrent_transfers_land_in_the_right_blocks(make_engine, transpo
     for _, key, _, skip, _ in plan:
         decode.expect(key, skip, deadline(), get_from=None, prompt_digest=DIGEST)
     xfers = [
-        sender.start_send(key, key, decode.addr, src, all_saved=False, prompt_digest=DIGEST)
+        sender.start_send(
+            key, key, decode.addr, src, all_saved=False, prompt_digest=DIGEST
+        )
         for sender, key, src, _, _ in plan
     ]
     for layer in range(LAYERS):  # interleaved layer saves, as two forward passes would
@@ -656,7 +712,9 @@ def test_many_concurrent_transfers_land_in_the_right_blocks(make_engine, transpo
 
 def _flood_frames(n: int, secret: bytes | None) -> list[list[bytes]]:
     """``n`` frames the listener must each reject exactly once (count them)."""
-    layout = LayoutSpec(num_layers=LAYERS, page_bytes=PAGE, block_size=BLOCK_SIZE, dtype="float32")
+    layout = LayoutSpec(
+        num_layers=LAYERS, page_bytes=PAGE, block_size=BLOCK_SIZE, dtype="float32"
+    )
     foreign = b"not the secret"
     kinds = [
         lambda i: [b"\xc1garbage %d" % i],  # one frame
@@ -733,7 +791,9 @@ def test_a_flood_of_bad_frames_does_not_disturb_a_transfer(make_engine, secret):
                 src = [k * 3 + 1, k * 3 + 2, k * 3 + 3]
                 xfers.append(send(prefill, decode, f"k{k}", src, mode="PUT_ASYNC"))
                 receive(decode, f"k{k}", [40 + k * 3, 41 + k * 3, 42 + k * 3], 0)
-                assert_blocks_equal(decode, [40 + k * 3, 41 + k * 3, 42 + k * 3], prefill, src)
+                assert_blocks_equal(
+                    decode, [40 + k * 3, 41 + k * 3, 42 + k * 3], prefill, src
+                )
             thread.join(WAIT_S)
             assert not thread.is_alive() and not flood_error, flood_error
             wait_for(
@@ -783,10 +843,16 @@ def test_engines_sharing_a_secret_transfer(make_engine):
     receive(decode, "k", [7, 8], 1)
     assert_blocks_equal(decode, [7, 8], prefill, [2, 3])
     assert wait_done(xfer).ok
-    assert decode.totals()["rejected_messages"] == prefill.totals()["rejected_messages"] == 0
+    assert (
+        decode.totals()["rejected_messages"]
+        == prefill.totals()["rejected_messages"]
+        == 0
+    )
 
 
-@pytest.mark.parametrize("intruder_secret", [b"another", None], ids=["other-secret", "no-secret"])
+@pytest.mark.parametrize(
+    "intruder_secret", [b"another", None], ids=["other-secret", "no-secret"]
+)
 def test_an_engine_with_another_secret_is_refused(make_engine, intruder_secret):
     decode = make_engine("fake", "PUT", secret=b"right", seed=2)
     intruder = make_engine("fake", "PUT", secret=intruder_secret, hold=0.5, seed=1)
@@ -914,7 +980,9 @@ def test_a_get_accepted_without_an_offer_is_asked_again_until_settled(make_engin
     port = router.bind_to_random_port("tcp://127.0.0.1")
     try:
         start = time.monotonic()
-        decode.expect("k", 0, start + 20.0, get_from=f"127.0.0.1:{port}", prompt_digest=DIGEST)
+        decode.expect(
+            "k", 0, start + 20.0, get_from=f"127.0.0.1:{port}", prompt_digest=DIGEST
+        )
         gets = []
         for status in (Status.OK, Status.GONE):
             assert router.poll(5000), f"no Get arrived after {len(gets)}"

@@ -18,14 +18,19 @@ import torch
 import zmq
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import SlotState, limits
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
+    SlotState,
+    limits,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Hello,
     Offer,
     Reply,
     Status,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import FakeTransport
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import (
+    FakeTransport,
+)
 
 from .test_engine import (  # noqa: F401  (make_engine is a fixture)
     DIGEST,
@@ -67,7 +72,9 @@ class Stranger:
 _fake = FakeTransport(torch.device("cpu"), HOST)
 
 
-def hello(decode, *, channel_id: str = "c0ffee", sender: str = "127.0.0.1:1", **kw) -> Hello:
+def hello(
+    decode, *, channel_id: str = "c0ffee", sender: str = "127.0.0.1:1", **kw
+) -> Hello:
     """A Hello with a fresh fake-transport token (the stranger never joins)."""
     setup, _ = _fake.initiate()
     fields = dict(
@@ -97,13 +104,20 @@ def joined_hello(stranger: Stranger, decode, channel_id: str = "c0ffee"):
 
 
 @pytest.mark.parametrize("transport", ["fake", "tcp"])
-def test_offer_of_another_prompt_is_refused_and_the_load_fails_at_once(make_engine, transport):
+def test_offer_of_another_prompt_is_refused_and_the_load_fails_at_once(
+    make_engine, transport
+):
     """HTTP-only poisoning: prompt A prefilled, prompt B decoded under one key."""
     prefill = make_engine(transport, "PUT", seed=1)
     decode = make_engine(transport, "PUT", seed=2)
     before = [t.clone() for t in decode.layers]
     decode.expect(
-        "k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST, prefill_addr=prefill.addr
+        "k",
+        0,
+        deadline(30.0),
+        get_from=None,
+        prompt_digest=DIGEST,
+        prefill_addr=prefill.addr,
     )  # the named prefill itself sends it
     xfer = prefill.start_send(
         "k", "req-k", decode.addr, [1, 2, 3], all_saved=True, prompt_digest=OTHER_DIGEST
@@ -124,14 +138,21 @@ def test_a_wrong_digest_from_another_host_does_not_kill_the_load(make_engine):
     prefill = make_engine("fake", "PUT", seed=3)
     decode = make_engine("fake", "PUT", seed=2)
     decode.expect(
-        "k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST, prefill_addr="127.0.0.9:21001"
+        "k",
+        0,
+        deadline(30.0),
+        get_from=None,
+        prompt_digest=DIGEST,
+        prefill_addr="127.0.0.9:21001",
     )
     bad = intruder.start_send(
         "k", "r", decode.addr, [1, 2], all_saved=True, prompt_digest=OTHER_DIGEST
     )
     assert not wait_done(bad).ok and "digest" in bad.reason
     assert decode.poll("k") is None  # still waiting
-    good = prefill.start_send("k", "r", decode.addr, [1, 2], all_saved=True, prompt_digest=DIGEST)
+    good = prefill.start_send(
+        "k", "r", decode.addr, [1, 2], all_saved=True, prompt_digest=DIGEST
+    )
     assert wait_done(good).ok
     receive(decode, "k", [40, 41], 0)
 
@@ -145,7 +166,10 @@ def test_kv_received_before_the_request_keeps_the_senders_digest(make_engine):
     assert wait_done(xfer).ok
     decode.expect("k", 0, deadline(), get_from=None, prompt_digest=OTHER_DIGEST)
     slot = wait_slot(decode, "k")
-    assert slot.state is SlotState.COMPLETE and slot.prompt_digest == DIGEST != OTHER_DIGEST
+    assert (
+        slot.state is SlotState.COMPLETE
+        and slot.prompt_digest == DIGEST != OTHER_DIGEST
+    )
     decode.release(slot)
 
 
@@ -241,11 +265,16 @@ def test_a_new_channel_from_a_sender_replaces_its_old_one_once_set_up(make_engin
     try:
         for i in range(5):  # a prefill that restarted five times
             joined_hello(stranger, decode, channel_id=f"c{i}")
-            wait_for(lambda: list(decode.engine._inbound) == [f"c{i}"], "one channel per sender")
+            wait_for(
+                lambda: list(decode.engine._inbound) == [f"c{i}"],
+                "one channel per sender",
+            )
         # A Hello that never completes its set-up (a replay) replaces nothing.
         assert stranger.ask(hello(decode, channel_id="never")).status == Status.OK
         time.sleep(0.3)
-        assert "c4" in decode.engine._inbound and not decode.engine._inbound["c4"].broken
+        assert (
+            "c4" in decode.engine._inbound and not decode.engine._inbound["c4"].broken
+        )
     finally:
         stranger.close()
 
@@ -257,7 +286,9 @@ def test_a_replayed_or_stale_hello_is_refused(make_engine):
         first = hello(decode, channel_id="once")
         assert stranger.ask(first).status == Status.OK
         assert stranger.ask(first).reason == "duplicate"
-        old = hello(decode, channel_id="old", sent_at=time.time() - 2 * limits.MAX_HELLO_AGE_S)
+        old = hello(
+            decode, channel_id="old", sent_at=time.time() - 2 * limits.MAX_HELLO_AGE_S
+        )
         assert stranger.ask(old).reason == "stale"
     finally:
         stranger.close()
@@ -270,7 +301,9 @@ def test_an_offer_must_come_on_its_channels_own_connection(make_engine):
     owner, thief = Stranger(decode.addr), Stranger(decode.addr)
     try:
         joined_hello(owner, decode, channel_id="theirs")
-        wait_for(lambda: decode.engine._inbound["theirs"].channel is not None, "channel up")
+        wait_for(
+            lambda: decode.engine._inbound["theirs"].channel is not None, "channel up"
+        )
         reply = thief.ask(
             Offer(
                 req_no=2,
@@ -314,14 +347,18 @@ def test_idle_peer_threads_retire(make_engine, monkeypatch):
     prefill = make_engine("fake", "PUT", hold=0.3)
     dead = [f"127.0.0.{i + 1}:9" for i in range(50)]  # nothing listens on port 9
     xfers = [
-        prefill.start_send(f"k{i}", f"r{i}", addr, [1], all_saved=True, prompt_digest=DIGEST)
+        prefill.start_send(
+            f"k{i}", f"r{i}", addr, [1], all_saved=True, prompt_digest=DIGEST
+        )
         for i, addr in enumerate(dead)
     ]
     for xfer in xfers:
         assert not wait_done(xfer).ok
     wait_for(lambda: not prefill.engine._peers, "peer threads retired", timeout=10.0)
     wait_for(
-        lambda: not [t for t in threading.enumerate() if t.name.startswith("p2p-peer-")],
+        lambda: not [
+            t for t in threading.enumerate() if t.name.startswith("p2p-peer-")
+        ],
         "peer threads exited",
         timeout=10.0,
     )
@@ -336,7 +373,9 @@ def test_idle_peer_threads_retire(make_engine, monkeypatch):
 def test_a_key_the_prefill_never_holds_does_not_delay_other_gets(make_engine):
     prefill = make_engine("fake", "GET", seed=1)
     decode = make_engine("fake", "GET", seed=2)
-    decode.expect("never", 0, deadline(5.0), get_from=prefill.addr, prompt_digest=DIGEST)
+    decode.expect(
+        "never", 0, deadline(5.0), get_from=prefill.addr, prompt_digest=DIGEST
+    )
     time.sleep(0.2)  # its Get is being answered "not ready" over and over
     start = time.monotonic()
     send(prefill, decode, "good", [1, 2, 3], mode="GET")
@@ -358,7 +397,9 @@ def test_a_second_hold_of_a_key_ends_the_first(make_engine):
 # --- the offer / channel-break race ---------------------------------------------
 
 
-def test_an_offer_racing_a_channel_break_never_strands_its_slot(make_engine, monkeypatch):
+def test_an_offer_racing_a_channel_break_never_strands_its_slot(
+    make_engine, monkeypatch
+):
     """The channel breaks while the offer's room is being taken: the slot must
     be failed or never made, and its bytes returned (was RECEIVING forever)."""
     decode = make_engine("fake", "PUT_ASYNC")
@@ -373,7 +414,9 @@ def test_an_offer_racing_a_channel_break_never_strands_its_slot(make_engine, mon
 
     try:
         joined_hello(stranger, decode)
-        wait_for(lambda: decode.engine._inbound["c0ffee"].channel is not None, "channel up")
+        wait_for(
+            lambda: decode.engine._inbound["c0ffee"].channel is not None, "channel up"
+        )
         monkeypatch.setattr(decode.engine, "_allocate", allocate_while_breaking)
         reply = stranger.ask(
             Offer(
@@ -410,7 +453,9 @@ def test_a_pulled_send_that_fails_before_its_offer_fails_the_load_now(make_engin
     decode.release(slot)
 
 
-def test_a_silent_peer_costs_one_bounded_wait_and_stalls_no_other_peer(make_engine, monkeypatch):
+def test_a_silent_peer_costs_one_bounded_wait_and_stalls_no_other_peer(
+    make_engine, monkeypatch
+):
     """A decode that died (its port open, nobody answering) held every send to
     it for kv_hold_timeout_s; sends to a live decode must not wait for it."""
     monkeypatch.setattr(limits, "CONTROL_REPLY_TIMEOUT_S", 0.5)
@@ -449,7 +494,9 @@ def test_an_unwanted_key_is_refused_or_freed_at_once(make_engine, arrived_first)
     prefill = make_engine("fake", "PUT", seed=1)
     decode = make_engine("fake", "PUT", seed=2, hold=60.0)
     if arrived_first:
-        assert wait_done(send(prefill, decode, "k", [1, 2], mode="PUT", expect=False)).ok
+        assert wait_done(
+            send(prefill, decode, "k", [1, 2], mode="PUT", expect=False)
+        ).ok
         wait_for(
             lambda: decode.engine._recv.state("k") is not None
             and decode.engine._recv.state("k").value == "ready",

@@ -52,7 +52,9 @@ MAX_TOKENS = 10
 LOAD_TIMEOUT_S = 30.0  # the others must finish well before the orphan gives up
 
 _rng = random.Random(7)
-PROMPTS = [[_rng.randrange(3, 500) for _ in range(_rng.randint(3, 120))] for _ in range(12)]
+PROMPTS = [
+    [_rng.randrange(3, 500) for _ in range(_rng.randint(3, 120))] for _ in range(12)
+]
 ORPHAN = [_rng.randrange(3, 500) for _ in range(70)]
 CHAT = [{"role": "user", "content": "Tell me about prefill and decode."}]
 
@@ -153,7 +155,11 @@ def test_the_router_serves_xpyd_on_dp_engines_without_knowing_dp(xpyd_dp, refere
             pool.map(
                 lambda p: _ids(
                     openai_client.complete(
-                        router, p, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+                        router,
+                        p,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0.0,
+                        return_token_ids=True,
                     )
                 ),
                 PROMPTS,
@@ -162,21 +168,34 @@ def test_the_router_serves_xpyd_on_dp_engines_without_knowing_dp(xpyd_dp, refere
     for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
         assert out == reference[tuple(prompt)], f"completion {i}"
     chunks = openai_client.stream_completion(
-        router, PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+        router,
+        PROMPTS[0],
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        return_token_ids=True,
     )
-    assert [t for c in chunks for t in openai_client.token_ids(c)] == reference[tuple(PROMPTS[0])]
+    assert [t for c in chunks for t in openai_client.token_ids(c)] == reference[
+        tuple(PROMPTS[0])
+    ]
     chat = openai_client.chat(router, CHAT, max_tokens=MAX_TOKENS, temperature=0.0)
     assert chat["choices"][0]["message"]["content"] == reference["chat"]
-    streamed = openai_client.stream_chat(router, CHAT, max_tokens=MAX_TOKENS, temperature=0.0)
+    streamed = openai_client.stream_chat(
+        router, CHAT, max_tokens=MAX_TOKENS, temperature=0.0
+    )
     assert openai_client.streamed_text(streamed) == reference["chat"]
     deadline = time.monotonic() + 15
-    while any(_served(r) <= b for r, b in zip(ranks, before)) and time.monotonic() < deadline:
+    while (
+        any(_served(r) <= b for r, b in zip(ranks, before))
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.5)
     idle = [r.server.log_path.name for r, b in zip(ranks, before) if _served(r) <= b]
     assert not idle, f"ranks that served nothing: {idle}"
 
 
-def test_dp2_decode_loads_remote_kv_and_a_waiting_rank_never_stalls_the_group(xpyd_dp, reference):
+def test_dp2_decode_loads_remote_kv_and_a_waiting_rank_never_stalls_the_group(
+    xpyd_dp, reference
+):
     _, prefills, decodes = xpyd_dp
     prefill = prefills[0]
 

@@ -56,7 +56,10 @@ pytestmark = pytest.mark.e2e
 
 CHATS = [
     [{"role": "user", "content": "Tell me about prefill and decode."}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a block?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a block?"},
+    ],
 ]
 # d_pool's receive buffer is one byte, so every transfer goes to its host pool,
 # which holds 256 KiB: the tiny Llama's KV is 32 KiB a block (2 layers, fp32),
@@ -83,7 +86,9 @@ def reference(put_async_set) -> dict:
     server = put_async_set["p2"]
     ref = colocated_reference(server, [*LENGTH_PROMPTS, *MANY_PROMPTS])
     for messages in CHATS:
-        body = openai_client.chat(server, messages, max_tokens=MAX_TOKENS, temperature=0.0)
+        body = openai_client.chat(
+            server, messages, max_tokens=MAX_TOKENS, temperature=0.0
+        )
         ref[_chat_key(messages)] = body["choices"][0]["message"]["content"]
     return ref
 
@@ -91,7 +96,9 @@ def reference(put_async_set) -> dict:
 @pytest.fixture(scope="module")
 def routers(tiny_models, start_router):
     model = str(tiny_models["tiny-llama"])
-    started = {name: start_router(name=f"router-{name}", model=model) for name in ROUTER_NAMES}
+    started = {
+        name: start_router(name=f"router-{name}", model=model) for name in ROUTER_NAMES
+    }
     yield started
     for router in started.values():
         router.stop()
@@ -104,7 +111,9 @@ def put_async_set(tiny_models, start_server, routers):
 
     def start(name, label, role, **extra):
         mine = [routers[r] for r in REGISTERS_WITH[name]]
-        return start_instance(start_server, model, label, role, routers=mine, **common, **extra)
+        return start_instance(
+            start_server, model, label, role, routers=mine, **common, **extra
+        )
 
     instances = {
         "p1": start("p1", "p2p-pa-p1", "kv_producer"),
@@ -130,7 +139,9 @@ def test_put_async_every_prompt_length_equals_colocated(put_async_set, reference
     check_lengths(p, d, reference)
     # Every prompt token but the last is loaded (decode recomputes the last one).
     expected_hits = sum(PROMPT_LENGTHS)
-    hits = wait_metric(d, "vllm:external_prefix_cache_hits", hits_before + expected_hits - 4)
+    hits = wait_metric(
+        d, "vllm:external_prefix_cache_hits", hits_before + expected_hits - 4
+    )
     assert hits - hits_before >= expected_hits - len(PROMPT_LENGTHS)
     assert wait_metric(d, "vllm:p2p_bytes_received", 1) > 0
     assert metric(d, "vllm:p2p_failed_loads") == 0
@@ -141,7 +152,9 @@ def test_peers_in_kv_transfer_params_work_like_the_request_id(put_async_set, ref
     check_lengths(put_async_set["p2"], put_async_set["d1"], reference, via_params=True)
 
 
-def test_the_host_pool_takes_what_fits_and_the_rest_is_recomputed(put_async_set, reference):
+def test_the_host_pool_takes_what_fits_and_the_rest_is_recomputed(
+    put_async_set, reference
+):
     d = put_async_set["d_pool"]
     *fitting, too_big = LENGTH_PROMPTS
     check_lengths(put_async_set["p1"], d, reference, prompts=fitting)
@@ -154,7 +167,9 @@ def test_the_host_pool_takes_what_fits_and_the_rest_is_recomputed(put_async_set,
     assert metric(d, "vllm:p2p_dropped") >= 1
 
 
-def test_1p2d_and_2p1d_with_many_requests_in_flight_have_no_cross_talk(put_async_set, reference):
+def test_1p2d_and_2p1d_with_many_requests_in_flight_have_no_cross_talk(
+    put_async_set, reference
+):
     pairs = [
         (put_async_set["p1"], put_async_set["d1"]),
         (put_async_set["p1"], put_async_set["d_pool"]),  # 1P2D
@@ -165,7 +180,9 @@ def test_1p2d_and_2p1d_with_many_requests_in_flight_have_no_cross_talk(put_async
         i, prompt = i_prompt
         p, d = pairs[i % len(pairs)]
         return ids(
-            disaggregated_completion(p, d, prompt, max_tokens=MAX_TOKENS, return_token_ids=True)
+            disaggregated_completion(
+                p, d, prompt, max_tokens=MAX_TOKENS, return_token_ids=True
+            )
         )
 
     failed_before = metric(put_async_set["d1"], "vllm:p2p_failed_loads")
@@ -191,7 +208,9 @@ def _served(inst: P2pInstance) -> float:
 
 def _wait_registered(router, expected: int) -> None:
     router.wait_for_instances(
-        lambda found: len(found) >= expected, timeout_s=30, what=f"{expected} registered instances"
+        lambda found: len(found) >= expected,
+        timeout_s=30,
+        what=f"{expected} registered instances",
     )
 
 
@@ -209,13 +228,21 @@ def test_router_completions_streams_and_chats_equal_colocated(
     def completion(prompt):
         return ids(
             openai_client.complete(
-                router, prompt, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+                router,
+                prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                return_token_ids=True,
             )
         )
 
     def streamed(prompt):
         chunks = openai_client.stream_completion(
-            router, prompt, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
+            router,
+            prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            return_token_ids=True,
         )
         return [t for chunk in chunks for t in openai_client.token_ids(chunk)]
 
@@ -227,14 +254,22 @@ def test_router_completions_streams_and_chats_equal_colocated(
     for i, (prompt, out) in enumerate(zip(prompts, streams)):
         assert out == reference[key(prompt)], f"streamed completion {i}"
     for messages in CHATS:
-        body = openai_client.chat(router, messages, max_tokens=MAX_TOKENS, temperature=0.0)
-        assert body["choices"][0]["message"]["content"] == reference[_chat_key(messages)]
-        chunks = openai_client.stream_chat(router, messages, max_tokens=MAX_TOKENS, temperature=0.0)
+        body = openai_client.chat(
+            router, messages, max_tokens=MAX_TOKENS, temperature=0.0
+        )
+        assert (
+            body["choices"][0]["message"]["content"] == reference[_chat_key(messages)]
+        )
+        chunks = openai_client.stream_chat(
+            router, messages, max_tokens=MAX_TOKENS, temperature=0.0
+        )
         assert openai_client.streamed_text(chunks) == reference[_chat_key(messages)]
     # Round-robin: every prefill and every decode of this router took requests.
     for name_, member in zip((*prefills, *decodes), members):
         deadline = time.monotonic() + 15
-        while _served(member) <= served_before[id(member)] and time.monotonic() < deadline:
+        while (
+            _served(member) <= served_before[id(member)] and time.monotonic() < deadline
+        ):
             time.sleep(0.5)
         assert _served(member) > served_before[id(member)], f"{name_} served nothing"
 
@@ -294,12 +329,16 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
         _wait_registered(router, 3)
         deadline = time.monotonic() + 180
         while _served(joined) < 2:
-            assert time.monotonic() < deadline, "the new decode instance never took requests"
+            assert time.monotonic() < deadline, (
+                "the new decode instance never took requests"
+            )
             time.sleep(0.5)
         joined.server.kill()
         killed_at = time.monotonic()
         router.wait_for_instances(
-            lambda found: all(i["http_addr"] != f"127.0.0.1:{joined.server.port}" for i in found),
+            lambda found: all(
+                i["http_addr"] != f"127.0.0.1:{joined.server.port}" for i in found
+            ),
             timeout_s=30,
             what="the killed instance removed",
         )
@@ -308,14 +347,18 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
         # (a loaded CI machine served one request in 3.4 s, so 5 s held only one).
         deadline = time.monotonic() + 2 * 60 + 10
         while sum(sent > removed_at for sent, _, _, _ in results) < 2:
-            assert time.monotonic() < deadline, f"no traffic after the removal: {results[-3:]}"
+            assert time.monotonic() < deadline, (
+                f"no traffic after the removal: {results[-3:]}"
+            )
             time.sleep(0.2)
     finally:
         stop.set()
         for w in workers:
             w.join(timeout=90)
         joined.server.stop()
-    assert removed_at - killed_at < 15  # a refused connection drops it before heartbeats expire
+    assert (
+        removed_at - killed_at < 15
+    )  # a refused connection drops it before heartbeats expire
     after = [r for r in results if r[0] > removed_at]
     assert len(after) >= 2 and all(ok for _, _, ok, _ in after), after
     # Only requests in flight to the dying instance may have failed.
@@ -338,7 +381,9 @@ def test_kv_of_one_prompt_is_never_filed_under_another(put_async_set, reference)
     poison = [t + 1 for t in victim]  # same length and blocks, other tokens
     mismatches = metric(d, "vllm:p2p_digest_mismatches")
     headers, params = peer_naming(p.kv_addr, d.kv_addr)
-    openai_client.complete(p, poison, headers=headers, max_tokens=1, temperature=0.0, **params)
+    openai_client.complete(
+        p, poison, headers=headers, max_tokens=1, temperature=0.0, **params
+    )
     out = openai_client.complete(
         d,
         victim,
@@ -349,9 +394,13 @@ def test_kv_of_one_prompt_is_never_filed_under_another(put_async_set, reference)
         **params,
     )
     assert ids(out) == reference[key(victim)]
-    assert wait_metric(d, "vllm:p2p_digest_mismatches", mismatches + 1) == mismatches + 1
+    assert (
+        wait_metric(d, "vllm:p2p_digest_mismatches", mismatches + 1) == mismatches + 1
+    )
     # Later users of the same prompt, through the normal flow and straight to D.
-    again = disaggregated_completion(p, d, victim, max_tokens=MAX_TOKENS, return_token_ids=True)
+    again = disaggregated_completion(
+        p, d, victim, max_tokens=MAX_TOKENS, return_token_ids=True
+    )
     assert ids(again) == reference[key(victim)]
     plain = openai_client.complete(
         d, victim, max_tokens=MAX_TOKENS, temperature=0.0, return_token_ids=True
@@ -359,7 +408,9 @@ def test_kv_of_one_prompt_is_never_filed_under_another(put_async_set, reference)
     assert ids(plain) == reference[key(victim)]
 
 
-def test_a_request_naming_peers_without_a_grant_connects_nowhere(put_async_set, reference):
+def test_a_request_naming_peers_without_a_grant_connects_nowhere(
+    put_async_set, reference
+):
     """A client of the prefill names an "internal service" as its decode: the
     prefill computes the request as an ordinary one and opens no connection."""
     p = put_async_set["p1"]
@@ -372,7 +423,9 @@ def test_a_request_naming_peers_without_a_grant_connects_nowhere(put_async_set, 
     prompt = LENGTH_PROMPTS[2]
     try:
         for via_params in (False, True):
-            headers, params = peer_naming(p.kv_addr, target, via_params=via_params, grant=False)
+            headers, params = peer_naming(
+                p.kv_addr, target, via_params=via_params, grant=False
+            )
             out = openai_client.complete(
                 p,
                 prompt,
@@ -415,8 +468,12 @@ def test_router_lists_of_prompts_and_n_above_1_are_right_and_never_wait(
     )
     elapsed = time.monotonic() - start
     by_index = {c["index"]: list(c["token_ids"]) for c in body["choices"]}
-    assert [by_index[i] for i in range(len(prompts))] == [reference[key(p)] for p in prompts]
-    assert elapsed < LOAD_TIMEOUT_S, elapsed  # nothing waited for a transfer that never came
+    assert [by_index[i] for i in range(len(prompts))] == [
+        reference[key(p)] for p in prompts
+    ]
+    assert elapsed < LOAD_TIMEOUT_S, (
+        elapsed
+    )  # nothing waited for a transfer that never came
     start = time.monotonic()
     body = openai_client.complete(
         router, LENGTH_PROMPTS[2], max_tokens=4, temperature=0.8, n=3, seed=11
@@ -464,7 +521,12 @@ def compat_cases(model: str, stop: str) -> list[compare.HttpCase]:
     occurs in the greedy completion of the prompt."""
     case = compare.HttpCase
     chat = "/v1/chat/completions"
-    cmpl = {"model": model, "prompt": _COMPAT_PROMPT, "max_tokens": 8, "temperature": 0.0}
+    cmpl = {
+        "model": model,
+        "prompt": _COMPAT_PROMPT,
+        "max_tokens": 8,
+        "temperature": 0.0,
+    }
     msgs = {"model": model, "messages": CHATS[1], "max_tokens": 8, "temperature": 0.0}
     usage = {"stream_options": {"include_usage": True}}
     seeded = {"temperature": 0.8, "seed": 7}
@@ -479,7 +541,10 @@ def compat_cases(model: str, stop: str) -> list[compare.HttpCase]:
             body={
                 **cmpl,
                 "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                "stream_options": {
+                    "include_usage": True,
+                    "continuous_usage_stats": True,
+                },
             },
         ),
         case("chat", chat, msgs),
@@ -488,7 +553,10 @@ def compat_cases(model: str, stop: str) -> list[compare.HttpCase]:
         case(
             "chat max_completion_tokens",
             chat,
-            {**{k: v for k, v in msgs.items() if k != "max_tokens"}, "max_completion_tokens": 5},
+            {
+                **{k: v for k, v in msgs.items() if k != "max_tokens"},
+                "max_completion_tokens": 5,
+            },
         ),
         case("completion seeded", body={**cmpl, **seeded, "top_p": 0.9}),
         case("completion logprobs", body={**cmpl, "logprobs": 3}),
@@ -504,23 +572,38 @@ def compat_cases(model: str, stop: str) -> list[compare.HttpCase]:
         case("completion stop", body={**cmpl, "max_tokens": 12, "stop": [stop]}),
         case(
             "completion stop included",
-            body={**cmpl, "max_tokens": 12, "stop": [stop], "include_stop_str_in_output": True},
+            body={
+                **cmpl,
+                "max_tokens": 12,
+                "stop": [stop],
+                "include_stop_str_in_output": True,
+            },
         ),
         case(
             "completion stream stop",
             body={**cmpl, "max_tokens": 12, "stop": [stop], "stream": True},
         ),
-        case("completion min_tokens", body={**cmpl, "min_tokens": 6, "ignore_eos": False}),
-        case("completion 2 prompts", body={**cmpl, "prompt": [_COMPAT_PROMPT, "the proxy sends"]}),
+        case(
+            "completion min_tokens", body={**cmpl, "min_tokens": 6, "ignore_eos": False}
+        ),
+        case(
+            "completion 2 prompts",
+            body={**cmpl, "prompt": [_COMPAT_PROMPT, "the proxy sends"]},
+        ),
         case("completion token ids", body={**cmpl, "prompt": _COMPAT_TOKENS}),
         case(
             "completion 2 token-id prompts",
             body={**cmpl, "prompt": [_COMPAT_TOKENS[:17], _COMPAT_TOKENS]},
         ),
         case("completion n=2 seeded", body={**cmpl, **seeded, "n": 2}),
-        case("chat stream n=2 seeded", chat, {**msgs, **seeded, "n": 2, "stream": True}),
+        case(
+            "chat stream n=2 seeded", chat, {**msgs, **seeded, "n": 2, "stream": True}
+        ),
         case("completion return_token_ids", body={**cmpl, "return_token_ids": True}),
-        case("completion without model", body={k: v for k, v in cmpl.items() if k != "model"}),
+        case(
+            "completion without model",
+            body={k: v for k, v in cmpl.items() if k != "model"},
+        ),
         case(
             "completion X-Request-Id",
             body=cmpl,
@@ -540,7 +623,10 @@ def compat_cases(model: str, stop: str) -> list[compare.HttpCase]:
         case("error min_tokens > max_tokens", body={**cmpl, "min_tokens": 9}),
         case("error logprobs 50", body={**cmpl, "logprobs": 50}),
         case("error temperature -1", body={**cmpl, "temperature": -1}),
-        case("error missing prompt", body={k: v for k, v in cmpl.items() if k != "prompt"}),
+        case(
+            "error missing prompt",
+            body={k: v for k, v in cmpl.items() if k != "prompt"},
+        ),
         case("error stream_options without stream", body={**cmpl, **usage}),
         case("error prompt too long", body={**cmpl, "prompt": _TOO_LONG}),
         case("error bad JSON", raw=b'{"model": "x",'),
@@ -555,7 +641,9 @@ def compat_cases(model: str, stop: str) -> list[compare.HttpCase]:
     ]
 
 
-def test_router_answers_like_vllm_serve_field_by_field(put_async_set, routers, tmp_path):
+def test_router_answers_like_vllm_serve_field_by_field(
+    put_async_set, routers, tmp_path
+):
     """The same requests to the 1P1D router and to a colocated `vllm serve`
     (p2, no peers named): status, media type, X-Request-Id header, every JSON
     field, and every field of a stream's events merged (how many tokens an
@@ -563,22 +651,31 @@ def test_router_answers_like_vllm_serve_field_by_field(put_async_set, routers, t
     but for FIELDS_THAT_DIFFER_BY_NATURE and KNOWN_DIFFERENCES."""
     router, colocated = routers["1p1d"], put_async_set["p2"].server
     _wait_registered(router, 2)
-    greedy = openai_client.complete(colocated, _COMPAT_PROMPT, max_tokens=12, temperature=0.0)
+    greedy = openai_client.complete(
+        colocated, _COMPAT_PROMPT, max_tokens=12, temperature=0.0
+    )
     text = greedy["choices"][0]["text"]
     # Two letters in the latter part of the greedy text: a stop string that occurs.
     found = re.search(r"[A-Za-z]{2}", text[len(text) // 3 :])
     assert found, f"no stop string in {text!r}"
     cases = compat_cases(colocated.model, found.group())
-    diffs, views = compare.compare_servers(router.url, colocated.url, cases, COMPAT_RULES)
+    diffs, views = compare.compare_servers(
+        router.url, colocated.url, cases, COMPAT_RULES
+    )
     # Each case asks what its name says (vLLM's side): errors are errors, stops stop.
     for name, (_, answer) in views.items():
         status = answer.get("status", 0)
-        assert status >= 400 if name.startswith("error") else status == 200, (name, answer)
+        assert status >= 400 if name.startswith("error") else status == 200, (
+            name,
+            answer,
+        )
     assert views["completion stop"][1]["body"]["choices"][0]["finish_reason"] == "stop"
     dump = tmp_path / "answers.json"
     dump.write_text(
         json.dumps(
-            {n: {"router": r, "vllm": v} for n, (r, v) in views.items()}, indent=1, default=repr
+            {n: {"router": r, "vllm": v} for n, (r, v) in views.items()},
+            indent=1,
+            default=repr,
         )
     )
     unexpected, stale = compare.split_known(diffs, KNOWN_DIFFERENCES)
@@ -589,5 +686,7 @@ def test_router_answers_like_vllm_serve_field_by_field(put_async_set, routers, t
             + compare.format_differences(unexpected, "router", "vllm")
         )
     if stale:
-        message.append(f"KNOWN_DIFFERENCES entries that no longer differ (remove them): {stale}")
+        message.append(
+            f"KNOWN_DIFFERENCES entries that no longer differ (remove them): {stale}"
+        )
     assert not message, "\n".join(message) + f"\nboth sides' answers: {dump}"

@@ -47,7 +47,9 @@ def get_put_set(tiny_models, start_server):
     common = {"kv_load_timeout_s": LOAD_TIMEOUT_S}
 
     def start(name, role, send_type):
-        return start_instance(start_server, model, name, role, send_type=send_type, **common)
+        return start_instance(
+            start_server, model, name, role, send_type=send_type, **common
+        )
 
     instances = {
         "p_get": start("p2p-get-p", "kv_producer", "GET"),
@@ -74,17 +76,24 @@ def test_get_and_put_every_prompt_length_equals_colocated(get_put_set, reference
     assert metric(d, "vllm:p2p_failed_loads") == 0
 
 
-def test_get_pulls_only_blocks_missing_from_the_decode_prefix_cache(get_put_set, reference):
+def test_get_pulls_only_blocks_missing_from_the_decode_prefix_cache(
+    get_put_set, reference
+):
     p, d = get_put_set["p_get"], get_put_set["d_get"]
     first, other = PREFIX_PROMPTS
     assert other[: 2 * BLOCK_SIZE] == first[: 2 * BLOCK_SIZE]
     disaggregated_completion(p, d, first, max_tokens=2, return_token_ids=True)
     blocks_before = wait_metric(d, "vllm:p2p_blocks_received", 1)
     # Same shared prefix, a different tail: decode holds the first two blocks itself.
-    out = disaggregated_completion(p, d, other, max_tokens=MAX_TOKENS, return_token_ids=True)
+    out = disaggregated_completion(
+        p, d, other, max_tokens=MAX_TOKENS, return_token_ids=True
+    )
     assert ids(out) == reference[key(other)]
     expected = -(-len(other) // BLOCK_SIZE) - 2
-    received = wait_metric(d, "vllm:p2p_blocks_received", blocks_before + expected) - blocks_before
+    received = (
+        wait_metric(d, "vllm:p2p_blocks_received", blocks_before + expected)
+        - blocks_before
+    )
     assert received == expected
     assert metric(d, "vllm:p2p_failed_loads") == 0
 

@@ -91,10 +91,13 @@ ALL_MESSAGES = [
     pytest.param(_reply(), id="reply"),
     pytest.param(Reply(req_no=5, status=Status.NO_SPACE), id="reply-defaults"),
     pytest.param(
-        _reply(status=Status.REJECTED, reason="r" * MAX_REASON_CHARS), id="reply-max-reason"
+        _reply(status=Status.REJECTED, reason="r" * MAX_REASON_CHARS),
+        id="reply-max-reason",
     ),
     pytest.param(_offer(key="k" * MAX_KEY_CHARS), id="offer-max-key"),
-    pytest.param(_get(sender_addr="h" * MAX_ADDR_CHARS, skip_blocks=0), id="get-max-addr"),
+    pytest.param(
+        _get(sender_addr="h" * MAX_ADDR_CHARS, skip_blocks=0), id="get-max-addr"
+    ),
 ]
 
 
@@ -240,11 +243,15 @@ def test_wrong_field_types_are_malformed(msg):
         pytest.param(_get(key="k" * (MAX_KEY_CHARS + 1)), id="get-key-long"),
         pytest.param(_get(skip_blocks=-1), id="get-skip-negative"),
         pytest.param(_get(sender_addr="h" * (MAX_ADDR_CHARS + 1)), id="get-addr-long"),
-        pytest.param(_hello(sender_addr="h" * (MAX_ADDR_CHARS + 1)), id="hello-addr-long"),
+        pytest.param(
+            _hello(sender_addr="h" * (MAX_ADDR_CHARS + 1)), id="hello-addr-long"
+        ),
         pytest.param(_hello(channel_id="c" * 65), id="hello-channel-long"),
         pytest.param(_hello(transport="t" * 17), id="hello-transport-long"),
         pytest.param(_hello(send_type="s" * 17), id="hello-send_type-long"),
-        pytest.param(_reply(reason="r" * (MAX_REASON_CHARS + 1)), id="reply-reason-long"),
+        pytest.param(
+            _reply(reason="r" * (MAX_REASON_CHARS + 1)), id="reply-reason-long"
+        ),
         pytest.param(_reply(skip_blocks=-1), id="reply-skip-negative"),
     ],
 )
@@ -367,7 +374,9 @@ def _open_or_reject(secret, frames) -> None:
 @FUZZ
 @given(
     frames=st.lists(st.binary(max_size=64), max_size=4)
-    | st.tuples(st.binary(max_size=MAX_FRAME_BYTES + 64), st.binary(max_size=20)).map(list),
+    | st.tuples(st.binary(max_size=MAX_FRAME_BYTES + 64), st.binary(max_size=20)).map(
+        list
+    ),
     secret=st.sampled_from([None, SECRET]),
 )
 def test_fuzz_arbitrary_bytes_only_raise_frame_error(frames, secret):
@@ -375,7 +384,11 @@ def test_fuzz_arbitrary_bytes_only_raise_frame_error(frames, secret):
 
 
 @settings(FUZZ, max_examples=250)
-@given(tag=_TAGS, fields=st.lists(_VALUE, max_size=10), secret=st.sampled_from([None, SECRET]))
+@given(
+    tag=_TAGS,
+    fields=st.lists(_VALUE, max_size=10),
+    secret=st.sampled_from([None, SECRET]),
+)
 def test_fuzz_structured_payloads_only_raise_frame_error(tag, fields, secret):
     # Well-formed msgpack arrays starting with a (mostly) known tag get past
     # the byte level and exercise field validation and the bounds checks.
@@ -427,7 +440,9 @@ def test_fuzz_sealed_messages_open_iff_in_bounds(msg, secret):
 def _in_bounds(msg) -> bool:
     if isinstance(msg, Offer):
         return (
-            0 < len(msg.key) <= MAX_KEY_CHARS and msg.num_blocks > 0 and len(msg.request_id) <= 512
+            0 < len(msg.key) <= MAX_KEY_CHARS
+            and msg.num_blocks > 0
+            and len(msg.request_id) <= 512
         )
     if isinstance(msg, Get):
         return (

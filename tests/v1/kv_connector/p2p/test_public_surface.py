@@ -17,7 +17,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import engine, role
 def test_every_public_name_resolves_to_the_package(package):
     assert package.__all__ == sorted(set(package.__all__))
     for name in package.__all__:
-        assert getattr(package, name).__module__.startswith(package.__name__ + "."), name
+        assert getattr(package, name).__module__.startswith(package.__name__ + "."), (
+            name
+        )
     assert set(package.__all__) <= set(dir(package))
 
 
@@ -33,7 +35,9 @@ def test_importing_the_package_or_its_options_stays_cheap():
         "         and m.split('.')[-1] in ('connector', 'engine', 'scheduler', 'worker')]\n"
         "assert not heavy, heavy\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

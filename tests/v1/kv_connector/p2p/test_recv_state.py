@@ -55,7 +55,9 @@ def test_abandoned_while_receiving_is_closed_when_the_bytes_end():
     table.apply("k", Event.OFFER, 1.0, deadline=30.0)
     table.apply("k", Event.ABANDON, 2.0)
     assert table.state("k") is RecvState.ABANDONING
-    assert table.expire(1000.0) == []  # the receive's own deadline ends it, not the sweep
+    assert (
+        table.expire(1000.0) == []
+    )  # the receive's own deadline ends it, not the sweep
     table.apply("k", Event.FAILED, 1001.0)
     assert table.state("k") is RecvState.CLOSED
 
@@ -80,7 +82,9 @@ def test_every_state_has_a_way_out_by_time_alone(state):
         now += 1000.0
         table.expire(now)
         if table.state("k") is RecvState.ABANDONING:
-            table.apply("k", Event.FAILED, now)  # what the receive thread does at its deadline
+            table.apply(
+                "k", Event.FAILED, now
+            )  # what the receive thread does at its deadline
     assert table.state("k") is None
 
 

@@ -82,7 +82,10 @@ class FakeRouter:
             except DiscoveryError as e:
                 self.rejected += 1
                 ack = Ack(
-                    version=DISCOVERY_VERSION, instance_id="unknown", accepted=False, reason=str(e)
+                    version=DISCOVERY_VERSION,
+                    instance_id="unknown",
+                    accepted=False,
+                    reason=str(e),
                 )
                 self.sock.send_multipart([identity, *seal(self.token, ack)])
                 continue
@@ -150,7 +153,9 @@ def logs(monkeypatch):
     lines: dict[str, list[str]] = {"warning": [], "info": []}
     for level, out in lines.items():
         monkeypatch.setattr(
-            registration.logger, level, lambda fmt, *args, out=out: out.append(fmt % args)
+            registration.logger,
+            level,
+            lambda fmt, *args, out=out: out.append(fmt % args),
         )
     return lines
 
@@ -253,7 +258,9 @@ def test_a_dead_router_blocks_neither_the_others_nor_close(routers, clients, log
     ]  # once, after 5 intervals, whatever the number that follow
     started = time.monotonic()
     client.close()
-    assert time.monotonic() - started < DEREGISTER_TIMEOUT_S + 3  # not the dead router's retries
+    assert (
+        time.monotonic() - started < DEREGISTER_TIMEOUT_S + 3
+    )  # not the dead router's retries
     client._thread.join(timeout=5)
     assert not client._thread.is_alive()
     assert live.receive(1, kind=Deregister)
@@ -302,13 +309,23 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
             data_parallel_rank=1, data_parallel_size=2, data_parallel_external_lb=True
         ),
     )
-    assert start_registration(vllm_config, P2pConfig(role="kv_both", base_port=1), "x:1") is None
+    assert (
+        start_registration(vllm_config, P2pConfig(role="kv_both", base_port=1), "x:1")
+        is None
+    )
     client = start_registration(vllm_config, config, "127.0.0.1:21002")
     try:
         assert router.receive(1, timeout_s=0.6) == []  # the API server is not up yet
         with socket.create_server(("127.0.0.1", http_port)):
             [msg] = router.receive(1, timeout_s=3.0)
-        assert (msg.role, msg.model, msg.http_addr, msg.kv_addr, msg.dp_rank, msg.dp_size) == (
+        assert (
+            msg.role,
+            msg.model,
+            msg.http_addr,
+            msg.kv_addr,
+            msg.dp_rank,
+            msg.dp_size,
+        ) == (
             Role.PREFILL,
             "served",
             f"127.0.0.1:{http_port}",
@@ -332,7 +349,9 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
         (False, True, 3, 1, False),
     ],
 )
-def test_one_registration_per_api_server(external_lb, hybrid_lb, index, local_rank, registers):
+def test_one_registration_per_api_server(
+    external_lb, hybrid_lb, index, local_rank, registers
+):
     parallel = SimpleNamespace(
         data_parallel_external_lb=external_lb,
         data_parallel_hybrid_lb=hybrid_lb,
@@ -345,9 +364,15 @@ def test_one_registration_per_api_server(external_lb, hybrid_lb, index, local_ra
 def test_scheduler_shutdown_deregisters(routers, tmp_path, monkeypatch):
     """The real path: vLLM's Scheduler.shutdown (called by EngineCore.shutdown)
     calls the connector's shutdown, which deregisters."""
-    from vllm_disagg.testing.scheduler import make_scheduler, make_vllm_config, write_model_config
+    from vllm_disagg.testing.scheduler import (
+        make_scheduler,
+        make_vllm_config,
+        write_model_config,
+    )
 
-    monkeypatch.setattr(registration.RegistrationClient, "_http_ready", lambda self, s: True)
+    monkeypatch.setattr(
+        registration.RegistrationClient, "_http_ready", lambda self, s: True
+    )
     monkeypatch.delenv(envs.VLLM_DISAGG_ROUTER_TOKEN, raising=False)
     router = routers()
     vllm_config = make_vllm_config(write_model_config(tmp_path), "kv_consumer")
@@ -356,7 +381,11 @@ def test_scheduler_shutdown_deregisters(routers, tmp_path, monkeypatch):
     )
     scheduler = make_scheduler(vllm_config, num_blocks=16)
     [msg] = router.receive(1, kind=Register)
-    assert (msg.role, msg.kv_addr, msg.http_addr) == (Role.DECODE, "127.0.0.1:21001", HTTP_ADDR)
+    assert (msg.role, msg.kv_addr, msg.http_addr) == (
+        Role.DECODE,
+        "127.0.0.1:21001",
+        HTTP_ADDR,
+    )
     scheduler.shutdown()
     [bye] = router.receive(1, kind=Deregister)
     assert bye.instance_id == msg.instance_id
@@ -371,7 +400,9 @@ def test_an_advertised_http_address_where_vllm_serve_does_not_listen_is_said_at_
 
     assert advertised_http_problems("127.0.0.1:20001", "127.0.0.1", 20001) == []
     assert advertised_http_problems("localhost:20001", "127.0.0.1", 20001) == []
-    assert advertised_http_problems("127.0.0.1:20001", None, None) == []  # wildcard, local
+    assert (
+        advertised_http_problems("127.0.0.1:20001", None, None) == []
+    )  # wildcard, local
     [port] = advertised_http_problems("127.0.0.1:20001", "127.0.0.1", 8000)
     assert "http_port 20001" in port and "--port 8000" in port
     [host] = advertised_http_problems("127.0.0.2:20001", "127.0.0.1", 20001)
@@ -385,7 +416,9 @@ def test_an_advertised_http_address_where_vllm_serve_does_not_listen_is_said_at_
 
 
 def test_peer_worker_addresses_keep_ipv6_brackets():
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.worker import shift_port
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.worker import (
+        shift_port,
+    )
 
     assert shift_port("10.0.0.1:21001", 2) == "10.0.0.1:21003"
     assert shift_port("[::1]:21001", 1) == "[::1]:21002"

@@ -26,7 +26,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     P2pConnectorMetadata,
     SaveSpec,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import prompt_digest
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    prompt_digest,
+)
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.testing.scheduler import SchedulerHarness, tokens, write_model_config
 from vllm_disagg.testing.server import fleet_router_token
@@ -175,7 +177,9 @@ def test_decode_waits_for_remote_kv_then_runs(harness, num_prompt):
         (2 * BLOCK, 1),
     ],
 )
-def test_decode_loads_only_blocks_after_local_prefix_hit(harness, num_prompt, first_block):
+def test_decode_loads_only_blocks_after_local_prefix_hit(
+    harness, num_prompt, first_block
+):
     h = harness("kv_consumer")
     prefix = tokens(2 * BLOCK, seed=3)
     h.add(h.request("first", prefix + tokens(BLOCK + 5, seed=4), max_tokens=2))
@@ -218,7 +222,9 @@ def test_failed_load_is_recomputed_from_local_prefix(harness, local_prefix_block
         h.run_until_finished("first")
     num_prompt = 3 * BLOCK + 5
     rid = wrapped_id(PREFILL, OWN, "key3")
-    h.add(h.request(rid, (prefix + tokens(BLOCK + 5, seed=8))[:num_prompt], max_tokens=3))
+    h.add(
+        h.request(rid, (prefix + tokens(BLOCK + 5, seed=8))[:num_prompt], max_tokens=3)
+    )
     h.add(h.request("plain", tokens(10, seed=9), max_tokens=6))
 
     step = h.step()
@@ -354,7 +360,9 @@ def test_preempted_loaded_request_is_recomputed_not_reloaded(harness):
     assert metas(step).loads == []
     assert h.req(rid).status == RequestStatus.RUNNING
     assert computed_before_step(step, rid) == 0
-    assert step.scheduled[rid] == num_prompt + 1  # recomputed locally: prompt + 1 output
+    assert (
+        step.scheduled[rid] == num_prompt + 1
+    )  # recomputed locally: prompt + 1 output
     h.run_until_finished(rid)
     assert_connector_idle(h)
 
@@ -364,13 +372,19 @@ def test_preempted_loaded_request_is_recomputed_not_reloaded(harness):
 UNUSABLE = [
     pytest.param("cmpl-plain-0-1a2b3c4d", None, id="no-peer-info"),
     pytest.param("cmpl-x-0", {"do_remote_prefill": True}, id="foreign-params"),
-    pytest.param("___prefill_addr_10.0.0.1___decode_addr_127.0.0.1:21001_k", None, id="no-port"),
+    pytest.param(
+        "___prefill_addr_10.0.0.1___decode_addr_127.0.0.1:21001_k", None, id="no-port"
+    ),
     pytest.param("x___decode_addr_127.0.0.1:21001_k", None, id="decode-only-id"),
     pytest.param(
-        "___prefill_addr_10.0.0.1:99999___decode_addr_127.0.0.1:21001_k", None, id="bad-port"
+        "___prefill_addr_10.0.0.1:99999___decode_addr_127.0.0.1:21001_k",
+        None,
+        id="bad-port",
     ),
     pytest.param(
-        "___prefill_addr_10.0.0.1:21001___decode_addr_127.0.0.1:21001_", None, id="no-key"
+        "___prefill_addr_10.0.0.1:21001___decode_addr_127.0.0.1:21001_",
+        None,
+        id="no-key",
     ),
     pytest.param("cmpl-1", {"p2p_prefill_addr": PREFILL}, id="params-missing-keys"),
     pytest.param(
@@ -380,7 +394,11 @@ UNUSABLE = [
     ),
     pytest.param(
         "cmpl-3",
-        {"p2p_prefill_addr": PREFILL, "p2p_decode_addr": OWN, "p2p_request_key": "bad key!"},
+        {
+            "p2p_prefill_addr": PREFILL,
+            "p2p_decode_addr": OWN,
+            "p2p_request_key": "bad key!",
+        },
         id="params-bad-key",
     ),
     pytest.param(
@@ -393,10 +411,17 @@ UNUSABLE = [
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_producer", "kv_both"])
 @pytest.mark.parametrize(("req_id", "params"), UNUSABLE)
-def test_request_without_usable_peer_info_is_computed_locally(harness, role, req_id, params):
+def test_request_without_usable_peer_info_is_computed_locally(
+    harness, role, req_id, params
+):
     h = harness(role)
     h.add(
-        h.request(req_id, tokens(3 * BLOCK + 5, seed=17), max_tokens=2, kv_transfer_params=params)
+        h.request(
+            req_id,
+            tokens(3 * BLOCK + 5, seed=17),
+            max_tokens=2,
+            kv_transfer_params=params,
+        )
     )
     step = h.step()
     assert step.scheduled == {req_id: 3 * BLOCK + 5}
@@ -412,7 +437,9 @@ def test_request_without_usable_peer_info_is_computed_locally(harness, role, req
 
 @pytest.mark.parametrize("send_type", ["PUT", "GET", "PUT_ASYNC"])
 @pytest.mark.parametrize("num_prompt", [1, BLOCK, 3 * BLOCK + 5, 2 * BUDGET + 22])
-def test_prefill_saves_in_the_step_completing_the_prompt(harness, send_type, num_prompt):
+def test_prefill_saves_in_the_step_completing_the_prompt(
+    harness, send_type, num_prompt
+):
     h = harness("kv_producer", send_type=send_type)
     rid = wrapped_id(OWN, DECODE, "key9")
     h.add(h.request(rid, tokens(num_prompt, seed=18), max_tokens=1))
@@ -575,7 +602,11 @@ def test_kv_both_acts_as_prefill_when_named_prefill(harness):
     assert step.scheduled == {rid: BLOCK + 5}
     assert metas(step).loads == []
     (save,) = metas(step).saves
-    assert (save.key, save.decode_addr, save.block_ids) == ("key15", DECODE, h.block_ids(rid))
+    assert (save.key, save.decode_addr, save.block_ids) == (
+        "key15",
+        DECODE,
+        h.block_ids(rid),
+    )
     assert h.holds_blocks(rid)
     h.step(finished_sending={rid})
     assert_connector_idle(h)
@@ -609,7 +640,11 @@ def test_params_win_over_id_on_decode(harness):
     h = harness("kv_consumer")
     rid = wrapped_id(ANOTHER, DECODE, "idkey")
     params = make_kv_transfer_params(PREFILL, OWN, "paramkey")
-    h.add(h.request(rid, tokens(BLOCK + 5, seed=32), max_tokens=1, kv_transfer_params=params))
+    h.add(
+        h.request(
+            rid, tokens(BLOCK + 5, seed=32), max_tokens=1, kv_transfer_params=params
+        )
+    )
     (load,) = metas(h.step()).loads
     assert (load.key, load.prefill_addr) == ("paramkey", PREFILL)
 
@@ -618,7 +653,11 @@ def test_params_win_over_id_on_prefill(harness):
     h = harness("kv_producer")
     rid = wrapped_id(ANOTHER, ANOTHER, "idkey")
     params = make_kv_transfer_params(OWN, DECODE, "paramkey")
-    h.add(h.request(rid, tokens(BLOCK + 5, seed=33), max_tokens=1, kv_transfer_params=params))
+    h.add(
+        h.request(
+            rid, tokens(BLOCK + 5, seed=33), max_tokens=1, kv_transfer_params=params
+        )
+    )
     (save,) = metas(h.step()).saves
     assert (save.key, save.decode_addr) == ("paramkey", DECODE)
     h.step(finished_sending={rid})
@@ -629,17 +668,29 @@ def test_params_win_over_id_on_prefill(harness):
 def test_params_win_over_id_on_kv_both(harness, params_say):
     h = harness("kv_both")
     # The id names this instance as the decode for one case, the prefill for another.
-    id_says = {"decode": (OWN, DECODE), "prefill": (PREFILL, OWN), "neither": (PREFILL, OWN)}
+    id_says = {
+        "decode": (OWN, DECODE),
+        "prefill": (PREFILL, OWN),
+        "neither": (PREFILL, OWN),
+    }
     params = {
         "decode": make_kv_transfer_params(PREFILL, OWN, "pk"),
         "prefill": make_kv_transfer_params(OWN, DECODE, "pk"),
         "neither": make_kv_transfer_params(PREFILL, DECODE, "pk"),
     }[params_say]
     rid = wrapped_id(*id_says[params_say], "idkey")
-    h.add(h.request(rid, tokens(BLOCK + 5, seed=34), max_tokens=1, kv_transfer_params=params))
+    h.add(
+        h.request(
+            rid, tokens(BLOCK + 5, seed=34), max_tokens=1, kv_transfer_params=params
+        )
+    )
     meta = metas(h.step())
-    assert [load.key for load in meta.loads] == (["pk"] if params_say == "decode" else [])
-    assert [save.key for save in meta.saves] == (["pk"] if params_say == "prefill" else [])
+    assert [load.key for load in meta.loads] == (
+        ["pk"] if params_say == "decode" else []
+    )
+    assert [save.key for save in meta.saves] == (
+        ["pk"] if params_say == "prefill" else []
+    )
 
 
 # --- prompt-embeds requests, and its own address in any spelling ---
@@ -648,7 +699,9 @@ def test_params_win_over_id_on_kv_both(harness, params_say):
 def prompt_embeds(num_tokens: int):
     import torch
 
-    return torch.randn(num_tokens, 128, generator=torch.Generator().manual_seed(num_tokens))
+    return torch.randn(
+        num_tokens, 128, generator=torch.Generator().manual_seed(num_tokens)
+    )
 
 
 def test_decode_prompt_embeds_request_is_loaded(harness):
@@ -670,9 +723,14 @@ def test_prefill_prompt_embeds_request_is_saved(harness):
 
 @pytest.mark.parametrize(
     ("kv_ip", "decode_addr"),
-    [("::1", "[0:0:0:0:0:0:0:1]:21001"), ("Decode-1.example", "decode-1.example:21001")],
+    [
+        ("::1", "[0:0:0:0:0:0:0:1]:21001"),
+        ("Decode-1.example", "decode-1.example:21001"),
+    ],
 )
-def test_kv_both_recognizes_its_address_in_any_spelling(harness, kv_ip, decode_addr, monkeypatch):
+def test_kv_both_recognizes_its_address_in_any_spelling(
+    harness, kv_ip, decode_addr, monkeypatch
+):
     # A host name may be reachable beyond loopback: the plane needs its secret.
     monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET, "s3cr3t")
     h = harness("kv_both", kv_ip=kv_ip)
@@ -693,7 +751,9 @@ NOT_VOUCHED = [
 def count_refusals(h, monkeypatch) -> list:
     """Calls of the refused_peers counter (vLLM's scheduler drains the stats)."""
     calls: list = []
-    monkeypatch.setattr(h.connector.stats, "record_refused_peers", lambda: calls.append(1))
+    monkeypatch.setattr(
+        h.connector.stats, "record_refused_peers", lambda: calls.append(1)
+    )
     return calls
 
 
@@ -711,7 +771,11 @@ def test_peers_nobody_vouches_for_are_computed_locally_and_counted(
     params = None if grant is None else {GRANT_KEY: grant}
     h.add(
         h.request(
-            rid, tokens(2 * BLOCK, seed=41), max_tokens=2, grant=False, kv_transfer_params=params
+            rid,
+            tokens(2 * BLOCK, seed=41),
+            max_tokens=2,
+            grant=False,
+            kv_transfer_params=params,
         )
     )
     step = h.step()
@@ -747,13 +811,18 @@ def test_allowed_peers_vouch_without_a_grant(model_dir, monkeypatch):
     from vllm_disagg.testing.scheduler import make_scheduler, make_vllm_config
 
     vllm_config = make_vllm_config(model_dir, "kv_producer", **vllm_config_kw)
-    vllm_config.kv_transfer_config.kv_connector_extra_config["allowed_peers"] = "10.0.0.2"
+    vllm_config.kv_transfer_config.kv_connector_extra_config["allowed_peers"] = (
+        "10.0.0.2"
+    )
     scheduler = make_scheduler(vllm_config, num_blocks=64)
     connector = scheduler.connector._scheduler
     vouching = connector._vouching
     from vllm_disagg.wire.peers import parse_peer_info
 
-    assert vouching.refusal(parse_peer_info(wrapped_id(OWN, DECODE, "a"), None), None) is None
+    assert (
+        vouching.refusal(parse_peer_info(wrapped_id(OWN, DECODE, "a"), None), None)
+        is None
+    )
     assert vouching.refusal(parse_peer_info(wrapped_id(OWN, ANOTHER, "b"), None), None)
 
 
@@ -761,7 +830,9 @@ def test_no_token_and_no_allowed_peers_refuses_to_start(model_dir, monkeypatch):
     from vllm_disagg.testing.scheduler import make_scheduler, make_vllm_config
 
     monkeypatch.delenv(envs.VLLM_DISAGG_ROUTER_TOKEN, raising=False)
-    with pytest.raises(ConfigError, match=r"nothing vouches for the peers.*allowed_peers"):
+    with pytest.raises(
+        ConfigError, match=r"nothing vouches for the peers.*allowed_peers"
+    ):
         make_scheduler(make_vllm_config(model_dir, "kv_consumer"), num_blocks=64)
 
 
@@ -775,7 +846,9 @@ def test_decode_siblings_sharing_a_key_do_not_wait(harness):
     proxy_id = make_request_id(PREFILL, OWN, "shared")
     first, second = f"0_cmpl-{proxy_id}-0-aa", f"1_cmpl-{proxy_id}-0-aa"
     prompt = tokens(2 * BLOCK, seed=43)
-    h.add(h.request(first, prompt, max_tokens=2), h.request(second, prompt, max_tokens=2))
+    h.add(
+        h.request(first, prompt, max_tokens=2), h.request(second, prompt, max_tokens=2)
+    )
     step = h.step()
     assert [load.request_id for load in metas(step).loads] == [first]
     assert step.scheduled == {second: 2 * BLOCK}

@@ -75,14 +75,18 @@ def _assert_disjoint(blocks: dict[int, int], capacity: int) -> None:
         (127 * 256, 64 * 256),
     ],
 )
-def test_capacity_is_rounded_down_to_a_power_of_two_number_of_blocks(capacity, expected):
+def test_capacity_is_rounded_down_to_a_power_of_two_number_of_blocks(
+    capacity, expected
+):
     allocator = BuddyAllocator(capacity, MIN_BLOCK)
     assert allocator.capacity_bytes == expected
     assert allocator.largest_free_block() == expected == allocator.free_bytes
     allocator.check_invariants()
 
 
-@pytest.mark.parametrize("capacity, min_block", [(255, 256), (0, 256), (4096, 0), (4096, 384)])
+@pytest.mark.parametrize(
+    "capacity, min_block", [(255, 256), (0, 256), (4096, 0), (4096, 384)]
+)
 def test_bad_sizes_are_rejected(capacity, min_block):
     with pytest.raises(ValueError):
         BuddyAllocator(capacity, min_block)
@@ -226,7 +230,11 @@ def test_pool_rejects_double_free_foreign_and_stale_allocations():
         pool.free(a)
     with pytest.raises(ValueError):
         pool.free(other.allocate(100))
-    assert (pool.num_allocations, pool.requested_bytes, pool.used_bytes) == (1, 100, MIN_BLOCK)
+    assert (pool.num_allocations, pool.requested_bytes, pool.used_bytes) == (
+        1,
+        100,
+        MIN_BLOCK,
+    )
     pool.free(b)
     assert pool.used_bytes == 0
 
@@ -265,7 +273,9 @@ def test_concurrent_allocate_and_free():
             for _ in range(10000):
                 if held and (rng.random() < 0.5 or len(held) > 8):
                     alloc, fill = held.pop(rng.randrange(len(held)))
-                    assert bool((alloc.tensor == fill).all()), "clobbered by another thread"
+                    assert bool((alloc.tensor == fill).all()), (
+                        "clobbered by another thread"
+                    )
                     pool.free(alloc)
                 else:
                     alloc = pool.allocate(rng.randint(1, 4 * MIN_BLOCK))

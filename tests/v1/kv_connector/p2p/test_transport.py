@@ -30,7 +30,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
     MAX_SETUP_BYTES,
     Endpoint,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import FakeTransport
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import (
+    FakeTransport,
+)
 
 _PKG = "vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport"
 CPU = torch.device("cpu")
@@ -41,7 +43,9 @@ PROCESS_TRANSPORTS = ("tcp", "gloo")
 SLACK_S = 3.0
 
 _ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "vllm.distributed.utils", f"{_PKG}.tcp", f"{_PKG}.gloo"])
+_ctx.set_forkserver_preload(
+    ["torch", "vllm.distributed.utils", f"{_PKG}.tcp", f"{_PKG}.gloo"]
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,14 +75,20 @@ def _layout(kind: str, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 def _payload(seed: int, nbytes: int) -> bytes:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).numpy().tobytes()
+    return (
+        torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8)
+        .numpy()
+        .tobytes()
+    )
 
 
 def _bytes_of(tensors: list[torch.Tensor]) -> bytes:
     return b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors)
 
 
-def _message(kind: str, dtype: torch.dtype, seed: int, nbytes: int) -> list[torch.Tensor]:
+def _message(
+    kind: str, dtype: torch.dtype, seed: int, nbytes: int
+) -> list[torch.Tensor]:
     tensors = _layout(kind, nbytes, dtype)
     data = torch.frombuffer(bytearray(_payload(seed, nbytes)), dtype=torch.uint8)
     offset = 0
@@ -155,7 +165,10 @@ def test_both_directions_different_partitions(pair):
 
     def stream(src, dst, send_kind, recv_kind, dtype, seed):
         sender = _in_thread(
-            lambda: [src.send(_message(send_kind, dtype, seed + i, n), _in(10)) for i in range(3)]
+            lambda: [
+                src.send(_message(send_kind, dtype, seed + i, n), _in(10))
+                for i in range(3)
+            ]
         )
         for i in range(3):  # in order
             got = _layout(recv_kind, n, dtype)
@@ -172,7 +185,10 @@ def test_both_directions_different_partitions(pair):
 def test_empty_and_single_byte_messages(pair):
     a, b = pair
     join = _in_thread(
-        lambda: (a.send([], _in(5)), a.send([torch.tensor([7], dtype=torch.uint8)], _in(5)))
+        lambda: (
+            a.send([], _in(5)),
+            a.send([torch.tensor([7], dtype=torch.uint8)], _in(5)),
+        )
     )
     b.recv([torch.empty(0)], _in(5))
     got = torch.zeros(1, dtype=torch.uint8)
@@ -231,7 +247,9 @@ def test_bad_tensors_are_refused(pair):
 
 
 @pytest.mark.parametrize("name", CPU_TRANSPORTS)
-@pytest.mark.parametrize("setup", [b"", b"\x00" * 3, b"\xff" * 17, b"x" * (MAX_SETUP_BYTES + 1)])
+@pytest.mark.parametrize(
+    "setup", [b"", b"\x00" * 3, b"\xff" * 17, b"x" * (MAX_SETUP_BYTES + 1)]
+)
 def test_accept_refuses_malformed_setup(name, setup):
     transport = create_transport(name, CPU, HOST)
     try:
@@ -261,8 +279,12 @@ def test_a_data_endpoint_on_another_host_than_the_peer_is_refused():
         create_transport("gloo", CPU, HOST).accept(elsewhere, peer_host=HOST)
     # The same host in another spelling is the same host.
     with pytest.raises(TransportError, match="another host"):
-        create_transport("gloo", CPU, "::1").accept(Endpoint("::2", 9).encode(), peer_host="::1")
-    create_transport("gloo", CPU, "::1").accept(Endpoint("0:0::1", 9).encode(), peer_host="[::1]")
+        create_transport("gloo", CPU, "::1").accept(
+            Endpoint("::2", 9).encode(), peer_host="::1"
+        )
+    create_transport("gloo", CPU, "::1").accept(
+        Endpoint("0:0::1", 9).encode(), peer_host="[::1]"
+    )
 
 
 @pytest.mark.parametrize("name", CPU_TRANSPORTS)
@@ -284,7 +306,9 @@ def test_acceptor_finish_without_initiator_times_out(name):
 def test_tcp_strangers_on_the_data_port_do_not_break_set_up():
     a, b = create_transport("tcp", CPU, HOST), create_transport("tcp", CPU, HOST)
     rejected = []
-    b.on_rejected = rejected.append  # the engine counts them (vllm:p2p_rejected_messages)
+    b.on_rejected = (
+        rejected.append
+    )  # the engine counts them (vllm:p2p_rejected_messages)
     strangers = []
     try:
         setup, finish_initiator = a.initiate()
@@ -478,7 +502,9 @@ def test_two_processes_exchange_both_ways(remote):
 def test_two_processes_peer_killed_mid_stream(remote):
     channel, peer = remote
     n = 1 << 20
-    peer.ask("send", "one", torch.uint8, 0, n, 100_000)  # a stream that outlives the peer
+    peer.ask(
+        "send", "one", torch.uint8, 0, n, 100_000
+    )  # a stream that outlives the peer
     for i in range(3):
         dst = _layout("one", n, torch.uint8)
         channel.recv(dst, _in(20))
@@ -488,7 +514,9 @@ def test_two_processes_peer_killed_mid_stream(remote):
     with pytest.raises(TransportError):
         for _ in range(100_000):
             channel.recv([torch.zeros(n, dtype=torch.uint8)], _in(20))
-    assert time.monotonic() - start < 10, "the dead peer went unnoticed until the deadline"
+    assert time.monotonic() - start < 10, (
+        "the dead peer went unnoticed until the deadline"
+    )
 
 
 @pytest.mark.parametrize("blocked_in", ["recv", "send"])
@@ -497,9 +525,13 @@ def test_two_processes_peer_killed_while_blocked(remote, blocked_in):
     send (the peer takes nothing: far more than the socket buffers hold)."""
     channel, peer = remote
     if blocked_in == "recv":
-        call = _in_thread(channel.recv, [torch.zeros(1 << 20, dtype=torch.uint8)], _in(20))
+        call = _in_thread(
+            channel.recv, [torch.zeros(1 << 20, dtype=torch.uint8)], _in(20)
+        )
     else:
-        call = _in_thread(channel.send, [torch.zeros(256 << 20, dtype=torch.uint8)], _in(20))
+        call = _in_thread(
+            channel.send, [torch.zeros(256 << 20, dtype=torch.uint8)], _in(20)
+        )
     time.sleep(0.3)
     start = time.monotonic()
     peer.process.kill()
@@ -578,7 +610,9 @@ def test_nccl_two_gpus_exchange():
     try:
         channel = finish(b"", _in(60))
         n = 5 * 32768
-        channel.send([t.cuda(0) for t in _message("blocks", torch.bfloat16, 1, n)], _in(30))
+        channel.send(
+            [t.cuda(0) for t in _message("blocks", torch.bfloat16, 1, n)], _in(30)
+        )
         dst = [t.cuda(0) for t in _layout("blocks", n, torch.uint8)]
         channel.recv(dst, _in(30))
         assert _bytes_of([t.cpu() for t in dst]) == _payload(2, n)

@@ -33,7 +33,9 @@ from vllm.utils.torch_utils import direct_register_custom_op
 _lib = Library("vllm_disagg", "FRAGMENT")  # noqa: TID251
 
 
-def _check_sizes(communicator: CpuCommunicator, local_size: int, sizes: list[int]) -> None:
+def _check_sizes(
+    communicator: CpuCommunicator, local_size: int, sizes: list[int]
+) -> None:
     """Validate per-rank sizes; called eagerly, never while tracing."""
     rank = communicator.rank_in_group
     if sizes[rank] != local_size:
@@ -55,7 +57,10 @@ def _all_gatherv_one(
     communicator.dist_module.all_gather_into_tensor(
         gathered, padded, group=communicator.device_group
     )
-    pieces = [gathered[rank * max_size : rank * max_size + size] for rank, size in enumerate(sizes)]
+    pieces = [
+        gathered[rank * max_size : rank * max_size + size]
+        for rank, size in enumerate(sizes)
+    ]
     return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
 
 
@@ -108,7 +113,10 @@ def _reduce_scatterv_one(
 
 
 direct_register_custom_op(
-    "cpu_all_gatherv", _cpu_all_gatherv, fake_impl=_cpu_all_gatherv_fake, target_lib=_lib
+    "cpu_all_gatherv",
+    _cpu_all_gatherv,
+    fake_impl=_cpu_all_gatherv_fake,
+    target_lib=_lib,
 )
 direct_register_custom_op(
     "cpu_reduce_scatterv",
@@ -131,7 +139,9 @@ def all_gatherv(
     outputs = []
     for tensor in tensors:
         tensor_dim = dim + tensor.dim() if dim < 0 else dim
-        tensor_sizes = [tensor.shape[tensor_dim]] * self.world_size if sizes is None else sizes
+        tensor_sizes = (
+            [tensor.shape[tensor_dim]] * self.world_size if sizes is None else sizes
+        )
         if len(tensor_sizes) != self.world_size:
             raise ValueError(f"{len(tensor_sizes)} sizes for {self.world_size} ranks")
         outputs.append(

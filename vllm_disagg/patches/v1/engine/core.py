@@ -35,7 +35,9 @@ _upstream_run_engine_core = EngineCoreProc.__dict__["run_engine_core"].__func__
 def run_engine_core(*args, dp_rank: int = 0, local_dp_rank: int = 0, **kwargs):
     """Engine-core process entry: apply the patch set, then run upstream's."""
     load_patch_set(kwargs.get("vllm_config"), dp_rank)
-    return _upstream_run_engine_core(*args, dp_rank=dp_rank, local_dp_rank=local_dp_rank, **kwargs)
+    return _upstream_run_engine_core(
+        *args, dp_rank=dp_rank, local_dp_rank=local_dp_rank, **kwargs
+    )
 
 
 def apply() -> None:

@@ -73,7 +73,10 @@ def _sample(self, *args, **kwargs):
     setattr(
         self,
         _STATES_ATTR,
-        {i: (gen, gen.get_state()) for i, gen in discarded_cpu_generators(self).items()},
+        {
+            i: (gen, gen.get_state())
+            for i, gen in discarded_cpu_generators(self).items()
+        },
     )
     return _upstream_sample(self, *args, **kwargs)
 

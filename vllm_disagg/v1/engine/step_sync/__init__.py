@@ -46,7 +46,11 @@ group-state changes reach it through callbacks that the engine turns into
 items on its input queue.
 """
 
-from vllm_disagg.v1.engine.step_sync.config import OPTION_KEYS, StepSyncConfig, new_group_secret
+from vllm_disagg.v1.engine.step_sync.config import (
+    OPTION_KEYS,
+    StepSyncConfig,
+    new_group_secret,
+)
 from vllm_disagg.v1.engine.step_sync.coordinator import Coordinator
 from vllm_disagg.v1.engine.step_sync.coordinator_core import CoordinatorCore
 from vllm_disagg.v1.engine.step_sync.messages import (

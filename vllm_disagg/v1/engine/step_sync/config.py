@@ -36,7 +36,9 @@ class StepSyncConfig:
 
     def __post_init__(self):
         if not isinstance(self.dp_size, int) or self.dp_size < 1:
-            raise ConfigError(f"step sync: dp_size must be an integer >= 1, got {self.dp_size!r}")
+            raise ConfigError(
+                f"step sync: dp_size must be an integer >= 1, got {self.dp_size!r}"
+            )
         if not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 1024:
             raise ConfigError(
                 f"step_sync_lookahead must be an integer in [1, 1024], got {self.lookahead!r}"
@@ -53,16 +55,22 @@ class StepSyncConfig:
             )
 
     @classmethod
-    def from_additional_config(cls, additional_config: object, dp_size: int) -> StepSyncConfig:
+    def from_additional_config(
+        cls, additional_config: object, dp_size: int
+    ) -> StepSyncConfig:
         """Read the engine options from ``--additional-config`` (JSON)."""
         options = additional_config if isinstance(additional_config, dict) else {}
-        unknown = sorted(k for k in options if k.startswith("step_sync") and k not in OPTION_KEYS)
+        unknown = sorted(
+            k for k in options if k.startswith("step_sync") and k not in OPTION_KEYS
+        )
         if unknown:
             raise ConfigError(
                 f"unknown --additional-config key {unknown[0]!r}; "
                 f"step sync options are {', '.join(OPTION_KEYS)}"
             )
-        kwargs = {field: options[key] for key, field in OPTION_KEYS.items() if key in options}
+        kwargs = {
+            field: options[key] for key, field in OPTION_KEYS.items() if key in options
+        }
         return cls(dp_size, **kwargs)
 
     @property

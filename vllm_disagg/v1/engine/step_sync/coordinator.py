@@ -6,7 +6,11 @@ import time
 from collections.abc import Callable
 
 import zmq
-from vllm.utils.network_utils import is_valid_ipv6_address, make_zmq_path, split_zmq_path
+from vllm.utils.network_utils import (
+    is_valid_ipv6_address,
+    make_zmq_path,
+    split_zmq_path,
+)
 
 from vllm_disagg.v1.engine.step_sync.config import StepSyncConfig
 from vllm_disagg.v1.engine.step_sync.coordinator_core import CoordinatorCore, Send
@@ -95,7 +99,9 @@ class Coordinator(NetworkThread):
         poller.register(self._sock, zmq.POLLIN)
         self.core.start(time.monotonic())
         while not self._stop.is_set():
-            timeout_ms = max(0, int((self.core.next_heartbeat - time.monotonic()) * 1000))
+            timeout_ms = max(
+                0, int((self.core.next_heartbeat - time.monotonic()) * 1000)
+            )
             if poller.poll(min(timeout_ms, 100)):
                 while True:
                     try:
@@ -104,7 +110,9 @@ class Coordinator(NetworkThread):
                         break
                     self._handle(frames)
             self._deliver(self.core.on_tick(time.monotonic()))
-        if self._deliver(self.core.on_close(self._abort_on_close or "the coordinator stopped")):
+        if self._deliver(
+            self.core.on_close(self._abort_on_close or "the coordinator stopped")
+        ):
             # Give the Abort frames a moment to leave before the socket closes.
             self._close_linger_ms = 500
 

@@ -85,7 +85,9 @@ class CoordinatorCore:
     def all_left(self) -> bool:
         """Every member left the busy loop (the coordinator may go)."""
         members = list(self.members.values())
-        return len(members) == self.config.dp_size and all(m.state.left for m in members)
+        return len(members) == self.config.dp_size and all(
+            m.state.left for m in members
+        )
 
     # --- entry points ---
 
@@ -102,7 +104,9 @@ class CoordinatorCore:
         msg, why = open_frames(self._secret, TO_COORDINATOR, frames[1:])
         if msg is None:
             counter = (
-                "unauthenticated_messages" if why == UNAUTHENTICATED else ("malformed_messages")
+                "unauthenticated_messages"
+                if why == UNAUTHENTICATED
+                else ("malformed_messages")
             )
             self._drop(counter, why, why)
             return []
@@ -142,7 +146,9 @@ class CoordinatorCore:
     def _on_rank_state(self, route: bytes, msg: RankState, now: float) -> None:
         rank = msg.dp_rank
         if rank >= self.config.dp_size:
-            self._drop("malformed_messages", "rank", f"dp_rank {rank} >= {self.config.dp_size}")
+            self._drop(
+                "malformed_messages", "rank", f"dp_rank {rank} >= {self.config.dp_size}"
+            )
             return
         member = self.members.get(rank)
         if member is None:
@@ -152,10 +158,14 @@ class CoordinatorCore:
         elif member.state.incarnation != msg.incarnation:
             # Authenticated, so a real engine: a restarted rank cannot rejoin
             # collectives mid-flight.
-            self._fail(f"DP rank {rank} re-registered as a new process ({msg.incarnation})")
+            self._fail(
+                f"DP rank {rank} re-registered as a new process ({msg.incarnation})"
+            )
             return
         elif msg.seq <= member.state.seq:
-            self._drop("stale_messages", "stale", f"replayed or stale frame from rank {rank}")
+            self._drop(
+                "stale_messages", "stale", f"replayed or stale frame from rank {rank}"
+            )
             return
         bound = max(self.step, msg.local_step) + self.config.lookahead + 1
         if msg.requested > bound:
@@ -182,7 +192,9 @@ class CoordinatorCore:
                 )
             self.step = msg.requested
             changed = True
-            logger.debug("step sync: rank %d extended coordinator step to %d", rank, self.step)
+            logger.debug(
+                "step sync: rank %d extended coordinator step to %d", rank, self.step
+            )
         if msg.left and not previous.left and self.phase != GroupPhase.EXITING:
             self._fail(f"DP rank {rank} left the group (its engine shut down)")
             return
@@ -266,7 +278,9 @@ class CoordinatorCore:
 
     def _abort(self, reason: str) -> None:
         for member in self.members.values():
-            self._out.append((member.route, Abort(PROTOCOL_VERSION, self._next_seq(), reason)))
+            self._out.append(
+                (member.route, Abort(PROTOCOL_VERSION, self._next_seq(), reason))
+            )
 
     def _drop(self, counter: str, kind: str, detail: str) -> None:
         self.counters.inc(counter)

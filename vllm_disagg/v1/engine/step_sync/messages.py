@@ -34,7 +34,9 @@ class GroupPhase(enum.IntEnum):
     EXITING = 2
 
 
-class RankState(msgspec.Struct, tag="rank", array_like=True, forbid_unknown_fields=True):
+class RankState(
+    msgspec.Struct, tag="rank", array_like=True, forbid_unknown_fields=True
+):
     """Participant -> coordinator: everything the coordinator needs to know
     about one rank. Idempotent: the latest one wins."""
 
@@ -60,7 +62,9 @@ class RankState(msgspec.Struct, tag="rank", array_like=True, forbid_unknown_fiel
     left: bool
 
 
-class GroupState(msgspec.Struct, tag="group", array_like=True, forbid_unknown_fields=True):
+class GroupState(
+    msgspec.Struct, tag="group", array_like=True, forbid_unknown_fields=True
+):
     """Coordinator -> participant: the group as the coordinator sees it."""
 
     version: int
@@ -88,8 +92,12 @@ ToCoordinator = RankState | Abort
 ToParticipant = GroupState | Abort
 
 # Direction labels inside the MAC, so a frame cannot be reflected back.
-TO_COORDINATOR = FrameCodec(b"P2C", msgspec.msgpack.Decoder(ToCoordinator), MAX_MESSAGE_BYTES)
-TO_PARTICIPANT = FrameCodec(b"C2P", msgspec.msgpack.Decoder(ToParticipant), MAX_MESSAGE_BYTES)
+TO_COORDINATOR = FrameCodec(
+    b"P2C", msgspec.msgpack.Decoder(ToCoordinator), MAX_MESSAGE_BYTES
+)
+TO_PARTICIPANT = FrameCodec(
+    b"C2P", msgspec.msgpack.Decoder(ToParticipant), MAX_MESSAGE_BYTES
+)
 
 # FrameError kinds in the words of step sync's log lines.
 _REASONS = {

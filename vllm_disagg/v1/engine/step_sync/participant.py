@@ -84,14 +84,24 @@ class Participant(NetworkThread):
 
     # --- the core's state, for the engine and for metrics ---
 
-    local_step = property(lambda self: self.core.local_step, doc="Passes (real or dummy) run.")
-    coord_step = property(lambda self: self.core.coord_step, doc="Latest grant observed.")
-    requested = property(lambda self: self.core.requested, doc="Highest step asked for.")
+    local_step = property(
+        lambda self: self.core.local_step, doc="Passes (real or dummy) run."
+    )
+    coord_step = property(
+        lambda self: self.core.coord_step, doc="Latest grant observed."
+    )
+    requested = property(
+        lambda self: self.core.requested, doc="Highest step asked for."
+    )
     forward_steps = property(lambda self: self.core.forward_steps)
     dummy_steps = property(lambda self: self.core.dummy_steps)
     intent = property(lambda self: self.core.intent)
-    delivered = property(lambda self: self.core.delivered, doc="Highest step granted so far.")
-    group = property(lambda self: self.core.group, doc="The latest group state, if any.")
+    delivered = property(
+        lambda self: self.core.delivered, doc="Highest step granted so far."
+    )
+    group = property(
+        lambda self: self.core.group, doc="The latest group state, if any."
+    )
 
     @property
     def counters(self) -> Counters:
@@ -168,7 +178,9 @@ class Participant(NetworkThread):
         with self._delivered_grew:
             self._delivered_grew.wait_for(
                 lambda: self._failed is not None
-                or (self.group is not None and self.group.members >= self.config.dp_size),
+                or (
+                    self.group is not None and self.group.members >= self.config.dp_size
+                ),
                 max(0.0, deadline - time.monotonic()),
             )
         if self._failed is not None:
@@ -212,7 +224,8 @@ class Participant(NetworkThread):
         core.counters.inc("grant_waits")
         with self._delivered_grew:
             self._delivered_grew.wait_for(
-                lambda: core.delivered >= step or self._failed is not None, MAX_GRANT_WAIT_S
+                lambda: core.delivered >= step or self._failed is not None,
+                MAX_GRANT_WAIT_S,
             )
 
     @property
@@ -280,7 +293,9 @@ class Participant(NetworkThread):
 
     def _send(self, msg: RankState) -> None:
         try:
-            self._sock.send_multipart(seal(self._secret, TO_COORDINATOR, msg), zmq.NOBLOCK)
+            self._sock.send_multipart(
+                seal(self._secret, TO_COORDINATOR, msg), zmq.NOBLOCK
+            )
         except zmq.Again:
             pass  # not connected yet or queue full: the resend timer heals it
 

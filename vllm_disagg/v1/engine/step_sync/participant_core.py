@@ -35,11 +35,15 @@ class Received(NamedTuple):
     """What an accepted frame means to the engine."""
 
     grant: int | None  # the step delivered, when it grew
-    group: GroupState | None  # the new group state, when its phase, members or ack changed
+    group: (
+        GroupState | None
+    )  # the new group state, when its phase, members or ack changed
 
 
 class ParticipantCore:
-    def __init__(self, config: StepSyncConfig, dp_rank: int, incarnation: str, secret: bytes):
+    def __init__(
+        self, config: StepSyncConfig, dp_rank: int, incarnation: str, secret: bytes
+    ):
         self.config = config
         self.dp_rank = dp_rank
         self.incarnation = incarnation
@@ -48,7 +52,9 @@ class ParticipantCore:
         self.delivered = 0
         self.group: GroupState | None = None
         self.failed: str | None = None
-        self.stalled: str | None = None  # the failure, when it is this rank's engine stuck
+        self.stalled: str | None = (
+            None  # the failure, when it is this rank's engine stuck
+        )
         # Engine half.
         self.local_step = 0
         self.coord_step = 0
@@ -213,7 +219,12 @@ class ParticipantCore:
         self.delivered = max(self.delivered, msg.step)
         changed = previous is None or (
             (msg.phase, msg.phase_step, msg.members, msg.intent_ack)
-            != (previous.phase, previous.phase_step, previous.members, previous.intent_ack)
+            != (
+                previous.phase,
+                previous.phase_step,
+                previous.members,
+                previous.intent_ack,
+            )
         )
         return Received(msg.step if grew else None, msg if changed else None)
 

@@ -163,7 +163,9 @@ def parse_byte_size(key: str, value: Any) -> int:
 
 def parse_gib(key: str, value: Any) -> int:
     """A size in GiB (float) as bytes."""
-    what = f"a size in GiB (>= 0 and <= {MAX_MEM_POOL_SIZE_GB:.0f}; 0 disables the pool)"
+    what = (
+        f"a size in GiB (>= 0 and <= {MAX_MEM_POOL_SIZE_GB:.0f}; 0 disables the pool)"
+    )
     gib = _number(key, value, what)
     if not 0 <= gib <= MAX_MEM_POOL_SIZE_GB:
         raise ConfigError(f"{key}: {_show(value)} is not {what}")
@@ -284,7 +286,9 @@ def parse_routers(key: str, value: Any) -> tuple[tuple[str, int | None], ...]:
             try:
                 items = json.loads(text)
             except ValueError:
-                raise ConfigError(f"{key}: {_show(value)} is not {_ROUTERS_WHAT}") from None
+                raise ConfigError(
+                    f"{key}: {_show(value)} is not {_ROUTERS_WHAT}"
+                ) from None
         else:
             items = text.split(",")
     if not isinstance(items, list | tuple) or not items:
@@ -355,7 +359,9 @@ def parse_allowed_peers(key: str, value: Any) -> AllowedPeers:
             try:
                 networks.append(ipaddress.ip_network(item.strip(), strict=False))
             except ValueError:
-                raise ConfigError(f"{key}: {_show(item)} is not {_ALLOWED_WHAT}") from None
+                raise ConfigError(
+                    f"{key}: {_show(item)} is not {_ALLOWED_WHAT}"
+                ) from None
             continue
         try:
             host, port = _parse_router(key, item)
@@ -375,13 +381,19 @@ class Option:
     key: str
     type: str  # docs: what the key accepts (Markdown)
     default: Any  # the P2pConfig field's default
-    parse: Callable[[str, Any], Any]  # (key to name in errors, value) -> the field's value
+    parse: Callable[
+        [str, Any], Any
+    ]  # (key to name in errors, value) -> the field's value
     help: str  # docs: what it does
     refused: str  # docs: what start-up refuses
     field: str = ""  # the P2pConfig field, when not ``key``
     shown_default: str = ""  # docs: the default, when the value says too little
-    check: Callable[[str, Any], Any] | None = None  # a field value, when its unit is not the key's
-    absent: Callable[[], Any] | None = None  # a JSON without the key, when not ``default``
+    check: Callable[[str, Any], Any] | None = (
+        None  # a field value, when its unit is not the key's
+    )
+    absent: Callable[[], Any] | None = (
+        None  # a JSON without the key, when not ``default``
+    )
 
     @property
     def name(self) -> str:
@@ -530,7 +542,9 @@ OPTION = {option.key: option for option in OPTIONS}
 EXTRA_CONFIG_KEYS = tuple(OPTION)
 
 
-def _check_cross_fields(fields: dict[str, Any], label: Callable[[str], str]) -> dict[str, Any]:
+def _check_cross_fields(
+    fields: dict[str, Any], label: Callable[[str], str]
+) -> dict[str, Any]:
     """The rules between options, for both ways in: ``proxy_ip`` needs its
     ports and ``http_port``. ``fields``: parsed, by field name; ``label``
     names a key in errors. Returns them with ``proxy_ip`` canonical and
@@ -552,7 +566,9 @@ def _check_cross_fields(fields: dict[str, Any], label: Callable[[str], str]) -> 
             )
         router = (host, port if own_port is None else own_port)
         if router in routers:
-            raise ConfigError(f"{ip_key}: router {format_addr(*router)} is listed twice")
+            raise ConfigError(
+                f"{ip_key}: router {format_addr(*router)} is listed twice"
+            )
         routers.append(router)
     if fields["http_port"] is None:
         raise ConfigError(
@@ -676,10 +692,14 @@ class P2pConfig:
         set_(self, "role", parse_choice("role", self.role, ROLES))
         set_(self, "base_port", parse_port("base_port", self.base_port))
         given = {option.name: getattr(self, option.name) for option in OPTIONS}
-        for name, value in _parse_options(given, lambda key: OPTION[key].name, fields=True).items():
+        for name, value in _parse_options(
+            given, lambda key: OPTION[key].name, fields=True
+        ).items():
             set_(self, name, value)
         for name in ("secret", "grant_token"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bytes):
+            if getattr(self, name) is not None and not isinstance(
+                getattr(self, name), bytes
+            ):
                 raise ConfigError(f"{name}: must be bytes or None")
             set_(self, name, getattr(self, name) or None)
 
@@ -744,7 +764,9 @@ class P2pConfig:
         :func:`normalize_kv_transfer_json`); errors name the JSON key."""
         connector = getattr(kv_transfer_config, "kv_connector", None)
         if connector != CONNECTOR_NAME:
-            raise ConfigError(f"kv_connector: {_show(connector)} is not {CONNECTOR_NAME}")
+            raise ConfigError(
+                f"kv_connector: {_show(connector)} is not {CONNECTOR_NAME}"
+            )
         extra = kv_transfer_config.kv_connector_extra_config
         if extra is None:
             extra = {}
@@ -763,7 +785,13 @@ class P2pConfig:
         secret, grant_token = envs.p2p_secret(), envs.router_token()
         fields = _parse_options(extra, lambda key: f"{_EXTRA}.{key}", fields=False)
         del fields["routers"]
-        return cls(role=role, base_port=base_port, secret=secret, grant_token=grant_token, **fields)
+        return cls(
+            role=role,
+            base_port=base_port,
+            secret=secret,
+            grant_token=grant_token,
+            **fields,
+        )
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> P2pConfig:
@@ -777,9 +805,13 @@ class P2pConfig:
         """The port of one worker: ``kv_port`` plus the worker's global index,
         so every worker of every DP rank on a host gets its own."""
         if not (tp_size >= 1 and pp_size >= 1 and dp_rank >= 0):
-            raise ValueError(f"bad parallel sizes: dp_rank={dp_rank} tp={tp_size} pp={pp_size}")
+            raise ValueError(
+                f"bad parallel sizes: dp_rank={dp_rank} tp={tp_size} pp={pp_size}"
+            )
         if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size):
-            raise ValueError(f"bad ranks: tp_rank={tp_rank}/{tp_size} pp_rank={pp_rank}/{pp_size}")
+            raise ValueError(
+                f"bad ranks: tp_rank={tp_rank}/{tp_size} pp_rank={pp_rank}/{pp_size}"
+            )
         offset = dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank
         port = self.base_port + offset
         if port > MAX_PORT:
@@ -917,9 +949,14 @@ def _shown_default(option: Option) -> str:
 
 def markdown_table(options: tuple[Option, ...] = OPTIONS) -> str:
     """The docs' table of ``kv_connector_extra_config`` keys, one row per option."""
-    rows = ["| key | type | default | meaning | refused |", "| --- | --- | --- | --- | --- |"]
+    rows = [
+        "| key | type | default | meaning | refused |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for o in options:
-        rows.append(f"| `{o.key}` | {o.type} | {_shown_default(o)} | {o.help} | {o.refused} |")
+        rows.append(
+            f"| `{o.key}` | {o.type} | {_shown_default(o)} | {o.help} | {o.refused} |"
+        )
     return "\n".join(rows)
 
 

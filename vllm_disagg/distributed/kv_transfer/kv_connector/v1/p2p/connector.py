@@ -23,7 +23,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import P2pConnectorMetadata
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    P2pConnectorMetadata,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.scheduler import (
     P2pSchedulerConnector,
 )
@@ -78,7 +80,9 @@ class P2pNcclConnector(KVConnectorBase_V1):
     ) -> None:
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(
@@ -115,10 +119,14 @@ class P2pNcclConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker.wait_for_save()
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> KVConnectorTransferResults:
         return self._worker.get_transfer_results(finished_req_ids)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
@@ -139,9 +147,19 @@ class P2pNcclConnector(KVConnectorBase_V1):
     # --- metrics (vLLM's connector stats hooks) ---
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> P2pKVConnectorStats:
-        return P2pKVConnectorStats(data=data) if data is not None else P2pKVConnectorStats()
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> P2pKVConnectorStats:
+        return (
+            P2pKVConnectorStats(data=data)
+            if data is not None
+            else P2pKVConnectorStats()
+        )
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return P2pPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ):
+        return P2pPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )

@@ -22,7 +22,11 @@ import hashlib
 
 import msgspec
 
-from vllm_disagg.wire.frames import MAC_BYTES, FrameCodec, FrameError  # noqa: F401 (re-exported)
+from vllm_disagg.wire.frames import (  # noqa: F401 (re-exported)
+    MAC_BYTES,
+    FrameCodec,
+    FrameError,
+)
 from vllm_disagg.wire.peers import MAX_KEY_CHARS
 
 # Version of everything P2P instances exchange (request naming, the messages
@@ -77,7 +81,9 @@ class Hello(_Msg, tag="hello"):
 
     version: int
     req_no: int
-    sender_addr: str  # the sender's control address ("host:port"), for replies of its own
+    sender_addr: (
+        str  # the sender's control address ("host:port"), for replies of its own
+    )
     channel_id: str
     transport: str
     setup: bytes

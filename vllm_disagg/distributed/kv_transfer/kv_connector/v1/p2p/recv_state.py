@@ -32,7 +32,9 @@ from dataclasses import dataclass
 class RecvState(enum.Enum):
     EXPECTED = "expected"  # the decode waits for the key; no offer yet
     RECEIVING = "receiving"  # an offer was accepted; bytes arrive into the slot
-    ABANDONING = "abandoning"  # the decode gave up while bytes arrive: free them at the end
+    ABANDONING = (
+        "abandoning"  # the decode gave up while bytes arrive: free them at the end
+    )
     READY = "ready"  # the slot is complete or failed: the decode's poll() takes it
     CLOSED = "closed"  # taken or given up: late offers are refused until forgotten
 
@@ -95,7 +97,9 @@ class RecvKey:
     prompt_digest: bytes = b""  # what the decode's request says the KV must be of
     load_deadline: float = 0.0  # the decode's own deadline for the load
     prefill_host: str = ""  # the host of the prefill the request named (canonical)
-    slot: object | None = None  # the RecvSlot, from OFFER (or FAILED) until freed or taken
+    slot: object | None = (
+        None  # the RecvSlot, from OFFER (or FAILED) until freed or taken
+    )
     reason: str = ""  # why it failed
 
 
@@ -158,7 +162,9 @@ class RecvTable:
             # Keep the receive's deadline; only the first entry sets it.
             if given is not None:
                 return given + t.grace_s
-            return entry.deadline if entry.deadline > now else now + t.hold_s + t.grace_s
+            return (
+                entry.deadline if entry.deadline > now else now + t.hold_s + t.grace_s
+            )
         # READY: the decode polls every step when it expects the key;
         # an unclaimed slot waits at most hold_s for its request.
         if given is not None:

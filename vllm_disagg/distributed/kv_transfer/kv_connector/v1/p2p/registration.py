@@ -66,7 +66,9 @@ logger = init_logger(__name__)
 
 DEREGISTER_TIMEOUT_S = 0.5  # close(): how long Deregister may take to leave
 WARN_INTERVAL_S = 60.0  # at most one warning per router per minute
-SILENT_HEARTBEATS = 5  # heartbeats unanswered, or intervals unconnected, before a warning
+SILENT_HEARTBEATS = (
+    5  # heartbeats unanswered, or intervals unconnected, before a warning
+)
 HTTP_WAIT_S = 120.0  # register anyway when the API server stays unreachable
 HTTP_RETRY_S = 0.5
 POLL_S = 0.1  # how soon close() is noticed, and how soon a heartbeat to a
@@ -242,7 +244,9 @@ class RegistrationClient:
         return True
 
     def _heartbeat(self, router: _Router, now: float) -> None:
-        msg = msgspec.structs.replace(self._template, seq=router.seq, sent_at=time.time())
+        msg = msgspec.structs.replace(
+            self._template, seq=router.seq, sent_at=time.time()
+        )
         try:
             router.sock.send_multipart(seal(self.token, msg), flags=zmq.NOBLOCK)
         except zmq.Again:  # not connected (or stuck): nothing is queued, retry soon
@@ -283,7 +287,9 @@ class RegistrationClient:
                 # router with another token can still say why it refused us.
                 msg = open_frame(None, frames)
             except DiscoveryError as e:
-                self._warn(router, "unreadable answer from router %s: %s", router.addr, e)
+                self._warn(
+                    router, "unreadable answer from router %s: %s", router.addr, e
+                )
                 continue
             # Only we send on this socket, so every Ack answers us; a router
             # that could not open our frame (token, clock) cannot name us.
@@ -318,7 +324,9 @@ class RegistrationClient:
         frames = seal(
             self.token,
             Deregister(
-                version=DISCOVERY_VERSION, instance_id=self.instance_id, sent_at=time.time()
+                version=DISCOVERY_VERSION,
+                instance_id=self.instance_id,
+                sent_at=time.time(),
             ),
         )
         for router in routers:
@@ -401,13 +409,17 @@ def start_registration(
     """Start registering this DP rank (its control address ``kv_addr``) with
     the routers named in ``proxy_ip``; None when none is, or when another
     rank registers for this API server."""
-    if not config.routers or not registers_for_its_api_server(vllm_config.parallel_config):
+    if not config.routers or not registers_for_its_api_server(
+        vllm_config.parallel_config
+    ):
         return None
     names = vllm_config.model_config.served_model_name
     names = list(names) if isinstance(names, list | tuple) else [names] if names else []
     model = names[0] if names else None
     parallel = vllm_config.parallel_config
-    for problem in advertised_http_problems(config.http_addr, envs.serve_host(), envs.serve_port()):
+    for problem in advertised_http_problems(
+        config.http_addr, envs.serve_host(), envs.serve_port()
+    ):
         logger.warning(
             "%s: routers will send this instance's requests where its API server does not "
             "listen (unless a port mapping or NAT is in between); set "

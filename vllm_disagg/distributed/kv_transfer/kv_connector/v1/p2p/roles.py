@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 KV_PRODUCER: Final[KVRole] = "kv_producer"  # prefill
 KV_CONSUMER: Final[KVRole] = "kv_consumer"  # decode
-KV_BOTH: Final[KVRole] = "kv_both"  # either side, chosen per request by the addresses it names
+KV_BOTH: Final[KVRole] = (
+    "kv_both"  # either side, chosen per request by the addresses it names
+)
 # In the order configuration errors list them.
 KV_ROLES: Final[tuple[KVRole, ...]] = (KV_PRODUCER, KV_CONSUMER, KV_BOTH)

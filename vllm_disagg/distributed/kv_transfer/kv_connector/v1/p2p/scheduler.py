@@ -31,7 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.utils.math_utils import cdiv
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig, dp_rank_of
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
+    P2pConfig,
+    dp_rank_of,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
@@ -49,7 +52,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.roles import (
     KV_CONSUMER,
     KV_PRODUCER,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import P2pStatsRecorder
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
+    P2pStatsRecorder,
+)
 from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.grants import GRANT_KEY, GrantError, check_grant
 from vllm_disagg.wire.peers import (
@@ -88,13 +93,20 @@ class PeerVouching:
         """None when vouched for, else why not (for a rate-limited log line)."""
         others = [
             a
-            for a in (canonical_addr(peer.prefill_addr), canonical_addr(peer.decode_addr))
+            for a in (
+                canonical_addr(peer.prefill_addr),
+                canonical_addr(peer.decode_addr),
+            )
             if a != self._own
         ]
         if not others:
             # Both sides this instance: it would wait for KV from itself.
             return "the request names this instance as both prefill and decode"
-        grant = kv_transfer_params.get(GRANT_KEY) if isinstance(kv_transfer_params, dict) else None
+        grant = (
+            kv_transfer_params.get(GRANT_KEY)
+            if isinstance(kv_transfer_params, dict)
+            else None
+        )
         problem = "no router token to check a grant with"
         if self._token is not None and grant is not None:
             try:
@@ -177,7 +189,9 @@ class P2pSchedulerConnector:
         self._unwanted: list[str] = []
         self._loaded: set[str] = set()  # requests that asked for remote KV once
         self._prefills: dict[str, _Prefill] = {}
-        self._sending: set[str] = set()  # prefills handed to the workers: delay their free
+        self._sending: set[str] = (
+            set()
+        )  # prefills handed to the workers: delay their free
         self._last_bad_peer_log = -BAD_PEER_LOG_INTERVAL_S
         # One registration per engine core, i.e. per DP rank, named by the
         # rank's own control address (proxy_ip set; else None).
@@ -209,7 +223,9 @@ class P2pSchedulerConnector:
         elif request.prompt_embeds is not None:
             digest = embeds_digest(request.prompt_embeds)
         else:
-            self._refuse(request, "neither prompt token ids nor embeddings to check KV against")
+            self._refuse(
+                request, "neither prompt token ids nor embeddings to check KV against"
+            )
             return
         self._peers[request.request_id] = _Peers(peer, digest)
 
@@ -218,7 +234,9 @@ class P2pSchedulerConnector:
         now = time.monotonic()
         if now - self._last_bad_peer_log >= BAD_PEER_LOG_INTERVAL_S:
             self._last_bad_peer_log = now
-            logger.warning("request %s: %s; it is computed locally", request.request_id, why)
+            logger.warning(
+                "request %s: %s; it is computed locally", request.request_id, why
+            )
 
     def take_stats(self):
         return self.stats.take()
@@ -238,7 +256,9 @@ class P2pSchedulerConnector:
         if role == KV_PRODUCER:
             return True
         return (
-            role == KV_BOTH and self._is_me(peer.prefill_addr) and not self._is_me(peer.decode_addr)
+            role == KV_BOTH
+            and self._is_me(peer.prefill_addr)
+            and not self._is_me(peer.decode_addr)
         )
 
     # --- decode ---
@@ -290,7 +310,9 @@ class P2pSchedulerConnector:
 
     # --- every step ---
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> P2pConnectorMetadata:
+    def build_connector_meta(
+        self, scheduler_output: SchedulerOutput
+    ) -> P2pConnectorMetadata:
         meta = P2pConnectorMetadata(
             loads=list(self._pending_loads.values()), unwanted=self._unwanted
         )
@@ -318,10 +340,14 @@ class P2pSchedulerConnector:
                 prefill.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 prefill.block_ids.extend(new_ids[0])
-            self._maybe_save(meta, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+            self._maybe_save(
+                meta, req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
+            )
         return meta
 
-    def _maybe_save(self, meta: P2pConnectorMetadata, req_id: str, computed_after: int) -> None:
+    def _maybe_save(
+        self, meta: P2pConnectorMetadata, req_id: str, computed_after: int
+    ) -> None:
         prefill = self._prefills[req_id]
         if computed_after < prefill.num_prompt_tokens or prefill.num_prompt_tokens == 0:
             return

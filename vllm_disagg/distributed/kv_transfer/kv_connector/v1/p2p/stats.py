@@ -168,7 +168,8 @@ class P2pPromMetrics(KVConnectorPromMetrics):
         self._gauges = {k: per_engine(Gauge, k, doc) for k, doc in GAUGES.items()}
         buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
         self._histograms = {
-            k: per_engine(Histogram, k, doc, buckets=buckets) for k, doc in HISTOGRAMS.items()
+            k: per_engine(Histogram, k, doc, buckets=buckets)
+            for k, doc in HISTOGRAMS.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):

@@ -35,7 +35,9 @@ class BuddyAllocator:
 
     def __init__(self, capacity_bytes: int, min_block_bytes: int = 4096):
         if min_block_bytes <= 0 or min_block_bytes & (min_block_bytes - 1):
-            raise ValueError(f"min_block_bytes must be a power of two, got {min_block_bytes}")
+            raise ValueError(
+                f"min_block_bytes must be a power of two, got {min_block_bytes}"
+            )
         if capacity_bytes < min_block_bytes:
             raise ValueError(
                 f"capacity_bytes ({capacity_bytes}) is below min_block_bytes ({min_block_bytes})"
@@ -119,17 +121,23 @@ class BuddyAllocator:
         for offset, order in sorted(blocks):
             size = self.min_block_bytes << order
             if offset != end or offset % size:
-                raise AssertionError(f"block {offset}+{size}: overlap, gap or misaligned")
+                raise AssertionError(
+                    f"block {offset}+{size}: overlap, gap or misaligned"
+                )
             end = offset + size
         if end != self.capacity_bytes:
             raise AssertionError(f"blocks cover {end} of {self.capacity_bytes} bytes")
         for order, offsets in enumerate(self._free[: self.max_order]):
             for offset in offsets:
                 if offset ^ (self.min_block_bytes << order) in offsets:
-                    raise AssertionError(f"free buddies at {offset} (order {order}) not merged")
+                    raise AssertionError(
+                        f"free buddies at {offset} (order {order}) not merged"
+                    )
         used = sum(self.min_block_bytes << order for order in self._allocated.values())
         if used != self.used_bytes:
-            raise AssertionError(f"used_bytes is {self.used_bytes}, blocks add up to {used}")
+            raise AssertionError(
+                f"used_bytes is {self.used_bytes}, blocks add up to {used}"
+            )
 
 
 @dataclass(frozen=True, eq=False)
@@ -276,7 +284,9 @@ class TensorMemoryPool:
 
     def _check_live(self, alloc: PoolAllocation) -> None:
         if self._live.get(alloc.offset) is not alloc:
-            raise ValueError(f"allocation at offset {alloc.offset} is not live in this pool")
+            raise ValueError(
+                f"allocation at offset {alloc.offset} is not live in this pool"
+            )
 
     def _check_copy(self, alloc: PoolAllocation, t: torch.Tensor) -> None:
         with self._lock:

@@ -45,7 +45,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
     P2pKVConnectorStats,
     P2pStatsRecorder,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import create_transport
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
+    create_transport,
+)
 from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.peers import format_addr, split_addr
 
@@ -68,7 +70,10 @@ class P2pWorkerConnector:
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
-        tp_size, pp_size = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        tp_size, pp_size = (
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
+        )
         tp_rank, pp_rank = get_tp_group().rank_in_group, get_pp_group().rank_in_group
         # Symmetric parallelism: worker (pp, tp) talks to worker (pp, tp) of the peer.
         self.rank_offset = pp_rank * tp_size + tp_rank
@@ -84,9 +89,13 @@ class P2pWorkerConnector:
         self.layer_index: dict[str, int] = {}
 
         self._meta: P2pConnectorMetadata | None = None
-        self._loads: dict[str, tuple[LoadSpec, float]] = {}  # request id -> (spec, deadline)
+        self._loads: dict[
+            str, tuple[LoadSpec, float]
+        ] = {}  # request id -> (spec, deadline)
         self._streaming: list[SendTransfer] = []  # PUT_ASYNC sends of this step
-        self._sends: dict[str, SendTransfer] = {}  # request id -> its send, until reported
+        self._sends: dict[
+            str, SendTransfer
+        ] = {}  # request id -> its send, until reported
         self._finished_requests: set[str] = set()  # of those in _sends
         self._load_errors: set[int] = set()
 
@@ -156,7 +165,9 @@ class P2pWorkerConnector:
         now = time.monotonic()
         get_mode = self.config.send_type is SendType.GET
         for key in meta.unwanted:
-            engine.abandon(key)  # an offer is refused (not_wanted); one received is freed
+            engine.abandon(
+                key
+            )  # an offer is refused (not_wanted); one received is freed
         for load in meta.loads:
             deadline = now + self.config.kv_load_timeout_s
             self._loads[load.request_id] = (load, deadline)
@@ -166,7 +177,9 @@ class P2pWorkerConnector:
                 load.key,
                 skip,
                 deadline,
-                get_from=shift_port(load.prefill_addr, self.rank_offset) if get_mode else None,
+                get_from=shift_port(load.prefill_addr, self.rank_offset)
+                if get_mode
+                else None,
                 prompt_digest=load.prompt_digest,
                 prefill_addr=load.prefill_addr,
             )
@@ -217,7 +230,9 @@ class P2pWorkerConnector:
                     decode_addr=s.decode_addr,
                 )
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
         engine = self.engine
         if engine is None:
@@ -249,11 +264,16 @@ class P2pWorkerConnector:
                     f"no KV from {load.prefill_addr} within "
                     f"kv_load_timeout_s={self.config.kv_load_timeout_s}",
                 )
-            elif slot.state is SlotState.COMPLETE and slot.prompt_digest != load.prompt_digest:
+            elif (
+                slot.state is SlotState.COMPLETE
+                and slot.prompt_digest != load.prompt_digest
+            ):
                 # Arrived before this request was known, for another prompt.
                 engine.release(slot)
                 self.stats.record_digest_mismatch()
-                self._fail_load(load, "received KV belongs to another prompt (digest mismatch)")
+                self._fail_load(
+                    load, "received KV belongs to another prompt (digest mismatch)"
+                )
             elif slot.state is SlotState.COMPLETE:
                 try:
                     engine.copy_into_cache(slot, load.block_ids, load.first_block)
@@ -271,7 +291,9 @@ class P2pWorkerConnector:
     def _fail_load(self, load: LoadSpec, reason: str) -> None:
         self.stats.record_failed_load()
         self._load_errors.update(load.block_ids)
-        logger.warning("request %s: KV load failed (%s); recomputing it", load.request_id, reason)
+        logger.warning(
+            "request %s: KV load failed (%s); recomputing it", load.request_id, reason
+        )
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -45,7 +45,9 @@ The pieces, one concern a module:
 * ``limits.py``: every interval, timeout and cap, read at use time.
 """
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import P2pEngine
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import (
+    P2pEngine,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound import (
     RecvSlot,
     SlotState,
@@ -54,7 +56,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout impor
     KVLayout,
     check_compatible,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.peer import zmq_endpoint
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.peer import (
+    zmq_endpoint,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender import (
     HoldState,
     SendTransfer,

@@ -15,10 +15,19 @@ import zmq
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound import InboundChannel
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import KVLayout
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.peer import Peer, zmq_endpoint
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.receiver import ReceiverMixin
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound import (
+    InboundChannel,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import (
+    KVLayout,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.peer import (
+    Peer,
+    zmq_endpoint,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.receiver import (
+    ReceiverMixin,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender import (
     GetJob,
     Hold,
@@ -37,8 +46,12 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.recv_state import (
     RecvTable,
     Timeouts,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import P2pStatsRecorder
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import TensorMemoryPool
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
+    P2pStatsRecorder,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import (
+    TensorMemoryPool,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     Transport,
     TransportError,
@@ -94,7 +107,9 @@ class P2pEngine(ReceiverMixin, SenderMixin):
         self.hold_timeout_s = hold_timeout_s
         self.secret = secret or None
         self.stats = stats or P2pStatsRecorder()
-        transport.on_rejected = self.stats.record_rejected  # its data port counts here too
+        transport.on_rejected = (
+            self.stats.record_rejected
+        )  # its data port counts here too
         self.stopped = threading.Event()
         self.zmq_ctx = zmq.Context()
 
@@ -102,9 +117,13 @@ class P2pEngine(ReceiverMixin, SenderMixin):
         self._peers: dict[str, Peer] = {}
         self._inbound: dict[str, InboundChannel] = {}
         self._recv_threads = 0  # receive threads alive (at most MAX_INBOUND_CHANNELS)
-        self._seen_channels: dict[str, float] = {}  # channel id -> forget after (replays)
+        self._seen_channels: dict[
+            str, float
+        ] = {}  # channel id -> forget after (replays)
         # Receive side: one explicit state per key (recv_state.py).
-        self._recv = RecvTable(Timeouts(hold_s=hold_timeout_s, closed_s=limits.TOMBSTONE_TTL_S))
+        self._recv = RecvTable(
+            Timeouts(hold_s=hold_timeout_s, closed_s=limits.TOMBSTONE_TTL_S)
+        )
         # GET, send side: one HoldState per key (HELD -> SENDING -> RELEASED).
         self._holds: dict[str, Hold] = {}
         self._finished_sends: list[SendTransfer] = []
@@ -128,7 +147,9 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                 "(kv_port + dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank), "
                 "so give each instance on a host a kv_port range of its own"
             ) from e
-        self._listener = threading.Thread(target=self._listen, name="p2p-listener", daemon=True)
+        self._listener = threading.Thread(
+            target=self._listen, name="p2p-listener", daemon=True
+        )
         self._listener.start()
 
     def close(self) -> None:
@@ -166,7 +187,9 @@ class P2pEngine(ReceiverMixin, SenderMixin):
 
     def _reject(self, kind: str, detail: str) -> None:
         self.stats.record_rejected(kind)
-        self._log_limited(kind, f"P2P engine {self.addr} rejected a message ({kind}): {detail}")
+        self._log_limited(
+            kind, f"P2P engine {self.addr} rejected a message ({kind}): {detail}"
+        )
 
     def _log_limited(self, kind: str, line: str) -> None:
         self._limited_log.warning(kind, "%s", line)
@@ -196,7 +219,9 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                 except Exception:  # noqa: BLE001 - one bad message must not stop the listener
                     logger.exception("P2P listener failed to handle a message")
                     reply = Reply(
-                        req_no=getattr(msg, "req_no", 0), status=Status.REJECTED, reason="internal"
+                        req_no=getattr(msg, "req_no", 0),
+                        status=Status.REJECTED,
+                        reason="internal",
                     )
                 if reply is not None:
                     router.send_multipart([route, *proto.seal(self.secret, reply)])
@@ -206,7 +231,9 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                 self._sweep(now)
         router.close(linger=0)
 
-    def _handle(self, msg, route: bytes = b"", source: str | None = None) -> Reply | None:
+    def _handle(
+        self, msg, route: bytes = b"", source: str | None = None
+    ) -> Reply | None:
         if isinstance(msg, (Hello, Get)) and source is not None:
             # The address a Hello or Get names for replies and data must be
             # the machine it came from: a peer cannot send this side's data
@@ -215,7 +242,9 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                 named = canonical_host(split_addr(msg.sender_addr, "sender_addr")[0])
                 foreign = source not in addresses_of(named)
             except (PeerInfoError, TransportError) as e:
-                return self._refuse(msg.req_no, "malformed", f"{type(msg).__name__}: {e}")
+                return self._refuse(
+                    msg.req_no, "malformed", f"{type(msg).__name__}: {e}"
+                )
             if foreign:
                 return self._refuse(
                     msg.req_no,
@@ -249,12 +278,18 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                 if now <= hold.until:
                     continue
                 if hold.state is HoldState.HELD:  # nobody pulled it
-                    hold.state, hold.until = HoldState.RELEASED, now + limits.TOMBSTONE_TTL_S
+                    hold.state, hold.until = (
+                        HoldState.RELEASED,
+                        now + limits.TOMBSTONE_TTL_S,
+                    )
                     expired_holds.append(hold.xfer)
                 elif hold.state is HoldState.RELEASED:
                     del self._holds[key]
                 else:  # SENDING past its send's deadline: end it if its send did not
-                    hold.state, hold.until = HoldState.RELEASED, now + limits.TOMBSTONE_TTL_S
+                    hold.state, hold.until = (
+                        HoldState.RELEASED,
+                        now + limits.TOMBSTONE_TTL_S,
+                    )
                     expired_holds.append(hold.xfer)
             expired = self._recv.expire(now)
             orphans = []
@@ -263,8 +298,12 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                     orphans.append((entry.expected, entry.slot))
                     entry.slot = None
         for xfer in expired_holds:
-            self._finish_send(xfer, ok=False, reason="not pulled and sent before kv_hold_timeout_s")
+            self._finish_send(
+                xfer, ok=False, reason="not pulled and sent before kv_hold_timeout_s"
+            )
         for expected, slot in orphans:
             if not expected:
-                logger.warning("P2P: freeing KV of %s that no request claimed", slot.key)
+                logger.warning(
+                    "P2P: freeing KV of %s that no request claimed", slot.key
+                )
             self.release(slot)

@@ -18,14 +18,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import PoolAllocation
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import (
+    PoolAllocation,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     Channel,
     TransportError,
 )
 
 if TYPE_CHECKING:
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import P2pEngine
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import (
+        P2pEngine,
+    )
 
 
 class SlotState(enum.Enum):
@@ -84,7 +88,9 @@ class InboundChannel:
         self.broken = False
         self._finish = finish
         self._setup_deadline = deadline
-        self.thread = threading.Thread(target=self._run, name=f"p2p-recv-{peer}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"p2p-recv-{peer}", daemon=True
+        )
         self.thread.start()
 
     def _run(self) -> None:
@@ -107,7 +113,11 @@ class InboundChannel:
             # the same address belongs to a sender that restarted or gave up
             # on it. Replaced only now that this one is set up, so a replayed
             # Hello that cannot complete breaks nothing.
-            stale = [c for c in engine._inbound.values() if c.peer == self.peer and c is not self]
+            stale = [
+                c
+                for c in engine._inbound.values()
+                if c.peer == self.peer and c is not self
+            ]
         if broken:  # replaced or closed while it was being set up
             channel.close()
             return
@@ -135,7 +145,9 @@ class InboundChannel:
                 engine._finish_slot(slot, ok=False, reason=f"receive failed: {e}")
                 self._break(str(e))
                 return
-            engine.stats.record_recv(slot.nbytes, slot.blocks_held, time.monotonic() - start)
+            engine.stats.record_recv(
+                slot.nbytes, slot.blocks_held, time.monotonic() - start
+            )
             engine._finish_slot(slot, ok=True)
 
     def _break(self, reason: str) -> None:
@@ -146,7 +158,9 @@ class InboundChannel:
             self.broken = True
             if engine._inbound.get(self.channel_id) is self:
                 del engine._inbound[self.channel_id]
-        engine._log_limited("channel_closed", f"P2P channel from {self.peer} closed: {reason}")
+        engine._log_limited(
+            "channel_closed", f"P2P channel from {self.peer} closed: {reason}"
+        )
         if self.channel is not None:
             self.channel.close()
         while True:

@@ -41,7 +41,9 @@ from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.peers import split_addr
 
 if TYPE_CHECKING:
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import P2pEngine
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import (
+        P2pEngine,
+    )
 
 # One logger for the engine package, named as the module it was split from.
 logger = init_logger(__package__)
@@ -66,8 +68,12 @@ class Peer:
         # they wait here, not in the thread, so other transfers go first.
         self._later: list[tuple[float, int, GetJob]] = []
         self._later_no = itertools.count()
-        self.silent_until = 0.0  # the peer left a request unanswered: fail fast until then
-        self.thread = threading.Thread(target=self._run, name=f"p2p-peer-{addr}", daemon=True)
+        self.silent_until = (
+            0.0  # the peer left a request unanswered: fail fast until then
+        )
+        self.thread = threading.Thread(
+            target=self._run, name=f"p2p-peer-{addr}", daemon=True
+        )
         self.thread.start()
 
     # control requests
@@ -89,7 +95,9 @@ class Peer:
             self._sock.close(linger=0)
             self._sock = None
 
-    def request(self, make_msg: Callable[[int], proto.Message], deadline: float) -> Reply:
+    def request(
+        self, make_msg: Callable[[int], proto.Message], deadline: float
+    ) -> Reply:
         """Send a control message and wait for its Reply until ``deadline``, at
         most CONTROL_REPLY_TIMEOUT_S; a peer that does not answer is not asked
         again for PEER_RETRY_AFTER_S."""
@@ -177,21 +185,28 @@ class Peer:
         try:
             reply = self.request(
                 lambda n: Get(
-                    req_no=n, sender_addr=engine.addr, key=job.key, skip_blocks=job.skip_blocks
+                    req_no=n,
+                    sender_addr=engine.addr,
+                    key=job.key,
+                    skip_blocks=job.skip_blocks,
                 ),
                 job.deadline,
             )
         except TransportError as e:
             job.on_failure(str(e))
             return
-        logger.debug("P2P %s: Get of %s answered %s", engine.addr, job.key, reply.status)
+        logger.debug(
+            "P2P %s: Get of %s answered %s", engine.addr, job.key, reply.status
+        )
         if reply.status == Status.OK:
             # The offer follows on our listener; ask again if it has not
             # come by then (the answer says whether the send still runs).
             self._later_push(time.monotonic() + limits.GET_CONFIRM_INTERVAL_S, job)
             return
         if reply.status != Status.NOT_READY:
-            job.on_failure(f"prefill {self.addr} answered {reply.status} {reply.reason}")
+            job.on_failure(
+                f"prefill {self.addr} answered {reply.status} {reply.reason}"
+            )
             return
         retry_at = time.monotonic() + limits.GET_RETRY_INTERVAL_S
         if retry_at > job.deadline:
@@ -255,7 +270,10 @@ class Peer:
                     ),
                     xfer.deadline,
                 )
-                if reply.status == Status.REJECTED and reply.reason == "unknown_channel":
+                if (
+                    reply.status == Status.REJECTED
+                    and reply.reason == "unknown_channel"
+                ):
                     # The receiver dropped its end of the channel (a receive of its
                     # failed after we had sent every byte): ours is useless, and kept
                     # it would get every later offer refused. Offer again on a new one.
@@ -272,7 +290,9 @@ class Peer:
                 time.monotonic() - start,
             )
             if reply.status != Status.OK:
-                engine._finish_send(xfer, ok=False, reason=f"{reply.status} {reply.reason}")
+                engine._finish_send(
+                    xfer, ok=False, reason=f"{reply.status} {reply.reason}"
+                )
                 return
             skip = reply.skip_blocks
             if skip >= len(xfer.block_ids):

@@ -21,7 +21,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound impo
     RecvSlot,
     SlotState,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import check_compatible
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import (
+    check_compatible,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender import GetJob
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Hello,
@@ -47,8 +49,12 @@ from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.peers import PeerInfoError, canonical_host, split_addr
 
 if TYPE_CHECKING:
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import KVLayout
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import P2pStatsRecorder
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import (
+        KVLayout,
+    )
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
+        P2pStatsRecorder,
+    )
 
 # One logger for the engine package, named as the module it was split from.
 logger = init_logger(__package__)
@@ -90,7 +96,9 @@ class ReceiverMixin:
         With ``get_from`` (GET mode) the prefill worker at that address is asked
         to offer the KV now."""
         with self._lock:
-            entry = self._recv.apply(key, Event.EXPECT, time.monotonic(), deadline=deadline)
+            entry = self._recv.apply(
+                key, Event.EXPECT, time.monotonic(), deadline=deadline
+            )
             entry.skip_blocks, entry.prompt_digest = skip_blocks, prompt_digest
             entry.load_deadline = deadline
             if prefill_addr:
@@ -117,7 +125,9 @@ class ReceiverMixin:
             slot, entry.slot = entry.slot, None
             return slot
 
-    def copy_into_cache(self, slot: RecvSlot, block_ids: list[int], first_block: int) -> None:
+    def copy_into_cache(
+        self, slot: RecvSlot, block_ids: list[int], first_block: int
+    ) -> None:
         """Write blocks ``first_block..`` of the prompt from ``slot`` into ``block_ids``."""
         offset = first_block - slot.skip_blocks
         if offset < 0 or offset + len(block_ids) != slot.blocks_held:
@@ -189,7 +199,9 @@ class ReceiverMixin:
         decode expects the key; swept if it never does."""
         with self._lock:
             state = self._recv.state(key)
-            if state not in (None, RecvState.EXPECTED) or (only_expected and state is None):
+            if state not in (None, RecvState.EXPECTED) or (
+                only_expected and state is None
+            ):
                 return
             entry = self._recv.apply(key, Event.FAILED, time.monotonic())
             entry.reason = reason
@@ -215,7 +227,9 @@ class ReceiverMixin:
             free = entry is None or entry.slot is not slot
             if not free:
                 before = entry.state
-                self._recv.apply(slot.key, Event.RECEIVED if ok else Event.FAILED, time.monotonic())
+                self._recv.apply(
+                    slot.key, Event.RECEIVED if ok else Event.FAILED, time.monotonic()
+                )
                 if before is RecvState.ABANDONING:
                     entry.slot, free = None, True
         if not ok:
@@ -226,18 +240,24 @@ class ReceiverMixin:
     def _recv_layer(self, channel: Channel, slot: RecvSlot, layer: int) -> None:
         dst = slot.layer(layer)
         if slot.pool_alloc is not None and not self.transport.receives_into_host:
-            staging = torch.empty(dst.numel(), dtype=torch.uint8, device=self.layout.device)
+            staging = torch.empty(
+                dst.numel(), dtype=torch.uint8, device=self.layout.device
+            )
             channel.recv([staging], slot.deadline)
             dst.copy_(staging)
         else:
             channel.recv([dst], slot.deadline)
 
-    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, PoolAllocation | None] | None:
+    def _allocate(
+        self, nbytes: int
+    ) -> tuple[torch.Tensor, PoolAllocation | None] | None:
         """Room for ``nbytes``: receive buffer first, then the pool; None if neither."""
         with self._lock:
             if self._buffer_used + nbytes <= self.kv_buffer_size:
                 self._buffer_used += nbytes
-                tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.layout.device)
+                tensor = torch.empty(
+                    nbytes, dtype=torch.uint8, device=self.layout.device
+                )
                 self.stats.set_occupancy(self._buffer_used, self._pool_used())
                 return tensor, None
             if self.mem_pool_size_bytes > 0:
@@ -284,7 +304,9 @@ class ReceiverMixin:
             )
         with self._lock:
             if msg.channel_id in self._inbound or msg.channel_id in self._seen_channels:
-                return self._refuse(msg.req_no, "duplicate", "channel id in use or replayed")
+                return self._refuse(
+                    msg.req_no, "duplicate", "channel id in use or replayed"
+                )
             # Threads, not channels: a replaced channel's thread may still be
             # waiting for its set-up to time out.
             if self._recv_threads >= limits.MAX_INBOUND_CHANNELS:
@@ -322,15 +344,24 @@ class ReceiverMixin:
                 inbound = None  # another connection's channel: not this sender's to use
             # Keys nobody asked for are remembered (a refusal, a slot) only up
             # to a bound: a flood of offers must not grow the table.
-            busy = msg.key not in self._recv.keys and len(self._recv.keys) >= limits.MAX_RECV_KEYS
+            busy = (
+                msg.key not in self._recv.keys
+                and len(self._recv.keys) >= limits.MAX_RECV_KEYS
+            )
             entry = self._recv.get(msg.key)
             state = entry.state if entry is not None else None
             exp = entry if entry is not None and entry.expected else None
-            duplicate = state in (RecvState.RECEIVING, RecvState.ABANDONING, RecvState.READY)
+            duplicate = state in (
+                RecvState.RECEIVING,
+                RecvState.ABANDONING,
+                RecvState.READY,
+            )
             gave_up = state is RecvState.CLOSED
         if inbound is None or inbound.broken:
             return self._refuse(
-                msg.req_no, "unknown_channel", f"offer on unknown channel {msg.channel_id!r}"
+                msg.req_no,
+                "unknown_channel",
+                f"offer on unknown channel {msg.channel_id!r}",
             )
         if msg.num_blocks > self.layout.num_blocks:
             return self._refuse(
@@ -341,7 +372,9 @@ class ReceiverMixin:
         if duplicate:
             return self._refuse(msg.req_no, "duplicate", f"second offer for {msg.key}")
         if busy:
-            return self._refuse(msg.req_no, "busy", f"{limits.MAX_RECV_KEYS} keys already tracked")
+            return self._refuse(
+                msg.req_no, "busy", f"{limits.MAX_RECV_KEYS} keys already tracked"
+            )
         if gave_up:
             return Reply(req_no=msg.req_no, status=Status.NOT_WANTED)
         if exp is not None and msg.prompt_digest != exp.prompt_digest:
@@ -349,22 +382,35 @@ class ReceiverMixin:
             # of the prefill the request named, no other KV will come: fail
             # the load now; from anyone else, only refuse (the real one may).
             self.stats.record_digest_mismatch()
-            if exp.prefill_host and canonical_host(split_addr(inbound.peer)[0]) == exp.prefill_host:
-                self._fail_key(msg.key, "offered KV belongs to another prompt (digest mismatch)")
+            if (
+                exp.prefill_host
+                and canonical_host(split_addr(inbound.peer)[0]) == exp.prefill_host
+            ):
+                self._fail_key(
+                    msg.key, "offered KV belongs to another prompt (digest mismatch)"
+                )
             return self._refuse(
                 msg.req_no,
                 "digest",
                 f"offer of {msg.key}: prompt digest differs from the request's",
             )
         skip = min(exp.skip_blocks, msg.num_blocks - 1) if exp is not None else 0
-        deadline = exp.load_deadline if exp is not None else time.monotonic() + self.hold_timeout_s
-        nbytes = self.layout.num_layers * (msg.num_blocks - skip) * self.layout.page_bytes
+        deadline = (
+            exp.load_deadline
+            if exp is not None
+            else time.monotonic() + self.hold_timeout_s
+        )
+        nbytes = (
+            self.layout.num_layers * (msg.num_blocks - skip) * self.layout.page_bytes
+        )
         room = self._allocate(nbytes)
         if room is None:
             # Not a bad message: counted as dropped only. The load fails now
             # (or as soon as decode expects the key), not at its deadline.
             self.stats.record_dropped()
-            self._fail_key(msg.key, f"no room for {nbytes} bytes: receive buffer and pool are full")
+            self._fail_key(
+                msg.key, f"no room for {nbytes} bytes: receive buffer and pool are full"
+            )
             self._log_limited(
                 "no_space",
                 f"P2P engine {self.addr} dropped the KV of {msg.key}: "
@@ -391,14 +437,18 @@ class ReceiverMixin:
             gave_up = not self._recv.allows(msg.key, Event.OFFER)
             broken = inbound.broken
             if not gave_up and not broken:
-                entry = self._recv.apply(msg.key, Event.OFFER, time.monotonic(), deadline=deadline)
+                entry = self._recv.apply(
+                    msg.key, Event.OFFER, time.monotonic(), deadline=deadline
+                )
                 entry.slot = slot
                 inbound.queue.put(slot)
         if gave_up or broken:
             self.release(slot)
             if broken:
                 return self._refuse(
-                    msg.req_no, "unknown_channel", f"offer on closed channel {msg.channel_id!r}"
+                    msg.req_no,
+                    "unknown_channel",
+                    f"offer on closed channel {msg.channel_id!r}",
                 )
             return Reply(req_no=msg.req_no, status=Status.NOT_WANTED)
         return Reply(req_no=msg.req_no, status=Status.OK, skip_blocks=skip)

@@ -17,14 +17,24 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import Get, Reply, Status
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import TransportError
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    Get,
+    Reply,
+    Status,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
+    TransportError,
+)
 from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.peers import PeerInfoError, canonical_host, split_addr
 
 if TYPE_CHECKING:
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import KVLayout
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import P2pStatsRecorder
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import (
+        KVLayout,
+    )
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
+        P2pStatsRecorder,
+    )
 
 # One logger for the engine package, named as the module it was split from.
 logger = init_logger(__package__)
@@ -159,7 +169,9 @@ class SenderMixin:
             num_layers=self.layout.num_layers,
             deadline=time.monotonic() + self.hold_timeout_s,
             prompt_digest=prompt_digest,
-            decode_host=canonical_host(split_addr(decode_addr)[0]) if decode_addr else "",
+            decode_host=canonical_host(split_addr(decode_addr)[0])
+            if decode_addr
+            else "",
         )
         xfer.all_saved()
         with self._lock:
@@ -167,8 +179,12 @@ class SenderMixin:
             self._holds[key] = Hold(HoldState.HELD, xfer, xfer.deadline)
         # A transfer already being sent ends on its own; a held one never would.
         if old is not None and old.state is HoldState.HELD:
-            self._finish_send(old.xfer, ok=False, reason="replaced by a second hold of its key")
-        logger.debug("P2P %s: holding %d blocks of %s for a Get", self.addr, len(block_ids), key)
+            self._finish_send(
+                old.xfer, ok=False, reason="replaced by a second hold of its key"
+            )
+        logger.debug(
+            "P2P %s: holding %d blocks of %s for a Get", self.addr, len(block_ids), key
+        )
         return xfer
 
     def take_finished_sends(self) -> list[SendTransfer]:
@@ -184,12 +200,18 @@ class SenderMixin:
         xfer.ok, xfer.reason = ok, reason
         with self._lock:
             hold = self._holds.get(xfer.key)
-            if hold is not None and hold.xfer is xfer and hold.state is HoldState.SENDING:
+            if (
+                hold is not None
+                and hold.xfer is xfer
+                and hold.state is HoldState.SENDING
+            ):
                 hold.state = HoldState.RELEASED
                 hold.until = time.monotonic() + limits.TOMBSTONE_TTL_S
         if not ok:
             self.stats.record_failed_send()
-            logger.warning("P2P send of %s to %s failed: %s", xfer.key, xfer.peer, reason)
+            logger.warning(
+                "P2P send of %s to %s failed: %s", xfer.key, xfer.peer, reason
+            )
         with self._lock:
             self._finished_sends.append(xfer)
         xfer.done.set()
@@ -227,7 +249,9 @@ class SenderMixin:
         if sending:  # decode asks again while its offer is on the way
             return Reply(req_no=msg.req_no, status=Status.OK)
         if xfer is None:
-            return Reply(req_no=msg.req_no, status=Status.GONE if released else Status.NOT_READY)
+            return Reply(
+                req_no=msg.req_no, status=Status.GONE if released else Status.NOT_READY
+            )
         xfer.peer = msg.sender_addr
         self._submit(msg.sender_addr, xfer)
         return Reply(req_no=msg.req_no, status=Status.OK)

@@ -23,7 +23,13 @@ _CLASSES = {
     "fake": ("fake", "FakeTransport"),
 }
 
-__all__ = ["TRANSPORT_NAMES", "Channel", "Transport", "TransportError", "create_transport"]
+__all__ = [
+    "TRANSPORT_NAMES",
+    "Channel",
+    "Transport",
+    "TransportError",
+    "create_transport",
+]
 
 
 def create_transport(name: str, device: torch.device, bind_host: str) -> Transport:
@@ -37,7 +43,9 @@ def create_transport(name: str, device: torch.device, bind_host: str) -> Transpo
         name = "nccl" if device.type == "cuda" else "tcp"
     if name in _CLASSES:
         module, cls = _CLASSES[name]
-        return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(device, bind_host)
+        return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(
+            device, bind_host
+        )
     raise ValueError(
         f"unknown P2P transport {name!r}; allowed values: {', '.join(TRANSPORT_NAMES)}"
     )

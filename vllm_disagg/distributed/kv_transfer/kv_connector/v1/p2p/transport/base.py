@@ -110,7 +110,9 @@ class Transport(abc.ABC):
         connects to an address the peer's reply names connects only there."""
 
     @abc.abstractmethod
-    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
+    def accept(
+        self, setup: bytes, peer_host: str | None = None
+    ) -> tuple[bytes, AcceptFinish]:
         """Accept a channel from ``setup``: (reply bytes for the peer, finish).
 
         Raises TransportError when ``setup`` is malformed (it came off the
@@ -137,7 +139,9 @@ def remaining(deadline: float, what: str) -> float:
     return left
 
 
-def byte_views(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def byte_views(
+    tensors: Sequence[torch.Tensor], device: torch.device
+) -> list[torch.Tensor]:
     """1-D uint8 views of ``tensors`` (no copy), empty ones left out.
 
     Each must be contiguous and on ``device``: the engine hands over
@@ -145,7 +149,9 @@ def byte_views(tensors: Sequence[torch.Tensor], device: torch.device) -> list[to
     views = []
     for t in tensors:
         if t.device != device:
-            raise TransportError(f"tensor on {t.device}, this channel moves {device} tensors")
+            raise TransportError(
+                f"tensor on {t.device}, this channel moves {device} tensors"
+            )
         if not t.is_contiguous():
             raise TransportError("tensors must be contiguous")
         if t.numel():
@@ -220,14 +226,18 @@ class Endpoint(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     @classmethod
     def decode(cls, data: bytes) -> Endpoint:
         if len(data) > MAX_SETUP_BYTES:
-            raise TransportError(f"endpoint of {len(data)} bytes (max {MAX_SETUP_BYTES})")
+            raise TransportError(
+                f"endpoint of {len(data)} bytes (max {MAX_SETUP_BYTES})"
+            )
         try:
             return msgspec.msgpack.decode(data, type=cls)
         except msgspec.MsgspecError as e:
             raise TransportError(f"malformed endpoint: {e}") from None
 
 
-def call_before(deadline: float, what: str, fn: Callable[[], T], discard: Callable[[T], None]) -> T:
+def call_before(
+    deadline: float, what: str, fn: Callable[[], T], discard: Callable[[T], None]
+) -> T:
     """Run the blocking set-up step ``fn`` in a daemon thread, waiting until ``deadline``.
 
     For steps with no usable timeout of their own (``ncclCommInitRank``
@@ -247,7 +257,9 @@ def call_before(deadline: float, what: str, fn: Callable[[], T], discard: Callab
         return future.result(timeout=max(0.0, deadline - time.monotonic()))
     except Exception as e:
         if not future.done():
-            future.add_done_callback(lambda f: f.exception() is None and discard(f.result()))
+            future.add_done_callback(
+                lambda f: f.exception() is None and discard(f.result())
+            )
             raise TransportError(f"{what}: peer did not join by the deadline") from None
         if isinstance(e, TransportError):
             raise

@@ -90,7 +90,9 @@ class FakeChannel(Channel):
         if payload is None or self._link.error is not None:
             raise TransportError(self._link.error or "channel closed")
         if payload.numel() != expected:
-            raise self._fail(f"peer sent {payload.numel()} bytes, receiver expects {expected}")
+            raise self._fail(
+                f"peer sent {payload.numel()} bytes, receiver expects {expected}"
+            )
         offset = 0
         for v in views:
             v.copy_(payload[offset : offset + v.numel()])
@@ -142,9 +144,13 @@ class FakeTransport(Transport):
 
         return token, finish
 
-    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
+    def accept(
+        self, setup: bytes, peer_host: str | None = None
+    ) -> tuple[bytes, AcceptFinish]:
         if len(setup) != TOKEN_BYTES:
-            raise TransportError(f"fake setup must be {TOKEN_BYTES} bytes, got {len(setup)}")
+            raise TransportError(
+                f"fake setup must be {TOKEN_BYTES} bytes, got {len(setup)}"
+            )
         with _registry_lock:
             link = _pending.get(bytes(setup))
         if link is None:

@@ -52,7 +52,9 @@ _POISON_TAG = 2
 _CPU = torch.device("cpu")
 
 
-def _init_group(endpoint: Endpoint, rank: int, deadline: float, listen: socket.socket | None):
+def _init_group(
+    endpoint: Endpoint, rank: int, deadline: float, listen: socket.socket | None
+):
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
     timeout = timedelta(seconds=remaining(deadline, "gloo group set-up"))
@@ -60,7 +62,13 @@ def _init_group(endpoint: Endpoint, rank: int, deadline: float, listen: socket.s
         deadline,
         "gloo group set-up",
         lambda: stateless_init_torch_distributed_process_group(
-            endpoint.host, endpoint.port, rank, 2, "gloo", listen_socket=listen, timeout=timeout
+            endpoint.host,
+            endpoint.port,
+            rank,
+            2,
+            "gloo",
+            listen_socket=listen,
+            timeout=timeout,
         ),
         lambda pg: pg.shutdown(),
     )
@@ -99,10 +107,14 @@ class GlooChannel(Channel):
         parts = byte_views(tensors, _CPU)
         expected = sum(p.numel() for p in parts)
         with self._failing("recv"):
-            self._wait(self._pg.recv([self._recv_header], self._peer, _HEADER_TAG), deadline)
+            self._wait(
+                self._pg.recv([self._recv_header], self._peer, _HEADER_TAG), deadline
+            )
             total = int(self._recv_header[0])
             if total != expected:
-                raise TransportError(f"peer sent {total} bytes, receiver expects {expected}")
+                raise TransportError(
+                    f"peer sent {total} bytes, receiver expects {expected}"
+                )
             # Only now is the data receive posted: gloo aborts the whole
             # process when a message is larger than the buffer posted for it.
             if len(parts) == 1:
@@ -152,7 +164,9 @@ class GlooChannel(Channel):
     def _break_connection(self) -> None:
         """Close the gloo connection: wakes waits here and on the peer."""
         try:
-            self._pg.recv([torch.empty(1)], self._peer, _POISON_TAG).wait(timedelta(milliseconds=1))
+            self._pg.recv([torch.empty(1)], self._peer, _POISON_TAG).wait(
+                timedelta(milliseconds=1)
+            )
         except Exception:
             pass  # the expected outcome: "timed out", the pair is closed
 
@@ -166,7 +180,9 @@ class GlooTransport(Transport):
         super().__init__(device, check_host(bind_host))
 
     def initiate(self, peer_host: str | None = None) -> tuple[bytes, InitiateFinish]:
-        family, _, _, _, addr = socket.getaddrinfo(self.bind_host, 0, type=socket.SOCK_STREAM)[0]
+        family, _, _, _, addr = socket.getaddrinfo(
+            self.bind_host, 0, type=socket.SOCK_STREAM
+        )[0]
         listen = socket.socket(family, socket.SOCK_STREAM)
         try:
             listen.bind(addr)
@@ -185,7 +201,11 @@ class GlooTransport(Transport):
 
         return endpoint.encode(), finish
 
-    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
+    def accept(
+        self, setup: bytes, peer_host: str | None = None
+    ) -> tuple[bytes, AcceptFinish]:
         endpoint = Endpoint.decode(setup)
         check_peer_endpoint(endpoint, peer_host)
-        return b"", lambda deadline: GlooChannel(_init_group(endpoint, 1, deadline, None), peer=0)
+        return b"", lambda deadline: GlooChannel(
+            _init_group(endpoint, 1, deadline, None), peer=0
+        )

@@ -122,7 +122,9 @@ class NcclChannel(Channel):
                 flat = torch.empty(total, dtype=torch.uint8, device=self._device)
             self._recv_comm.recv(flat, self._peer, stream)
             if len(parts) > 1:
-                for part, chunk in zip(parts, flat.split([p.numel() for p in parts]), strict=True):
+                for part, chunk in zip(
+                    parts, flat.split([p.numel() for p in parts]), strict=True
+                ):
                     part.copy_(chunk)
         self._sync(stream, deadline, "recv", flat)
 
@@ -137,7 +139,9 @@ class NcclChannel(Channel):
         self._recv_comm.destroy()
         self._in_flight.clear()
 
-    def _sync(self, stream, deadline: float, what: str, buffer: torch.Tensor | None) -> None:
+    def _sync(
+        self, stream, deadline: float, what: str, buffer: torch.Tensor | None
+    ) -> None:
         """Wait for ``stream``'s work so far, polling so the deadline holds."""
         event = torch.cuda.Event()
         event.record(stream)
@@ -190,13 +194,19 @@ class NcclTransport(Transport):
         def finish(reply: bytes, deadline: float) -> Channel:
             if reply:
                 raise TransportError(f"unexpected nccl reply of {len(reply)} bytes")
-            return NcclChannel(_communicators(setup, 0, self.device, deadline), 0, self.device)
+            return NcclChannel(
+                _communicators(setup, 0, self.device, deadline), 0, self.device
+            )
 
         return setup, finish
 
-    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
+    def accept(
+        self, setup: bytes, peer_host: str | None = None
+    ) -> tuple[bytes, AcceptFinish]:
         if len(setup) != _SETUP_BYTES:
-            raise TransportError(f"nccl setup must be {_SETUP_BYTES} bytes, got {len(setup)}")
+            raise TransportError(
+                f"nccl setup must be {_SETUP_BYTES} bytes, got {len(setup)}"
+            )
         setup = bytes(setup)
         return b"", lambda deadline: NcclChannel(
             _communicators(setup, 1, self.device, deadline), 1, self.device

@@ -73,7 +73,9 @@ def _memoryviews(tensors: Sequence[torch.Tensor]) -> list[memoryview]:
     ranges: list[list] = []  # [base, begin, end]
     for t in tensors:
         if not t.is_cpu:
-            raise TransportError(f"tensor on {t.device}: the tcp transport moves CPU tensors")
+            raise TransportError(
+                f"tensor on {t.device}: the tcp transport moves CPU tensors"
+            )
         if not t.is_contiguous():
             raise TransportError("tensors must be contiguous")
         size = t.nbytes
@@ -153,7 +155,9 @@ class TcpChannel(Channel):
             self._recv_into([memoryview(self._recv_header)], deadline)
             (total,) = _HEADER.unpack(self._recv_header)
             if total != expected:
-                raise TransportError(f"peer sent {total} bytes, receiver expects {expected}")
+                raise TransportError(
+                    f"peer sent {total} bytes, receiver expects {expected}"
+                )
             self._recv_into(views, deadline)
         except (OSError, TransportError) as e:
             raise self._fail(f"recv failed: {e}") from e
@@ -163,7 +167,9 @@ class TcpChannel(Channel):
         while i < len(bufs):
             self._arm(socket.SO_RCVTIMEO, deadline, "recv")
             try:
-                n = self._sock.recvmsg_into(bufs[i : i + _IOV_MAX], 0, socket.MSG_WAITALL)[0]
+                n = self._sock.recvmsg_into(
+                    bufs[i : i + _IOV_MAX], 0, socket.MSG_WAITALL
+                )[0]
             except BlockingIOError:  # timed out; the deadline is checked above
                 continue
             if n == 0:
@@ -228,7 +234,9 @@ class _Listener:
     without blocking on any of them, and hands it to the channel that
     expects that token; everything else is closed."""
 
-    def __init__(self, host: str, on_rejected: Callable[[str], None] = lambda kind: None):
+    def __init__(
+        self, host: str, on_rejected: Callable[[str], None] = lambda kind: None
+    ):
         self._on_rejected = on_rejected
         family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
         self._sock = socket.socket(family, socket.SOCK_STREAM)
@@ -241,11 +249,16 @@ class _Listener:
         except OSError:
             self._sock.close()
             raise
-        logger.info("P2P tcp data port listening on %s", format_addr(*self._sock.getsockname()[:2]))
+        logger.info(
+            "P2P tcp data port listening on %s",
+            format_addr(*self._sock.getsockname()[:2]),
+        )
         self._expected: dict[bytes, _Expected] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="p2p-tcp-listener", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="p2p-tcp-listener", daemon=True
+        )
         self._thread.start()
 
     def expect(self, token: bytes) -> _Expected:
@@ -355,11 +368,17 @@ class TcpTransport(Transport):
 
     def initiate(self, peer_host: str | None = None) -> tuple[bytes, InitiateFinish]:
         token = secrets.token_bytes(TOKEN_BYTES)
-        return token, lambda reply, deadline: self._connect(token, reply, deadline, peer_host)
+        return token, lambda reply, deadline: self._connect(
+            token, reply, deadline, peer_host
+        )
 
-    def accept(self, setup: bytes, peer_host: str | None = None) -> tuple[bytes, AcceptFinish]:
+    def accept(
+        self, setup: bytes, peer_host: str | None = None
+    ) -> tuple[bytes, AcceptFinish]:
         if len(setup) != TOKEN_BYTES:
-            raise TransportError(f"tcp setup must be {TOKEN_BYTES} bytes, got {len(setup)}")
+            raise TransportError(
+                f"tcp setup must be {TOKEN_BYTES} bytes, got {len(setup)}"
+            )
         listener = self._get_listener()
         token = bytes(setup)
         entry = listener.expect(token)
@@ -391,11 +410,15 @@ class TcpTransport(Transport):
                 try:
                     self._listener = _Listener(self.bind_host, self.on_rejected)
                 except OSError as e:
-                    raise TransportError(f"cannot listen on {self.bind_host}: {e}") from e
+                    raise TransportError(
+                        f"cannot listen on {self.bind_host}: {e}"
+                    ) from e
             return self._listener
 
     @staticmethod
-    def _connect(token: bytes, reply: bytes, deadline: float, peer_host: str | None) -> Channel:
+    def _connect(
+        token: bytes, reply: bytes, deadline: float, peer_host: str | None
+    ) -> Channel:
         endpoint = Endpoint.decode(reply)
         check_peer_endpoint(endpoint, peer_host)
         try:

@@ -1,4 +1,4 @@
-"""P2P KV transfer send modes on CPU: PUT_ASYNC vs GET vs PUT, and prefix-aware transfer.
+"""P2P KV transfer send modes on CPU: PUT_ASYNC vs GET vs PUT; prefix-aware transfer.
 
 Eight ``vllm serve`` instances of a benchmark-sized tiny Llama (8 layers,
 4 KV heads of 64, float32: 16 KiB of KV per token) stay up for the whole run:
@@ -27,8 +27,9 @@ shared machine falls on all alike):
   PUT_ASYNC (the offer arrives before decode has seen the request).
 
 Writes benchmarks/results/p2p_send_modes.{json,md,png} (about 9 minutes on
-2 shared cores, half of it server start-up; the 8 servers take about 19 GiB; ``--out DIR``:
-elsewhere). ``--render`` rewrites the md and png of a result file from its raw numbers.
+2 shared cores, half of it server start-up; the 8 servers take about 19 GiB; ``--out
+DIR``: elsewhere). ``--render`` rewrites the md and png of a result file from its raw
+numbers.
 
     .venv/bin/python benchmarks/p2p_send_modes.py [--rounds 10] [--quick]
 """
@@ -584,10 +585,10 @@ def markdown(result: dict) -> list[str]:
         "",
         report.generated(
             f"{STEM}.py",
-            f"{meta['rounds']} interleaved rounds; medians over rounds. Model: {meta['model']}; "
-            f"**{meta['kv_bytes_per_token']} B of KV per token** "
-            f"({meta['kv_bytes_per_token'] * 2000 / mib:.1f} MiB for a 2000-token prompt). "
-            f"Servers: `{' '.join(meta['server_args'])}`, environment "
+            f"{meta['rounds']} interleaved rounds; medians over rounds. Model: "
+            f"{meta['model']}; **{meta['kv_bytes_per_token']} B of KV per token** "
+            f"({meta['kv_bytes_per_token'] * 2000 / mib:.1f} MiB for a 2000-token "
+            f"prompt). Servers: `{' '.join(meta['server_args'])}`, environment "
             f"`{' '.join(f'{k}={v}' for k, v in meta.get('server_env', {}).items())}`; "
             f"transport `{meta['transport']}`.",
             date=meta["date"],
@@ -596,16 +597,17 @@ def markdown(result: dict) -> list[str]:
         "",
         "## Send modes: TTFT through the proxy flow",
         "",
-        "TTFT = sending the prompt to prefill (`max_tokens=1`) .. decode's first streamed "
-        "token (same `X-Request-Id`), the way the design document's proxy drives it. "
-        "Colocated = one plain server (no connector) streaming the same kind of prompt. Every "
-        "request has a fresh random prompt (no prefix-cache hit anywhere). Columns: alone = "
-        "TTFT of a plain request (no peers, so no transfer) to that mode's own prefill "
-        "server; prefill req = the prefill request's latency (PUT includes its blocking send); "
-        "decode req = decode request sent .. its first token; decode step = decode's first .. "
-        "second token; send / recv = the connector's per-transfer times (prefill worker: "
-        "offer .. last byte sent; decode worker: first .. last byte received); recv MiB/s = "
-        "bytes received / recv time.",
+        "TTFT = sending the prompt to prefill (`max_tokens=1`) .. decode's first "
+        "streamed token (same `X-Request-Id`), the way the design document's proxy "
+        "drives it. Colocated = one plain server (no connector) streaming the same "
+        "kind of prompt. Every request has a fresh random prompt (no prefix-cache hit "
+        "anywhere). Columns: alone = TTFT of a plain request (no peers, so no "
+        "transfer) to that mode's own prefill server; prefill req = the prefill "
+        "request's latency (PUT includes its blocking send); decode req = decode "
+        "request sent .. its first token; decode step = decode's first .. second "
+        "token; send / recv = the connector's per-transfer times (prefill worker: "
+        "offer .. last byte sent; decode worker: first .. last byte received); recv "
+        "MiB/s = bytes received / recv time.",
         "",
         *table(
             [
@@ -683,31 +685,33 @@ def markdown(result: dict) -> list[str]:
         "",
         "From the medians of each prompt length:",
         "",
-        "* `exposed = TTFT_disagg - TTFT_alone - decode_step`: TTFT_alone is the prefill "
-        "alone on the mode's own prefill server (one forward over the prompt plus one HTTP "
-        "round trip, no transfer; measured on the same server because identically "
-        "configured servers can differ by more than the transfer); decode_step is the "
-        "interval between decode's first and second streamed token (one forward of one "
-        "token over the prompt's context), standing for the decode's own first step after "
-        "the KV arrived. What is left is the transfer's part of TTFT, plus the second HTTP "
-        "request and the decode scheduler's wait for the load (so `exposed` is an upper "
-        "bound of the transfer's cost, and the hidden share a lower bound).",
+        "* `exposed = TTFT_disagg - TTFT_alone - decode_step`: TTFT_alone is the "
+        "prefill alone on the mode's own prefill server (one forward over the prompt "
+        "plus one HTTP round trip, no transfer; measured on the same server because "
+        "identically configured servers can differ by more than the transfer); "
+        "decode_step is the interval between decode's first and second streamed token "
+        "(one forward of one token over the prompt's context), standing for the "
+        "decode's own first step after the KV arrived. What is left is the transfer's "
+        "part of TTFT, plus the second HTTP request and the decode scheduler's wait "
+        "for the load (so `exposed` is an upper bound of the transfer's cost, and the "
+        "hidden share a lower bound).",
         "* `hidden = clamp(1 - exposed / transfer, 0, 1)` with `transfer` the prefill "
-        "worker's send time (`vllm:p2p_send_seconds` sum/count delta around each request: "
-        "offer .. last byte sent). In PUT_ASYNC the offer is made when the prompt's forward "
-        "pass starts, so this window contains the forward pass it streams behind; in PUT "
-        "and GET it is the bare transfer (after the forward pass, resp. after decode's "
-        "`Get`). A negative exposed time (the disaggregated TTFT below the prefill alone) "
-        "clamps to 100 %.",
+        "worker's send time (`vllm:p2p_send_seconds` sum/count delta around each "
+        "request: offer .. last byte sent). In PUT_ASYNC the offer is made when the "
+        "prompt's forward pass starts, so this window contains the forward pass it "
+        "streams behind; in PUT and GET it is the bare transfer (after the forward "
+        "pass, resp. after decode's `Get`). A negative exposed time (the disaggregated "
+        "TTFT below the prefill alone) clamps to 100 %.",
         "",
         "## Prefix-aware transfer",
         "",
-        f"Prompts: a {SHARED_PREFIX}-token shared prefix + {DISTINCT_TAIL} distinct tokens "
-        f"({(SHARED_PREFIX + DISTINCT_TAIL) // BLOCK_SIZE} blocks of {BLOCK_SIZE}); the prefix "
-        "was put into each decode's prefix cache by a plain request before timing (the "
-        "prefill's cache holds it too). Same prefill instance for the two GET decodes. With "
-        "PUT_ASYNC (and PUT) the prefill offers the KV before decode has seen the request, so "
-        "decode cannot yet say which blocks it holds and takes all of them.",
+        f"Prompts: a {SHARED_PREFIX}-token shared prefix + {DISTINCT_TAIL} distinct "
+        f"tokens ({(SHARED_PREFIX + DISTINCT_TAIL) // BLOCK_SIZE} blocks of "
+        f"{BLOCK_SIZE}); the prefix was put into each decode's prefix cache by a plain "
+        "request before timing (the prefill's cache holds it too). Same prefill "
+        "instance for the two GET decodes. With PUT_ASYNC (and PUT) the prefill offers "
+        "the KV before decode has seen the request, so decode cannot yet say which "
+        "blocks it holds and takes all of them.",
         "",
         *table(
             [
@@ -736,13 +740,14 @@ def markdown(result: dict) -> list[str]:
     pr = s["prefix_ratios"]
     lines += [
         "",
-        f"GET, skip_cached_blocks false / true: bytes received "
+        "GET, skip_cached_blocks false / true: bytes received "
         f"x{fmt(pr['bytes_received_false_over_true'], '.1f', 1)}, receive time "
-        f"x{fmt(pr['recv_false_over_true'], '.0f', 1)}, decode request (sent .. first token) "
-        f"x{fmt(pr['decode_ttft_false_over_true'], '.2f', 1)} of the medians, "
+        f"x{fmt(pr['recv_false_over_true'], '.0f', 1)}, decode request (sent .. first "
+        f"token) x{fmt(pr['decode_ttft_false_over_true'], '.2f', 1)} of the medians, "
         f"{spread(pr.get('decode_ttft_false_over_true_per_round', []))} per round "
-        f"(median [min-max]); whole proxy flow TTFT x{fmt(pr['ttft_false_over_true'], '.2f', 1)} "
-        f"of the medians, {spread(pr.get('ttft_false_over_true_per_round', []))} per round.",
+        "(median [min-max]); whole proxy flow TTFT "
+        f"x{fmt(pr['ttft_false_over_true'], '.2f', 1)} of the medians, "
+        f"{spread(pr.get('ttft_false_over_true_per_round', []))} per round.",
         "",
         "## Checks and run",
         "",
@@ -766,8 +771,8 @@ def checks(result: dict) -> list[str]:
         if value and any(w in key for w in ("failed", "dropped", "spills"))
     }
     return [
-        "* Warm-up check (decode's two greedy tokens equal the colocated server's for the "
-        "same prompt, every mode and length): "
+        "* Warm-up check (decode's two greedy tokens equal the colocated server's for "
+        "the same prompt, every mode and length): "
         + ("all equal." if not bad else f"DIFFERENT for {', '.join(bad)}."),
         "* Connector errors during the run (failed loads or sends, dropped, spills): "
         + ("; ".join(sorted(trouble)) if trouble else "none")
@@ -775,9 +780,9 @@ def checks(result: dict) -> list[str]:
         "* Load average at the end of the run: "
         + ", ".join(f"{x:.1f}" for x in meta["load_average_at_end"])
         + ".",
-        f"* Run time: start-up {meta['startup_s']:.0f} s (all servers at once), warm-up "
-        f"{meta['warm_up_s']:.0f} s, measurement "
-        f"{meta['measure_s']:.0f} s, total {meta['total_s']:.0f} s.",
+        f"* Run time: start-up {meta['startup_s']:.0f} s (all servers at once), "
+        f"warm-up {meta['warm_up_s']:.0f} s, measurement {meta['measure_s']:.0f} s, "
+        f"total {meta['total_s']:.0f} s.",
     ]
 
 

@@ -242,12 +242,13 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
         "",
         report.generated(
             "p2p_transport.py",
-            '2 processes, loopback, one direction; a "32 KiB blocks" message is sent as every '
-            f"other block of a pool and received into one tensor. {args.rounds} rounds; in each, "
-            "every transport sample runs between two raw-socket samples and is divided by their "
-            "mean. GB/s is the median over rounds, the ratio (in brackets) the median of those "
-            "ratios; the goal is >= 0.8x the raw socket. Load average (1 min) before and after "
-            f"the run: {args.load_average[0]:.1f}, {args.load_average[1]:.1f}.",
+            '2 processes, loopback, one direction; a "32 KiB blocks" message is '
+            "sent as every other block of a pool and received into one tensor. "
+            f"{args.rounds} rounds; in each, every transport sample runs between two "
+            "raw-socket samples and is divided by their mean. GB/s is the median over "
+            "rounds, the ratio (in brackets) the median of those ratios; the goal is "
+            ">= 0.8x the raw socket. Load average (1 min) before and after the run: "
+            f"{args.load_average[0]:.1f}, {args.load_average[1]:.1f}.",
         ),
         "",
         *report.table(

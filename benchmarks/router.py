@@ -5,8 +5,8 @@ Two parts, each with its configurations side by side in one run.
 1. **Router overhead against fake backends**, so that the router alone is
    timed. Fake prefill and decode instances (each a process of its own:
    ``python -m vllm_disagg.testing.fake_instance --tokens``, the router tests'
-   fake) answer ``/v1/completions`` at once: a JSON completion, or SSE chunks like vLLM's
-   (one per token, ``max_tokens`` of them, then ``[DONE]``), optionally
+   fake) answer ``/v1/completions`` at once: a JSON completion, or SSE chunks like
+   vLLM's (one per token, ``max_tokens`` of them, then ``[DONE]``), optionally
    paced by a delay between chunks that the request names. Two routers run
    as subprocesses (``python -m vllm_disagg.router --static-prefill ...
    --static-decode ...``), one per hand-off style. This process is the load
@@ -181,7 +181,7 @@ def start_fake(role: str, log_path: Path) -> Child:
 
 
 def scrape_hist(url: str) -> dict[float, float]:
-    """le -> cumulative count of the router's added-latency histogram."""
+    """Bucket le -> cumulative count of the router's added-latency histogram."""
     samples = scrape(f"{url}/metrics", f"{HIST}_bucket")
     return {float(label(name, "le")): n for name, n in samples.items()}
 
@@ -428,10 +428,8 @@ async def measure_overhead(
                         + count
                         - before_hist.get(le, 0.0)
                     )
-        print(
-            f"  overhead round {r + 1}/{args.rounds}: {time.monotonic() - t_round:.0f}s",
-            flush=True,
-        )
+        took = time.monotonic() - t_round
+        print(f"  overhead round {r + 1}/{args.rounds}: {took:.0f}s", flush=True)
     return raw
 
 
@@ -454,16 +452,10 @@ async def measure_ceiling(gen: LoadGenerator, pids: dict[str, int], args) -> dic
                 name: (after[name] - before[name]) / wall for name in pids
             }
             out[target][str(level)] = res
-        print(
-            "  ceiling at concurrency %d: %s"
-            % (
-                level,
-                ", ".join(
-                    f"{t} {out[t][str(level)]['rps']:.0f}/s" for t in CEILING_TARGETS
-                ),
-            ),
-            flush=True,
+        rates = ", ".join(
+            f"{t} {out[t][str(level)]['rps']:.0f}/s" for t in CEILING_TARGETS
         )
+        print(f"  ceiling at concurrency {level:d}: {rates}", flush=True)
     return out
 
 
@@ -759,14 +751,16 @@ async def warm_up(url: str, model: str, n: int, concurrency: int) -> int:
 
         async def one() -> None:
             nonlocal ok
-            async with sem:
-                async with session.post(
+            async with (
+                sem,
+                session.post(
                     f"{url}/v1/completions",
                     data=body,
                     headers={"Content-Type": "application/json"},
-                ) as resp:
-                    data = await resp.read()
-                    ok += resp.status == 200 and data.rstrip().endswith(b"[DONE]")
+                ) as resp,
+            ):
+                data = await resp.read()
+                ok += resp.status == 200 and data.rstrip().endswith(b"[DONE]")
 
         await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
     return ok
@@ -942,11 +936,15 @@ def run_serving(args) -> dict:
             "dry_run_on_fakes": bool(args.serving_fakes),
             "model": str(model)
             if args.serving_fakes
-            else f"{model} (tiny Llama: 2 layers, hidden 128, 1 KV head of 64), {DTYPE}",
+            else (
+                f"{model} (tiny Llama: 2 layers, hidden 128, 1 KV head of 64), {DTYPE}"
+            ),
             "server_args": SERVER_ARGS,
             "server_env": SERVER_ENV,
-            "kv_transfer": f"P2pNcclConnector PUT_ASYNC, kv_load_timeout_s={KV_LOAD_TIMEOUT_S:g}, "
-            "instances register with both routers (proxy_ip lists both)",
+            "kv_transfer": (
+                f"P2pNcclConnector PUT_ASYNC, kv_load_timeout_s={KV_LOAD_TIMEOUT_S:g}, "
+                "instances register with both routers (proxy_ip lists both)"
+            ),
             "bench": {
                 "input_len": args.input_len,
                 "output_len": args.output_len,
@@ -1038,9 +1036,10 @@ def write_markdown(result: dict) -> list[str]:
         report.generated(
             "router.py",
             "A `--quick` run." if meta.get("quick") else "",
-            "Every process below (load generator, fake instances, routers, vLLM servers, "
-            "`vllm bench serve`) shares the machine's cores with whatever else runs on it "
-            "(counted as vLLM processes this run did not start). Load average (1, 5, 15 min) "
+            "Every process below (load generator, fake instances, routers, vLLM "
+            "servers, `vllm bench serve`) shares the machine's cores with whatever "
+            "else runs on it (counted as vLLM processes this run did not start). Load "
+            "average (1, 5, 15 min) "
             + "; ".join(
                 f"{k.replace('_', ' ')} {load_line(v)}" for k, v in meta["load"].items()
             )
@@ -1089,33 +1088,35 @@ def overhead_setup(meta: dict) -> list[str]:
     return [
         "## 1. Router overhead against fake backends",
         "",
-        "Fake prefill and decode instances (`vllm_disagg.testing.fake_instance`, one process "
-        "each) answer at once; the router (`python -m vllm_disagg.router --static-prefill ... "
-        f"--static-decode ...`, {meta['router_event_loop']} event loop, one process per "
-        "hand-off style) and the load generator (this script: asyncio + aiohttp, keep-alive "
-        "connections) are processes of their own. Request: a completion with a "
-        f"{meta['prompt_chars']}-character prompt; "
+        "Fake prefill and decode instances (`vllm_disagg.testing.fake_instance`, one "
+        "process each) answer at once; the router (`python -m vllm_disagg.router "
+        f"--static-prefill ... --static-decode ...`, {meta['router_event_loop']} event "
+        "loop, one process per hand-off style) and the load generator (this script: "
+        "asyncio + aiohttp, keep-alive connections) are processes of their own. "
+        f"Request: a completion with a {meta['prompt_chars']}-character prompt; "
         + "; ".join(scenario_text(k, v) for k, v in meta["scenarios"].items())
         + f". {meta['rounds']} interleaved rounds (every target once per scenario and "
         f"concurrency per round, in a random order); closed-loop batches of {batches} "
         "requests per round.",
         "",
-        "Targets: `direct` = the fake decode instance alone; `direct_pd` = the client does the "
-        "hand-off itself (fake prefill with `max_tokens` 1, then fake decode); `router_seq` / "
-        "`router_conc` = through the router, `--handoff sequential` / `concurrent`, on "
-        "uvicorn (the default); `router_hyper` = `--handoff sequential --http-server "
-        "hypercorn`. Latency: the client's, request sent .. last byte (`total`) and .. first "
-        "byte (`ttfb`). Added latency at a percentile = that percentile through the router "
-        "minus the same percentile of the baseline (not a per-request difference).",
+        "Targets: `direct` = the fake decode instance alone; `direct_pd` = the client "
+        "does the hand-off itself (fake prefill with `max_tokens` 1, then fake "
+        "decode); `router_seq` / `router_conc` = through the router, `--handoff "
+        "sequential` / `concurrent`, on uvicorn (the default); `router_hyper` = "
+        "`--handoff sequential --http-server hypercorn`. Latency: the client's, "
+        "request sent .. last byte (`total`) and .. first byte (`ttfb`). Added latency "
+        "at a percentile = that percentile through the router minus the same "
+        "percentile of the baseline (not a per-request difference).",
         "",
         "### Router-added latency (ms)",
         "",
         "`router alone` = router_seq - direct_pd; `vs direct` = router_seq - direct; "
-        "`concurrent vs direct` = router_conc - direct; `hypercorn alone` = router_hyper - "
-        "direct_pd. `histogram` = the router's own `vllm_disagg_router_added_latency_seconds` "
-        "over the same requests (time to the client's first byte minus time waiting on "
-        "instances, inside the handler; quantiles interpolated in buckets 0.5/1/2/5/10/25 ms), "
-        "and the share of its requests at or under 2 ms (a bucket bound: exact).",
+        "`concurrent vs direct` = router_conc - direct; `hypercorn alone` = "
+        "router_hyper - direct_pd. `histogram` = the router's own "
+        "`vllm_disagg_router_added_latency_seconds` over the same requests (time to "
+        "the client's first byte minus time waiting on instances, inside the handler; "
+        "quantiles interpolated in buckets 0.5/1/2/5/10/25 ms), and the share of its "
+        "requests at or under 2 ms (a bucket bound: exact).",
         "",
     ]
 
@@ -1260,10 +1261,10 @@ def ceiling_tables(part: dict) -> list[str]:
     lines = [
         "### Request-rate ceiling",
         "",
-        f"Streaming (`stream` scenario), closed loop at each concurrency for "
-        f"{meta['ceiling_warm_s']:g} s warm-up + {meta['ceiling_window_s']:g} s counted; "
-        "requests/s completed in the window, and the CPU share (1.0 = one core busy) of the "
-        "router in use and of the client over the level.",
+        "Streaming (`stream` scenario), closed loop at each concurrency for "
+        f"{meta['ceiling_warm_s']:g} s warm-up + {meta['ceiling_window_s']:g} s "
+        "counted; requests/s completed in the window, and the CPU share (1.0 = one "
+        "core busy) of the router in use and of the client over the level.",
         "",
     ]
     ceiling = part["ceiling"]
@@ -1297,8 +1298,8 @@ def ceiling_tables(part: dict) -> list[str]:
     )
     lines += [
         "",
-        "Highest rate per target; knee = the lowest concurrency within 5 % of it; x direct = "
-        "its ratio to the highest rate of `direct`.",
+        "Highest rate per target; knee = the lowest concurrency within 5 % of it; x "
+        "direct = its ratio to the highest rate of `direct`.",
         "",
         *table(
             ["target", "max req/s", "knee concurrency", "x direct"],
@@ -1314,8 +1315,8 @@ def ceiling_tables(part: dict) -> list[str]:
         ),
         "",
         f"Part 1 took {meta['took_s']:.0f} s; load average before "
-        f"{load_line(meta['load_before'])}, after {load_line(meta['load_after'])}. Router "
-        "outcomes over the part: "
+        f"{load_line(meta['load_before'])}, after {load_line(meta['load_after'])}. "
+        "Router outcomes over the part: "
         + "; ".join(
             f"{t}: "
             + ", ".join(
@@ -1338,21 +1339,27 @@ def serving_markdown(part: dict) -> list[str]:
         "## 2. Real servers: `vllm bench serve`",
         "",
         (
-            "**DRY RUN on fake instances (no vLLM servers): the pipeline, not a result.** "
+            "**DRY RUN on fake instances (no vLLM servers): the pipeline, not a "
+            "result.** "
             if meta["dry_run_on_fakes"]
             else ""
         )
-        + f"Model: {meta['model']}. Servers: `{' '.join(meta['server_args'])}`, environment "
-        f"`{' '.join(f'{k}={v}' for k, v in meta['server_env'].items())}`. `colocated` = one "
-        "plain `vllm serve`, requests sent to it directly; `router_seq` / `router_conc` = one "
-        f"prefill and one decode `vllm serve` ({meta['kv_transfer']}) behind the router, "
-        "`--handoff sequential` / `concurrent`; all on the same machine. `vllm bench serve "
-        f"--backend vllm --dataset-name random --random-input-len {b['input_len']} "
-        f"--random-output-len {b['output_len']} --num-prompts {b['num_prompts']} --ignore-eos "
-        f"--max-concurrency C`, C in {', '.join(map(str, b['concurrency']))}; {b['rounds']} "
-        "round(s), the configurations of a round in a random order; a seed per run, so fresh "
-        "random prompts of the same token counts (no prefix-cache hit on any server). "
-        "Figures: the median over rounds of each run's percentile (ms).",
+        + (
+            f"Model: {meta['model']}. Servers: `{' '.join(meta['server_args'])}`, "
+            "environment "
+            f"`{' '.join(f'{k}={v}' for k, v in meta['server_env'].items())}`. "
+            "`colocated` = one plain `vllm serve`, requests sent to it directly; "
+            "`router_seq` / `router_conc` = one prefill and one decode `vllm serve` "
+            f"({meta['kv_transfer']}) behind the router, `--handoff sequential` / "
+            "`concurrent`; all on the same machine. `vllm bench serve --backend vllm "
+            f"--dataset-name random --random-input-len {b['input_len']} "
+            f"--random-output-len {b['output_len']} --num-prompts {b['num_prompts']} "
+            "--ignore-eos --max-concurrency C`, C in "
+            f"{', '.join(map(str, b['concurrency']))}; {b['rounds']} round(s), the "
+            "configurations of a round in a random order; a seed per run, so fresh "
+            "random prompts of the same token counts (no prefix-cache hit on any "
+            "server). Figures: the median over rounds of each run's percentile (ms)."
+        ),
         "",
     ]
     cols = [
@@ -1455,14 +1462,17 @@ def serving_markdown(part: dict) -> list[str]:
     rm = part["router_metrics"]
     lines += [
         "",
-        "Checks: greedy 16-token completion of one prompt equal to the colocated server's: "
+        "Checks: greedy 16-token completion of one prompt equal to the colocated "
+        "server's: "
         + ", ".join(
             f"{c} {'yes' if greedy[c] == greedy['colocated'] else 'NO'}"
             for c in CONFIGS
             if c != "colocated"
         )
-        + f"; warm-up requests answered: {part['warm_up_ok']}. Decode instance's connector "
-        "counters at the end: "
+        + (
+            f"; warm-up requests answered: {part['warm_up_ok']}. Decode instance's "
+            "connector counters at the end: "
+        )
         + (
             ", ".join(
                 f"{k.removeprefix('vllm:p2p_').removesuffix('_total')} {v:.0f}"
@@ -1490,9 +1500,9 @@ def serving_markdown(part: dict) -> list[str]:
         )
         + ".",
         "",
-        f"Part 2 took {meta['took_s']:.0f} s (start-up {meta['startup_s']:.0f} s, warm-up "
-        f"{meta['warm_up_s']:.0f} s, benchmark runs {meta['measure_s']:.0f} s, each including "
-        "`vllm bench serve`'s import of vLLM); load average before "
+        f"Part 2 took {meta['took_s']:.0f} s (start-up {meta['startup_s']:.0f} s, "
+        f"warm-up {meta['warm_up_s']:.0f} s, benchmark runs {meta['measure_s']:.0f} s, "
+        "each including `vllm bench serve`'s import of vLLM); load average before "
         f"{load_line(meta['load_before'])}, after {load_line(meta['load_after'])}.",
         "",
     ]

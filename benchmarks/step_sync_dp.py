@@ -204,7 +204,7 @@ def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, dict
 def paired_ratios(
     runs: dict[str, dict], key: str, per_repeat: int, stat
 ) -> list[float]:
-    """step sync / waves, one ratio per repeat (the two ran back to back)."""
+    """Step sync / waves, one ratio per repeat (the two ran back to back)."""
     w, s = runs["waves"][key], runs["step_sync"][key]
     chunks = range(0, len(w), per_repeat)
     return [stat(s[i : i + per_repeat]) / stat(w[i : i + per_repeat]) for i in chunks]
@@ -251,15 +251,15 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
             "output tokens/s under load, median",
             "output_tokens_per_s",
             "{:.1f}",
-            f"{f['throughput_ratio']:.2f} (repeats {spread(f['throughput_ratio_per_repeat'])}; "
-            "goal >= 1.0)",
+            f"{f['throughput_ratio']:.2f} (repeats "
+            f"{spread(f['throughput_ratio_per_repeat'])}; goal >= 1.0)",
         ),
         (
             "idle-group TTFT, median (s)",
             "idle_ttft_median_s",
             "{:.3f}",
-            f"{f['idle_ttft_ratio']:.2f} (repeats {spread(f['idle_ttft_ratio_per_repeat'])}; "
-            "goal <= 1.0)",
+            f"{f['idle_ttft_ratio']:.2f} (repeats "
+            f"{spread(f['idle_ttft_ratio_per_repeat'])}; goal <= 1.0)",
         ),
         (
             "wasted passes per drain",
@@ -279,11 +279,12 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
         "",
         report.generated(
             "step_sync_dp.py",
-            f"Both servers stay up and take turns, {args.repeats} turns each; a turn is "
-            f"{args.trials} idle-group TTFTs, {args.trials} drains (one 8-token request, "
-            f"then idle) and {args.rounds} load rounds of {args.concurrency} concurrent "
-            f"requests x {args.max_tokens} tokens. Ratios are step sync / waves: the median "
-            "over turns, each turn paired with the other mode's turn next to it.",
+            f"Both servers stay up and take turns, {args.repeats} turns each; a turn "
+            f"is {args.trials} idle-group TTFTs, {args.trials} drains (one 8-token "
+            f"request, then idle) and {args.rounds} load rounds of {args.concurrency} "
+            f"concurrent requests x {args.max_tokens} tokens. Ratios are step sync / "
+            "waves: the median over turns, each turn paired with the other mode's turn "
+            "next to it.",
         ),
         "",
         *report.table(

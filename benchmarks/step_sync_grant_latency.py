@@ -108,7 +108,8 @@ def markdown(rows: list[dict], trials: int) -> list[str]:
         "",
         report.generated(
             "step_sync_grant_latency.py",
-            f"{trials} trials per row; rank 0 holds the coordinator thread, as in the engine.",
+            f"{trials} trials per row; rank 0 holds the coordinator thread, as in the "
+            "engine.",
         ),
         "",
         *report.table(

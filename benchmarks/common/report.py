@@ -22,7 +22,8 @@ RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
 def add_out_argument(parser: argparse.ArgumentParser) -> None:
-    """``--out DIR``: where the result files go; None (the default) for :data:`RESULTS`."""
+    """``--out DIR``: where the result files go; None (the default) for
+    :data:`RESULTS`."""
     parser.add_argument(
         "--out",
         type=Path,
@@ -83,7 +84,8 @@ def load_line(snap: dict | None) -> str:
 
 
 def compact_json(obj: Any) -> str:
-    """Indented JSON with each list of numbers on one line (raw samples stay readable)."""
+    """Indented JSON with each list of numbers on one line (raw samples stay
+    readable)."""
     text = json.dumps(obj, indent=1)
     return re.sub(
         r"\[[-0-9.eE,\s]+\]",
@@ -110,7 +112,7 @@ def write(
 
 
 def pyplot():
-    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    """Matplotlib's pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")

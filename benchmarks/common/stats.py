@@ -10,7 +10,8 @@ QUANTILES = (10, 50, 90, 99)  # p10: the least disturbed requests on a shared ma
 
 
 def pct(values: Iterable[float], q: float) -> float | None:
-    """The q-th percentile, linear between closest ranks (numpy's default); None if empty."""
+    """The q-th percentile, linear between closest ranks (numpy's default); None if
+    empty."""
     s = sorted(values)
     if not s:
         return None
@@ -35,12 +36,12 @@ def med(values: Iterable[float | None]) -> float | None:
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b, or None when either is missing or b is zero."""
+    """Return a / b, or None when either is missing or b is zero."""
     return a / b if a is not None and b else None
 
 
 def diff(a: float | None, b: float | None) -> float | None:
-    """a - b, or None when either is missing."""
+    """Return a - b, or None when either is missing."""
     return a - b if a is not None and b is not None else None
 
 

@@ -26,6 +26,7 @@ that has not finished in time is killed with the engine processes it started.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import multiprocessing as mp
@@ -133,10 +134,8 @@ def kill_tree(proc: mp.process.BaseProcess) -> None:
     except psutil.NoSuchProcess:
         return
     for victim in victims:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             victim.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(victims, timeout=10)
 
 

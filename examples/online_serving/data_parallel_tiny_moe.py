@@ -76,7 +76,8 @@ def main() -> int:
             for prompt, body in zip(PROMPTS, bodies):
                 choice = body["choices"][0]
                 print(
-                    f"\nprompt: {prompt!r}\n  text: {choice['text']!r}\n  token ids: {choice['token_ids']}"
+                    f"\nprompt: {prompt!r}\n  text: {choice['text']!r}\n  token ids: "
+                    f"{choice['token_ids']}"
                 )
     except ServerStartupError as exc:
         print(exc, file=sys.stderr)

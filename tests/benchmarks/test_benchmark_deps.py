@@ -115,8 +115,8 @@ def test_benchmark_checks_every_module_it_imports_first(path):
         if name not in sys.stdlib_module_names and name not in NOT_BENCH_DEPS
     }
     assert third_party <= set(required), (
-        f"{path.name} imports {sorted(third_party - set(required))} without naming them "
-        "in its require(...) call"
+        f"{path.name} imports {sorted(third_party - set(required))} without naming "
+        "them in its require(...) call"
     )
 
 
@@ -183,7 +183,8 @@ subprocess.Popen = NoChildren
 
 
 def test_benchmark_with_matplotlib_missing_exits_at_once(tmp_path):
-    """The run that once crashed after 10 minutes: step_sync_dp.py without matplotlib."""
+    """The run that once crashed after 10 minutes: step_sync_dp.py without
+    matplotlib."""
     hide = tmp_path / "hide"
     hide.mkdir()
     # None in sys.modules makes `import matplotlib` raise ImportError. And no

@@ -1,8 +1,9 @@
 """Chaos and soak, bounded for CI: one fleet (router, 2 prefills, a DP=2
 decode of the tiny MoE, float32, P2P over tcp; conftest.py), traffic of every
 request shape (vllm_disagg/testing/traffic.py), and one fault per test, in
-this order: steady, strangers flooding every port, a stopped prefill, a killed router, a killed prefill, a
-killed decode (restarted), and last a killed engine core of one decode rank.
+this order: steady, strangers flooding every port, a stopped prefill, a killed router, a
+killed prefill, a killed decode (restarted), and last a killed engine core of one decode
+rank.
 
 Every test fails on a wrong greedy output, a request with no answer within
 the client's timeout (a hang), or a fault step that did not happen in time;
@@ -30,7 +31,8 @@ RSS_GROWTH_PCT = 5.0  # the issue's bound
 # one per request would add dozens here.
 THREAD_SLACK = 2
 FD_SLACK = 8
-# The fleet's timeouts (FleetConfig): router heartbeat expiry 10 s, heartbeats every 3 s.
+# The fleet's timeouts (FleetConfig): router heartbeat expiry 10 s, heartbeats
+# every 3 s.
 HEARTBEAT_TIMEOUT_S = 10.0
 HEARTBEAT_INTERVAL_S = 3.0
 # Hostile input: messages (ZMQ) or connections (TCP) per port (the benchmark
@@ -71,8 +73,8 @@ def _summary(fleet, result) -> str:
     )
     r = result["requests"]
     return (
-        f"{result['scenario']}: {r['issued']} requests, ok {r['ok']}, failed {r['failed']}, "
-        f"cancelled {r['cancelled']}, max {r['latency_s']['max']} s; "
+        f"{result['scenario']}: {r['issued']} requests, ok {r['ok']}, failed "
+        f"{r['failed']}, cancelled {r['cancelled']}, max {r['latency_s']['max']} s; "
         f"fault { {k: v for k, v in result['fault'].items() if k != 'ports'} }; "
         f"recovery {result.get('recovery')}"
     )
@@ -249,7 +251,7 @@ def test_a_killed_decode_fails_requests_fast_and_recovers_when_restarted(chaos_f
 
 
 def test_a_killed_decode_rank_takes_its_group_down_fast(chaos_fleet):
-    """kill -9 the engine core of DP rank 1. vLLM cannot re-form a DP group
+    """Send kill -9 to the engine core of DP rank 1. vLLM cannot re-form a DP group
     around a lost rank (neither can step sync): what users must get is an
     error within FAIL_FAST_S, never a hang, and the router must stop
     sending to the dead ranks."""

@@ -71,7 +71,8 @@ def _worker(rank: int, port: int, results):
             torch.testing.assert_close(got_list[0], expected, rtol=0, atol=0)
             torch.testing.assert_close(got_list[1], expected * 2, rtol=0, atol=0)
 
-            # reduce_scatterv: every rank holds the full length; each keeps its slice of the sum.
+            # reduce_scatterv: every rank holds the full length; each keeps its slice of
+            # the sum.
             total = sum(rows)
             full = _rank_tensor(rank, total, pos_dim)
             before = full.clone()

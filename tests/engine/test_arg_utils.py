@@ -76,11 +76,14 @@ def test_good_or_absent_step_sync_options_pass():
 
 
 def test_fault_tolerance_is_refused_for_moe_dp():
-    """vLLM's fault-tolerance retry re-forms the DP group, not the step-sync
+    """Upstream vLLM's fault-tolerance retry re-forms the DP group, not the step-sync
     group: refused at start-up, pointing at upstream's waves."""
     with pytest.raises(
         ConfigError,
-        match=r"step sync does not support --enable-fault-tolerance.*VLLM_DISAGG_DISABLE=1",
+        match=(
+            r"step sync does not support "
+            r"--enable-fault-tolerance.*VLLM_DISAGG_DISABLE=1"
+        ),
     ):
         arg_utils_step_sync.check_step_sync_options(_config(None, fault_tolerance=True))
 

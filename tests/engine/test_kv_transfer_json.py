@@ -48,7 +48,7 @@ def seed_json(role: str, buffer: str, port: str, **extra) -> str:
 
 @pytest.fixture(scope="module")
 def parser():
-    """vLLM's CLI parser built with the patch applied (the way AsyncEngineArgs
+    """Upstream vLLM's CLI parser built with the patch applied (the way AsyncEngineArgs
     builds `vllm serve`'s), upstream restored afterwards."""
     with pytest.MonkeyPatch.context() as mp:
         for name in ("add_cli_args", "__post_init__", "create_engine_config"):
@@ -132,7 +132,8 @@ def test_other_connectors_parse_as_upstream(parser):
     [
         (
             seed_json("kv_producer", "1e1", "21001", send_type="PUSH"),
-            "kv_connector_extra_config.send_type: 'PUSH' is not one of PUT, GET, PUT_ASYNC",
+            "kv_connector_extra_config.send_type: 'PUSH' is not one of PUT, GET, "
+            "PUT_ASYNC",
         ),
         (
             seed_json("kv_producer", "lots", "21001"),
@@ -141,7 +142,8 @@ def test_other_connectors_parse_as_upstream(parser):
         (seed_json("kv_producer", "1e1", "abc"), "kv_port: 'abc' is not a port number"),
         (
             seed_json("kv_producer", "1e1", "21001", send_typ="PUT"),
-            "kv_connector_extra_config.send_typ: unknown key (did you mean 'send_type'?)",
+            "kv_connector_extra_config.send_typ: unknown key (did you mean "
+            "'send_type'?)",
         ),
     ],
 )

@@ -84,7 +84,10 @@ def test_other_executors_are_left_alone(on_cpu, executor):
 def test_explicit_ray_executor_is_refused_on_cpu(on_cpu, executor, dp_backend):
     with pytest.raises(
         ConfigError,
-        match=r"--distributed-executor-backend ray .*use --distributed-executor-backend mp",
+        match=(
+            r"--distributed-executor-backend ray "
+            r".*use --distributed-executor-backend mp"
+        ),
     ):
         arg_utils.check_cpu_executor_backend(_engine_args(executor, dp_backend))
 

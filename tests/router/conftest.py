@@ -47,7 +47,7 @@ class FakeClock:
 
 @pytest.fixture
 async def fakes() -> AsyncIterator[Callable[[str], Awaitable[FakeInstance]]]:
-    """Factory: ``await fakes("p1")`` -> a started FakeInstance."""
+    """Factory: awaited with a name (``"p1"``) -> a started FakeInstance."""
     started: list[FakeInstance] = []
 
     async def make(name: str) -> FakeInstance:
@@ -126,7 +126,7 @@ FAST = RouterConfig(
 
 @pytest.fixture
 async def start_router() -> AsyncIterator[Callable[..., Awaitable[RunningRouter]]]:
-    """Factory: ``await start_router(handoff="concurrent", ...)`` -> a router
+    """Factory: awaited with config fields (``handoff="concurrent"``, ...) -> a router
     served on free loopback ports, config fields overriding :data:`FAST`."""
     running: list[tuple[asyncio.Event, asyncio.Task, aiohttp.ClientSession]] = []
 

@@ -117,7 +117,8 @@ async def test_a_body_that_stops_arriving_is_dropped_and_nothing_is_sent_upstrea
     reader, writer = await _connect(router)
     body = json.dumps({"model": "m", "prompt": "x" * 1000}).encode()
     writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:100]
     )
     await writer.drain()
@@ -133,7 +134,8 @@ async def test_a_slow_but_moving_body_is_read_whole(pd):
     reader, writer = await _connect(router)
     body = json.dumps({"model": "m", "prompt": "y" * 200}).encode()
     writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
     )
     for i in range(
@@ -154,7 +156,8 @@ async def test_a_client_that_stops_reading_its_stream_is_dropped_and_decode_rele
     pd,
 ):
     router, _, d = await pd(**LIMITS)
-    # An answer larger than any socket buffer (up to 256 MiB), which the client never reads.
+    # An answer larger than any socket buffer (up to 256 MiB), which the client never
+    # reads.
     chunk = (
         b"data: " + json.dumps({"choices": [{"text": "z" * 65536}]}).encode() + b"\n\n"
     )
@@ -177,7 +180,8 @@ async def test_a_client_that_stops_reading_its_stream_is_dropped_and_decode_rele
         socket.SOL_SOCKET, socket.SO_RCVBUF, 4096
     )
     writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
     await writer.drain()
@@ -214,7 +218,8 @@ async def test_a_body_trickled_byte_by_byte_is_cut_at_the_body_deadline(pd):
     router, p, d = await pd(**LIMITS, client_body_timeout_s=1.0)
     reader, writer = await _connect(router)
     writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\n"
         b"Content-Length: 1000\r\n\r\n"
     )
     started = asyncio.get_running_loop().time()
@@ -233,14 +238,15 @@ async def test_a_body_trickled_byte_by_byte_is_cut_at_the_body_deadline(pd):
 
 
 async def test_pipelined_requests_past_the_limit_drop_the_connection(pd):
-    """uvicorn queues any number of pipelined requests, each with its head:
+    """Uvicorn queues any number of pipelined requests, each with its head:
     a client that sent them and read nothing grew the router without bound."""
     router, p, d = await pd(**LIMITS)
     d.delay_s = 2.0  # the first answer takes a while: the rest queue behind it
     reader, writer = await _connect(router)
     body = json.dumps({"model": "m", "prompt": "x"}).encode()
     one = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
     with contextlib.suppress(ConnectionError):
@@ -255,7 +261,7 @@ async def test_pipelined_requests_past_the_limit_drop_the_connection(pd):
 async def test_junk_connections_are_counted_each_but_logged_once_per_interval(
     pd, caplog
 ):
-    """uvicorn warns once per request its parser refuses: a stranger sending
+    """Uvicorn warns once per request its parser refuses: a stranger sending
     junk wrote one log line per connection."""
     router, _, _ = await pd(**LIMITS)
     with caplog.at_level("WARNING"):

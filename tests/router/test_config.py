@@ -111,7 +111,8 @@ def test_every_flag_reaches_the_config():
     [
         (
             ["--policy-decode", "prefix_aware"],
-            "--policy-decode: 'prefix_aware' is not one of round_robin, least_outstanding",
+            "--policy-decode: 'prefix_aware' is not one of round_robin, "
+            "least_outstanding",
         ),
         (
             ["--handoff", "eager"],
@@ -175,7 +176,8 @@ def test_console_script_bad_flag_is_one_line_exit_2():
     )
     assert result.returncode == 2
     assert result.stderr == (
-        "vllm-disagg-router: error: --handoff: 'eager' is not one of sequential, concurrent\n"
+        "vllm-disagg-router: error: --handoff: 'eager' is not one of sequential, "
+        "concurrent\n"
     )
 
 

@@ -43,7 +43,7 @@ BROKEN_BODIES = (
 
 
 async def test_malformed_bodies_are_refused_by_a_decode_as_vllm_refuses_them(pd):
-    """vLLM's FastAPI validation names the position of a JSON error; a
+    """Upstream vLLM's FastAPI validation names the position of a JSON error; a
     decode says it exactly, before any compute, and nothing is prefilled."""
     router, p, d = await pd()
     for raw in BROKEN_BODIES:
@@ -76,16 +76,14 @@ async def test_malformed_bodies_without_a_decode_get_the_routers_own_400(start_r
 
 
 async def test_error_messages_name_no_local_path(start_router, fakes):
-    """vLLM sanitizes its messages; a model's default name is its path."""
+    """Upstream vLLM sanitizes its messages; a model's default name is its path."""
     router = await start_router()
     router.add(await fakes("d"), Role.DECODE, model="/tmp/models/tiny-llama")
     status, body, _ = await router.post("/v1/completions", {**BODY, "model": "x"})
     assert status == 404
-    assert (
-        json.loads(body)["error"]["message"]
-        == (
-            "The model `x` does not exist. Valid aliases: <path>"  # vLLM's regexes eat the dot
-        )
+    assert json.loads(body)["error"]["message"] == (
+        "The model "
+        "`x` does not exist. Valid aliases: <path>"  # vLLM's regexes eat the dot
     )
 
 

@@ -165,7 +165,7 @@ async def test_router_with_a_token_signs_the_peers_it_names(pd):
 
 
 async def test_client_headers_and_request_id_are_forwarded_as_vllm_would_use_them(pd):
-    """vLLM builds the response's id from the client's X-Request-Id: both
+    """Upstream vLLM builds the response's id from the client's X-Request-Id: both
     legs carry it (peers travel in kv_transfer_params, never in the id), and
     D's X-Request-Id response header (--enable-request-id-headers) reaches
     the client."""
@@ -273,7 +273,7 @@ async def test_a_request_without_model_in_a_fleet_of_two_models_is_a_400(
 
 
 async def test_stream_given_as_a_truthy_string_streams_like_vllm(pd):
-    """vLLM takes "stream": "true" (or 1) as true; the router buffered the
+    """Upstream vLLM takes "stream": "true" (or 1) as true; the router buffered the
     whole answer, with no chunk timeout."""
     router, p, d = await pd()
     for value in ("true", 1, "True"):
@@ -324,7 +324,7 @@ async def test_requests_vllm_would_refuse_go_to_the_decode_alone(pd):
 
 
 async def test_prompt_logprobs_go_to_the_decode_alone(pd):
-    """vLLM computes a prompt_logprobs request's whole prompt where it answers:
+    """Upstream vLLM computes a prompt_logprobs request's whole prompt where it answers:
     a prefill elsewhere would be work and decode buffer for nothing."""
     router, p, d = await pd()
     for fields in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):

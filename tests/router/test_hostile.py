@@ -127,7 +127,7 @@ async def test_an_http_flood_of_broken_requests_leaves_clients_served(pd):
 
 
 async def test_a_discovery_flood_does_not_hold_up_http_requests(pd):
-    """pyzmq hands back finished futures while frames are queued: the
+    """PyZMQ hands back finished futures while frames are queued: the
     discovery loop never yielded, and a flood of junk stalled every request
     until it ended (8 s for an 8 s flood)."""
     router, p, d = await pd()
@@ -172,7 +172,7 @@ async def test_a_discovery_flood_does_not_hold_up_http_requests(pd):
 async def test_idle_connections_to_the_discovery_port_are_dropped(
     start_router, monkeypatch
 ):
-    """libzmq accepts any number of TCP connections: idle ones, never
+    """The libzmq library accepts any number of TCP connections: idle ones, never
     finishing the handshake, used up the router's file descriptors."""
     monkeypatch.setattr(frames, "HANDSHAKE_TIMEOUT_MS", 300)
     router = await start_router()

@@ -216,8 +216,8 @@ def test_snapshot_shows_role_age_load_and_breaker():
 def test_registry_and_policy_import_neither_quart_nor_vllm():
     code = (
         "import sys, vllm_disagg.router.registry, vllm_disagg.router.policy\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('quart', 'vllm', 'torch', 'aiohttp', 'hypercorn', 'uvicorn', 'zmq', 'prometheus_client'))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('quart', 'vllm', "
+        "'torch', 'aiohttp', 'hypercorn', 'uvicorn', 'zmq', 'prometheus_client'))\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -32,7 +32,8 @@ def test_views_of_json_stream_and_text_answers():
         "body": {"a": 1},
     }
     stream = (
-        b': ping\n\ndata: {"choices": [{"index": 0, "text": "a", "token_ids": [1]}]}\n\n'
+        b': ping\n\ndata: {"choices": [{"index": 0, "text": "a", "token_ids": '
+        b"[1]}]}\n\n"
         b'data: {"choices": [{"index": 1, "delta": {"content": "x"}}]}\r\n\r\n'
         b'data: {"choices": [{"index": 0, "text": "b", "token_ids": [2, 3]}]}\n\n'
         b"event: error\ndata: {}\n\ndata: [DONE]\n\n"

@@ -17,9 +17,11 @@ from vllm_disagg.testing.server import get_free_port
 
 
 async def post(fake: FakeInstance, body: dict) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession() as session:
-        async with session.post(f"{fake.url}/v1/completions", json=body) as resp:
-            return resp.status, await resp.read()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{fake.url}/v1/completions", json=body) as resp,
+    ):
+        return resp.status, await resp.read()
 
 
 def events(raw: bytes) -> list:

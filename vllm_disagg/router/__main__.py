@@ -24,8 +24,11 @@ PROG = "vllm-disagg-router"
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="The xPyD router: picks a prefill and a decode instance per request, "
-        "learns instances from their registrations (discovery port) or from --static-*.",
+        description=(
+            "The xPyD router: picks a prefill and a decode instance per request, "
+            "learns instances from their registrations (discovery port) or from "
+            "--static-*."
+        ),
     )
     return RouterConfig.add_cli_args(parser)
 

@@ -168,7 +168,8 @@ def create_app(
         await proxy.start()
         state.ready.set()
         logger.info(
-            "router: HTTP on http://%s discovery on %s (handoff %s, policies prefill=%s decode=%s)",
+            "router: HTTP on http://%s discovery on %s (handoff %s, policies "
+            "prefill=%s decode=%s)",
             format_addr(config.host, state.http_port),
             discovery.endpoint,
             config.handoff,
@@ -177,9 +178,10 @@ def create_app(
         )
         if config.token is None:
             logger.warning(
-                "router: no registration token (--registration-token or %s): registrations "
-                "are not authenticated, and the router cannot sign the peers it names, so "
-                "instances without allowed_peers compute every request locally",
+                "router: no registration token (--registration-token or %s): "
+                "registrations are not authenticated, and the router cannot sign the "
+                "peers it names, so instances without allowed_peers compute every "
+                "request locally",
                 envs.VLLM_DISAGG_ROUTER_TOKEN,
             )
 

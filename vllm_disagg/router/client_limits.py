@@ -129,7 +129,7 @@ def rate_limit_uvicorn_warnings() -> None:
 
 
 def limited_protocol(limits: ClientLimits) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with ``limits`` applied."""
+    """Uvicorn's httptools protocol with ``limits`` applied."""
     rate_limit_uvicorn_warnings()
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):

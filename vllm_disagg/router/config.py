@@ -108,7 +108,8 @@ class RouterConfig:
                 or not 0 <= value <= 65535
             ):
                 raise ConfigError(
-                    f"{_flag(name)}: {value!r} is not a port (0..65535, 0: any free port)"
+                    f"{_flag(name)}: {value!r} is not a port (0..65535, 0: any free "
+                    "port)"
                 )
         for name in ("host", "discovery_host"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
@@ -163,7 +164,8 @@ class RouterConfig:
 
     @property
     def token(self) -> bytes | None:
-        """The registration token as bytes: the flag, else VLLM_DISAGG_ROUTER_TOKEN."""
+        """The registration token as bytes: the flag, else the environment's
+        VLLM_DISAGG_ROUTER_TOKEN."""
         if self.registration_token:
             return self.registration_token.encode()
         return envs.router_token()
@@ -234,13 +236,15 @@ class RouterConfig:
         for name, help_text in (
             (
                 "heartbeat_timeout_s",
-                "remove an instance silent this long (at least 3 of its heartbeat intervals)",
+                "remove an instance silent this long (at least 3 of its heartbeat "
+                "intervals)",
             ),
             ("connect_timeout_s", "TCP connect to an instance"),
             ("prefill_timeout_s", "the whole prefill request"),
             (
                 "first_token_timeout_s",
-                "streaming: from sending decode the request to its first chunk (the KV wait)",
+                "streaming: from sending decode the request to its first chunk (the KV "
+                "wait)",
             ),
             ("chunk_timeout_s", "streaming: between two chunks of decode's answer"),
             ("request_timeout_s", "the whole request, every leg and retry included"),
@@ -296,13 +300,19 @@ class RouterConfig:
             "--max-body-bytes",
             type=int,
             default=d.max_body_bytes,
-            help="largest accepted request body, larger ones get 413 (default %(default)s)",
+            help=(
+                "largest accepted request body, larger ones get 413 (default "
+                "%(default)s)"
+            ),
         )
         sec.add_argument(
             "--max-header-bytes",
             type=int,
             default=d.max_header_bytes,
-            help="largest request line and headers, larger ones get 431 (default %(default)s)",
+            help=(
+                "largest request line and headers, larger ones get 431 (default "
+                "%(default)s)"
+            ),
         )
         sec.add_argument(
             "--max-connections",

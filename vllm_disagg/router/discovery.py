@@ -110,7 +110,8 @@ class DiscoveryServer:
         self._task = asyncio.create_task(self._serve(), name="router-discovery")
         if self._token is None:
             logger.warning(
-                "discovery on %s accepts unsigned registrations: set %s or --registration-token",
+                "discovery on %s accepts unsigned registrations: set %s or "
+                "--registration-token",
                 self.endpoint,
                 envs.VLLM_DISAGG_ROUTER_TOKEN,
             )

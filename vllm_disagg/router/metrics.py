@@ -53,27 +53,30 @@ class RouterMetrics:
         )
         self.decode_retries = Counter(
             f"{PREFIX}_decode_retries",
-            "Requests sent to another decode instance after one refused the connection.",
+            "Requests "
+            "sent to another decode instance after one refused the connection.",
             registry=self.registry,
         )
         self.prefill_failures = Counter(
             f"{PREFIX}_prefill_failures",
-            "Failed prefill attempts by reason (refused, connect_timeout, timeout, connection, "
-            "status, error).",
+            "Failed prefill attempts by reason (refused, connect_timeout, timeout, "
+            "connection, status, error).",
             ["reason"],
             registry=self.registry,
         )
         self.decode_prefill_fallbacks = Counter(
             f"{PREFIX}_decode_prefill_fallbacks",
-            "Requests the decode instance prefilled itself (--fallback-to-decode-prefill), "
-            "by reason (no_prefill, prefill_failed, prompt_logprobs: vLLM computes such a "
-            "prompt where it answers, invalid: vLLM refuses it in validation).",
+            "Requests the decode instance prefilled itself "
+            "(--fallback-to-decode-prefill), by reason (no_prefill, prefill_failed, "
+            "prompt_logprobs: vLLM computes such a prompt where it answers, invalid: "
+            "vLLM refuses it in validation).",
             ["reason"],
             registry=self.registry,
         )
         self.concurrent_prefill_failures = Counter(
             f"{PREFIX}_concurrent_prefill_failures",
-            "Concurrent hand-off: prefill failed after decode started (decode recomputes).",
+            "Concurrent hand-off: prefill failed after decode started (decode "
+            "recomputes).",
             registry=self.registry,
         )
         self.client_connections_closed = Counter(
@@ -138,8 +141,8 @@ class _StateCollector(Collector):
         yield accepted
         rejected = CounterMetricFamily(
             f"{PREFIX}_discovery_rejected",
-            "Discovery frames rejected, by kind (malformed, oversized, unauthenticated, "
-            "stale, version).",
+            "Discovery frames rejected, by kind (malformed, oversized, "
+            "unauthenticated, stale, version).",
             labels=["kind"],
         )
         for kind, count in sorted(self._discovery.rejected.items()):

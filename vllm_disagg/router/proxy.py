@@ -155,7 +155,7 @@ def sanitize_message(message: str) -> str:
 def error_json(
     status: int, message: str, param: str | None = None, error_type: str | None = None
 ) -> bytes:
-    """vLLM's ErrorResponse: ``{"error": {message, type, param, code}}``,
+    """Upstream vLLM's ErrorResponse: ``{"error": {message, type, param, code}}``,
     the message sanitized as vLLM sanitizes its own."""
     error_type = error_type or ERROR_TYPES.get(status, "InternalServerError")
     return msgspec.json.encode(
@@ -401,7 +401,7 @@ class RequestProxy:
         return error_reply(status, message, param)
 
     def _unknown_model(self, ex: _Exchange) -> Reply | None:
-        """vLLM's 404 when no instance serves the request's model."""
+        """Upstream vLLM's 404 when no instance serves the request's model."""
         model = ex.model
         if model is None or not len(self.registry) or self.registry.serves_model(model):
             return None
@@ -444,7 +444,8 @@ class RequestProxy:
                 ex,
                 outcomes.BAD_REQUEST,
                 400,
-                f"`model` is required: this router serves {', '.join(self.registry.models())}",
+                "`model` is required: this router serves "
+                f"{', '.join(self.registry.models())}",
                 "model",
             )
         decode = self._pick(Role.DECODE, ex)
@@ -684,7 +685,8 @@ class RequestProxy:
             self.metrics.concurrent_prefill_failures.inc()
             self.limited_log.warning(
                 "concurrent-prefill",
-                "prefill on %s failed (%s) after decode on %s started: decode recomputes",
+                "prefill on %s failed (%s) after decode on %s started: decode "
+                "recomputes",
                 prefill.http_addr,
                 result.reason,
                 decode.http_addr,
@@ -939,7 +941,8 @@ class RequestProxy:
                 ex,
                 outcomes.TIMEOUT,
                 504,
-                f"the decode instance sent nothing within {self.config.first_token_timeout_s:g}s",
+                "the decode instance sent nothing within "
+                f"{self.config.first_token_timeout_s:g}s",
             )
         finally:
             if not handed_to_stream:  # else it owns D's response and the prefill task

@@ -24,7 +24,7 @@ _INVALID = object()
 
 
 def lax_bool(value: Any) -> Any:
-    """pydantic's lax bool: True/False, or _INVALID."""
+    """Pydantic's lax bool: True/False, or _INVALID."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int | float):
@@ -36,7 +36,7 @@ def lax_bool(value: Any) -> Any:
 
 
 def lax_int(value: Any) -> Any:
-    """pydantic's lax int: an int, or _INVALID."""
+    """Pydantic's lax int: an int, or _INVALID."""
     if isinstance(value, bool | int):
         return int(value)
     if isinstance(value, float):

@@ -17,7 +17,8 @@ Scenarios:
 
 * ``steady``: traffic only.
 * ``kill-prefill``: ``kill -9`` one prefill's process group; later restarted.
-* ``kill-decode``: ``kill -9`` every process of the decode (both DP ranks); later restarted.
+* ``kill-decode``: ``kill -9`` every process of the decode (both DP ranks); later
+  restarted.
 * ``kill-decode-rank``: ``kill -9`` only the engine core of decode DP rank 1;
   what died is restarted.
 * ``kill-router``: ``kill -9`` the router, restarted on the same ports.
@@ -33,6 +34,7 @@ Scenarios:
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import threading
@@ -156,10 +158,9 @@ class Sampler:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
+            # A sample is best effort; the next one comes.
+            with contextlib.suppress(Exception):
                 self.sample()
-            except Exception:  # noqa: BLE001 - a sample is best effort; the next one comes
-                pass
 
     def sample(self, baseline: bool = False) -> None:
         fleet = self.fleet
@@ -431,7 +432,8 @@ _DATA_PORT_LINE = re.compile(r"P2P tcp data port listening on (\S+)")
 _COORDINATOR_LINE = re.compile(r"step sync DP engine core .* coordinator=tcp://(\S+)")
 # Where each target's rejections are counted: (member, metric names summed over labels).
 _ROUTER_HTTP_COUNTERS = ("vllm_disagg_router_client_connections_closed_total",)
-# Requests refused: by the router (bad body, unknown model) or relayed from a decode (4xx).
+# Requests refused: by the router (bad body, unknown model) or relayed from a decode
+# (4xx).
 _REFUSED_OUTCOMES = ("bad_request", "no_instance", "upstream_client_error")
 _STEP_SYNC_COUNTERS = tuple(
     f"vllm_disagg:step_sync_coordinator_{k}_messages"
@@ -797,7 +799,8 @@ def run_scenario(
         },
         "quiet": quiet,
         "quiet_after_s": quiet_s,
-        # Readings of P2P gauges, idle, that needed a step to be fresh (see Fleet.wait_quiet).
+        # Readings of P2P gauges, idle, that needed a step to be fresh (see
+        # Fleet.wait_quiet).
         "gauge_flushes": [
             {**f, "t": round(f["t"] - t0, 3)} for f in fleet.gauge_flushes[flushes:]
         ],

@@ -46,7 +46,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def close_by_logprobs(a: GreedyResult, b: GreedyResult) -> tuple[bool, str]:
-    """vLLM's ``check_logprobs_close`` rule: identical, or at the first
+    """Upstream vLLM's ``check_logprobs_close`` rule: identical, or at the first
     differing position each side's token is in the other's top-k."""
     pos = first_difference(a.token_ids, b.token_ids)
     if pos is None:
@@ -115,6 +115,10 @@ class FieldDifference:
     path: str  # "status", "body.error.param", "stream.merged.choices[1].text"
     a: Any
     b: Any
+
+
+# The rules when none are given: the defaults of every field.
+DEFAULT_RULES = FieldRules()
 
 
 def id_shape(value: Any) -> Any:
@@ -280,7 +284,7 @@ def merge_chunks(old: Any, new: Any) -> Any:
 def differences(
     a: Any,
     b: Any,
-    rules: FieldRules = FieldRules(),
+    rules: FieldRules = DEFAULT_RULES,
     exact: Iterable[str] = (),
     path: str = "",
 ) -> list[FieldDifference]:
@@ -333,7 +337,7 @@ def compare_servers(
     a_url: str,
     b_url: str,
     cases: Sequence[HttpCase],
-    rules: FieldRules = FieldRules(),
+    rules: FieldRules = DEFAULT_RULES,
     timeout_s: float = 60.0,
 ) -> tuple[dict[str, list[FieldDifference]], dict[str, tuple[Any, Any]]]:
     """Each case sent to both servers at once (cases one after the other);
@@ -410,7 +414,8 @@ def format_differences(
     for name, found in diffs.items():
         for d in found[:per_case]:
             lines.append(
-                f"{name}: {d.path}: {a_name}={_short(d.a, width)} {b_name}={_short(d.b, width)}"
+                f"{name}: {d.path}: {a_name}={_short(d.a, width)} "
+                f"{b_name}={_short(d.b, width)}"
             )
         if len(found) > per_case:
             lines.append(f"{name}: ... and {len(found) - per_case} more")

@@ -3,8 +3,8 @@ OpenAI routes the router uses and records what it receives.
 
 One fake for the router tests (in-process, one per test instance) and the router
 benchmark (a process of its own per instance, ``python -m
-vllm_disagg.testing.fake_instance``), so that both exercise the router against the
-same stand-in. No vLLM and no torch: the router is what is under test.
+vllm_disagg.testing.fake_instance``), so that both exercise the router
+against the same stand-in. No vLLM and no torch: the router is what is under test.
 """
 
 from __future__ import annotations

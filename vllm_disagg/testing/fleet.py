@@ -22,6 +22,7 @@ the "memory, threads and fds stay flat" checks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -467,7 +468,8 @@ class Fleet:
         return self.note(f"kill -9 {name}")
 
     def kill_engine_core(self, name: str) -> float:
-        """SIGKILL only the engine-core child of member ``name`` (one DP rank's engine)."""
+        """SIGKILL only the engine-core child of member ``name`` (one DP rank's
+        engine)."""
         pid = self.members[name].pid
         cores = _find_children(pid, _is_engine_core) if pid else []
         if len(cores) != 1:
@@ -552,7 +554,7 @@ class Fleet:
             except requests.RequestException:
                 continue
 
-            def total(metric: str) -> float:
+            def total(metric: str, values: dict = values) -> float:
                 return sum(
                     v
                     for name, labels in values.items()
@@ -624,14 +626,12 @@ class Fleet:
     def flush(self, name: str) -> None:
         """One token of a tiny prompt, straight to member ``name`` with no
         peers named (computed there): its engine steps and ships fresh stats."""
-        try:
+        with contextlib.suppress(requests.RequestException):
             requests.post(
                 f"{self.members[name].server.url}/v1/completions",
                 timeout=30,
                 json={"model": self.model, "prompt": [1, 2, 3], "max_tokens": 1},
             )
-        except requests.RequestException:
-            pass
 
 
 def instance_summary(fleet: Fleet) -> dict[str, Any]:

@@ -304,8 +304,8 @@ def http_payloads(rng: random.Random) -> Iterator[tuple[str, bytes]]:
             data = rng.randbytes(rng.randrange(1, 2000))
         elif kind == "truncated":
             full = (
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
             )
             data = full[: rng.randrange(1, len(full))]
         elif kind == "oversized":

@@ -2,7 +2,7 @@
 
 Prompts from one small word list, a completion call, and a streamed
 completion read as server-sent events. Each call takes the server as any
-object with ``url`` and ``model`` (a :class:`vllm_disagg.testing.server.VllmServer`).
+object with ``url`` and ``model`` (a ``VllmServer`` of the ``server`` helpers).
 """
 
 from __future__ import annotations
@@ -16,11 +16,31 @@ import requests
 
 # Every word is a few tokens of the tiny models' tokenizer, so word counts
 # give prompts of predictable, varied lengths.
-WORDS: tuple[str, ...] = tuple(
-    (
-        "step sync keeps every data parallel engine in lockstep while the proxy sends "
-        "each request to one prefill and one decode instance over loopback"
-    ).split()
+WORDS: tuple[str, ...] = (
+    "step",
+    "sync",
+    "keeps",
+    "every",
+    "data",
+    "parallel",
+    "engine",
+    "in",
+    "lockstep",
+    "while",
+    "the",
+    "proxy",
+    "sends",
+    "each",
+    "request",
+    "to",
+    "one",
+    "prefill",
+    "and",
+    "one",
+    "decode",
+    "instance",
+    "over",
+    "loopback",
 )
 
 DEFAULT_TIMEOUT_S = 120.0

@@ -94,7 +94,8 @@ def disaggregated_completion(
     timeout_s: float = 120.0,
     **params: Any,
 ) -> dict:
-    """Prefill on ``prefill`` (1 token), then the whole request on ``decode``: decode's response."""
+    """Prefill on ``prefill`` (1 token), then the whole request on ``decode``: decode's
+    response."""
     headers, body_extra = peer_naming(
         prefill.kv_addr, decode.kv_addr, key=key, via_params=via_params, grant=grant
     )

@@ -263,9 +263,10 @@ class SchedulerHarness:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 
     def holds_blocks(self, req_id: str) -> bool:
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
         return any(
             req_id in manager.req_to_blocks and manager.req_to_blocks[req_id]
-            for manager in self.scheduler.kv_cache_manager.coordinator.single_type_managers
+            for manager in managers
         )
 
     def req(self, req_id: str) -> Request:

@@ -8,6 +8,7 @@ file, and on exit stops exactly the process group it started.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -180,16 +181,16 @@ class VllmServer(LoggedProcess):
                 f"server already running (pid {self.proc.pid}); stop() it first"
             )
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=self.env,
-            start_new_session=True,
-        )
-        log.close()
+        # The child holds its own copy of the log's descriptor.
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
         return self
 
     def wait_ready(self) -> None:
@@ -220,15 +221,11 @@ class VllmServer(LoggedProcess):
             return None
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
         # Engine cores and workers are in the group we created; end stragglers.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=timeout_s)
         return proc.returncode
 
@@ -252,7 +249,7 @@ class VllmServer(LoggedProcess):
     # --- client helpers ---------------------------------------------------
 
     def complete(self, prompt: str, timeout_s: float = 120.0, **params: Any) -> dict:
-        """POST /v1/completions (see :mod:`vllm_disagg.testing.openai_client`)."""
+        """POST /v1/completions (see the ``openai_client`` test helpers)."""
         return openai_client.complete(self, prompt, timeout_s=timeout_s, **params)
 
     def metrics(self, prefix: str = "vllm_disagg:") -> dict[str, dict[str, float]]:

@@ -107,7 +107,8 @@ class Spec:
     shape: str
     path: str
     body: dict[str, Any]
-    # Per choice index: (reference key, choice index in the reference); empty: unchecked.
+    # Per choice index: (reference key, choice index in the reference);
+    # empty: unchecked.
     expect: tuple[tuple[str, int], ...] = ()
     cancel_after: int | None = None
 
@@ -498,17 +499,19 @@ def compute_references(
     colocated server) once each; raises if any fails."""
 
     async def one(session, sem, key, path, body) -> tuple[str, list[list[int]]]:
-        async with sem:
-            async with session.post(
+        async with (
+            sem,
+            session.post(
                 url + path, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    raise RuntimeError(
-                        f"reference {key[:120]}: HTTP {resp.status} {text[:300]}"
-                    )
-                choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
-                return key, [list(c["token_ids"]) for c in choices]
+            ) as resp,
+        ):
+            text = await resp.text()
+            if resp.status != 200:
+                raise RuntimeError(
+                    f"reference {key[:120]}: HTTP {resp.status} {text[:300]}"
+                )
+            choices = sorted(json.loads(text)["choices"], key=lambda c: c["index"])
+            return key, [list(c["token_ids"]) for c in choices]
 
     async def main() -> dict[str, list[list[int]]]:
         sem = asyncio.Semaphore(concurrency)

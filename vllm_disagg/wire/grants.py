@@ -54,7 +54,10 @@ def _spell(addr: str) -> str:
 def _mac(
     token: bytes, prefill_addr: str, decode_addr: str, key: str, expires: int
 ) -> str:
-    text = f"p2p-grant|{GRANT_VERSION}|{_spell(prefill_addr)}|{_spell(decode_addr)}|{key}|{expires}"
+    text = (
+        f"p2p-grant|{GRANT_VERSION}|{_spell(prefill_addr)}|{_spell(decode_addr)}"
+        f"|{key}|{expires}"
+    )
     return hmac.new(token, text.encode(), hashlib.sha256).hexdigest()[:MAC_HEX_CHARS]
 
 
@@ -67,11 +70,13 @@ def make_grant(
     ttl_s: float = DEFAULT_GRANT_TTL_S,
     now: float | None = None,
 ) -> str:
-    """The grant for one transfer of ``key`` from ``prefill_addr`` to ``decode_addr``."""
+    """The grant for one transfer of ``key`` from ``prefill_addr`` to
+    ``decode_addr``."""
     if not token:
         raise ValueError("a grant needs a non-empty token")
     expires = int((time.time() if now is None else now) + ttl_s)
-    return f"{GRANT_VERSION}.{expires}.{_mac(token, prefill_addr, decode_addr, key, expires)}"
+    mac = _mac(token, prefill_addr, decode_addr, key, expires)
+    return f"{GRANT_VERSION}.{expires}.{mac}"
 
 
 def check_grant(

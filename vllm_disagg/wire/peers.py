@@ -233,7 +233,8 @@ def _from_params(params: dict) -> PeerInfo:
     for name in PEER_INFO_KEYS:
         if name not in params:
             raise PeerInfoError(
-                f"kv_transfer_params.{name}: missing; give {', '.join(PEER_INFO_KEYS)} together"
+                f"kv_transfer_params.{name}: missing; give {', '.join(PEER_INFO_KEYS)} "
+                "together"
             )
     label = "kv_transfer_params."
     p_host, p_port = split_addr(params[PREFILL_ADDR_KEY], label + PREFILL_ADDR_KEY)

@@ -194,8 +194,8 @@ def main() -> int:
         )
         for inst in router.instances():
             print(
-                f"  registered: {inst['role']:7} dp_rank {inst['dp_rank']} {inst['http_addr']} "
-                f"(KV at {inst['kv_addr']})"
+                f"  registered: {inst['role']:7} dp_rank {inst['dp_rank']} "
+                f"{inst['http_addr']} (KV at {inst['kv_addr']})"
             )
 
         print(
@@ -205,7 +205,8 @@ def main() -> int:
         colocated = _ask_all(servers["prefill"], args.max_tokens)
         print("disaggregated run through the router ...", flush=True)
         print(
-            "(random weights: the text is noise by design; what counts is that both runs agree)"
+            "(random weights: the text is noise by design; what counts is that both "
+            "runs agree)"
         )
         routed = _ask_all(router, args.max_tokens)
 
@@ -228,11 +229,12 @@ def main() -> int:
             for name in ("vllm:p2p_bytes_received", "vllm:p2p_bytes_received_total")
         )
         print(
-            f"\n{matches} of {len(routed)} answers through the router match the colocated run"
-            + ("" if matches == len(routed) else " (MISMATCH)")
+            f"\n{matches} of {len(routed)} answers through the router match the "
+            "colocated run" + ("" if matches == len(routed) else " (MISMATCH)")
         )
         print(
-            f"the decode ranks received {received / 1024:.0f} KiB of KV from the prefill"
+            f"the decode ranks received {received / 1024:.0f} KiB of KV from the "
+            "prefill"
         )
         return 0 if matches == len(routed) else 1
     except (ServerStartupError, TimeoutError) as exc:

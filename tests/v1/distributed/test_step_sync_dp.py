@@ -561,7 +561,8 @@ def test_rank_holding_only_unschedulable_requests_neither_stalls_nor_spins(
             "a rank kept stepping while idle"
         )
         assert not held.done() and waiting_requests(server, 1) == 1, (
-            f"the held request was released before the idle check; raise HOLD_S ({HOLD_S})"
+            "the held request was released before the idle check; raise HOLD_S "
+            f"({HOLD_S})"
         )
         release.touch()
         assert (

@@ -17,6 +17,7 @@ its output is attached to the failure.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -51,15 +52,11 @@ def _kill_run(proc: subprocess.Popen) -> None:
         victims = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         victims = []
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     for victim in victims:  # in case one left the group
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             victim.kill()
-        except psutil.NoSuchProcess:
-            pass
     proc.wait(timeout=30)
 
 

@@ -14,7 +14,7 @@ from vllm_disagg.v1.engine.step_sync import (
 
 @pytest.fixture
 def group():
-    """group(dp_size, work, ...) -> (coordinator, [SimEngine]); ``relay`` puts
+    """Factory: (dp_size, work, ...) -> (coordinator, [SimEngine]); ``relay`` puts
     a LossyRelay between rank 0 and the coordinator."""
     made = []
 

@@ -5,6 +5,7 @@ machinery."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import socket
@@ -157,10 +158,8 @@ class LossyRelay:
             pass
         finally:
             for sock in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def reset(self):
         """RST every connection (ZMQ reconnects by itself)."""

@@ -67,7 +67,8 @@ def _generate_one_request(client) -> None:
 
 
 def test_upstream_sync_client_waits_for_wave_complete():
-    """The failure this patch removes: upstream stays 'running' after the last output."""
+    """The failure this patch removes: upstream stays 'running' after the last
+    output."""
     client, _ = _sync_client(_upstream_class("SyncMPClient"))
     _generate_one_request(client)
     assert client.dp_engines_running()

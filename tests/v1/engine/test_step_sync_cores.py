@@ -1,10 +1,12 @@
-"""The step-sync cores driven directly: no socket, no thread, no sleep, time as a number.
+"""The step-sync cores driven directly: no socket, no thread, no sleep, time as a
+number.
 
-``test_random_schedules_keep_the_coordinator_rules`` runs a few hundred seeded schedules of
-rank requests, passes, pauses, resumes, leaves, replays, forged ranges, lost answers, silences
-and aborts through :class:`CoordinatorCore`, checking its rules after every message and tick;
-``test_random_groups_run_the_same_passes`` wires it to :class:`ParticipantCore` s over a lossy
-in-memory network. The loopback tests (test_step_sync*.py) stay as the integration tests.
+``test_random_schedules_keep_the_coordinator_rules`` runs a few hundred seeded
+schedules of rank requests, passes, pauses, resumes, leaves, replays, forged ranges,
+lost answers, silences and aborts through :class:`CoordinatorCore`, checking its rules
+after every message and tick; ``test_random_groups_run_the_same_passes`` wires it to
+:class:`ParticipantCore` s over a lossy in-memory network. The loopback tests
+(test_step_sync*.py) stay as the integration tests.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ SECRET = b"k" * 32
 CONFIG = StepSyncConfig(dp_size=3, lookahead=2, peer_timeout_s=1.0)  # heartbeat 0.2 s
 
 
-# --- a rank as the coordinator sees it ---------------------------------------------------------
+# --- a rank as the coordinator sees it ------------------------------------------------
 
 
 class Rank:
@@ -143,7 +145,9 @@ class Checked:
                     counts["malformed_messages"] + 1
                 )
             assert out == [] and core.step == step
-        else:  # a new process for a member, or a rank with other options: the group fails
+        else:
+            # a new process for a member, or a rank with other options: the group
+            # fails
             assert core.failed is not None
         # G only grows, to an accepted request, within the look-ahead bound.
         assert core.step >= step
@@ -168,8 +172,8 @@ class Checked:
             if not s.left and self.now - self.last_seen[r] > cfg.peer_timeout_s
         ]
         late = missing and self.now > cfg.peer_timeout_s
-        # A peer silent past its timeout (or a rank that never joined) fails the group; nothing
-        # else does on a tick.
+        # A peer silent past its timeout (or a rank that never joined) fails the group;
+        # nothing else does on a tick.
         assert (core.failed is not None) == bool(late or silent), (
             self.now,
             missing,
@@ -247,7 +251,7 @@ class Checked:
             )
 
 
-# --- coordinator: random schedules ---------------------------------------------------------------
+# --- coordinator: random schedules ----------------------------------------------------
 
 
 def _deliver(rng: random.Random, ranks: list[Rank], out: list, loss: float) -> None:
@@ -344,7 +348,8 @@ def _schedule(seed: int) -> Checked:
                 return group
         if rng.random() < 0.3:
             _deliver(rng, ranks, group.tick(rng.uniform(0.0, 0.1)), loss)
-        # Each live rank heartbeats as its shell would: at least every heartbeat interval.
+        # Each live rank heartbeats as its shell would: at least every heartbeat
+        # interval.
         for rank in joining:
             due = group.now - group.last_seen.get(rank.fields["dp_rank"], group.now)
             if not rank.silent and due >= CONFIG.heartbeat_interval_s / 2:
@@ -384,7 +389,7 @@ def test_random_schedules_keep_the_coordinator_rules():
         assert kind in text, text
 
 
-# --- coordinator: the rules one at a time --------------------------------------------------------
+# --- coordinator: the rules one at a time ---------------------------------------------
 
 
 def _joined(config: StepSyncConfig = CONFIG) -> tuple[Checked, list[Rank]]:
@@ -411,7 +416,8 @@ def test_the_lookahead_bounds_a_request_by_the_askers_own_pass_count():
     assert group.core.step == 0
     group.send(ranks[0], ranks[0].state(requested=bound))
     assert group.core.step == bound
-    # A rank that ran ahead of G (its own pass count) may ask past it by the same margin.
+    # A rank that ran ahead of G (its own pass count) may ask past it by the same
+    # margin.
     group.send(ranks[1], ranks[1].state(local_step=10, requested=10 + bound))
     assert group.core.step == 10 + bound
 
@@ -539,7 +545,7 @@ def test_frames_the_coordinator_drops_are_counted_and_change_nothing(frames, cou
     )
 
 
-# --- participant core ---------------------------------------------------------------------------
+# --- participant core -----------------------------------------------------------------
 
 
 def _participant(rank: int = 1, config: StepSyncConfig = CONFIG) -> ParticipantCore:
@@ -637,7 +643,7 @@ def test_the_progress_watch_reports_a_rank_that_cannot_progress(ahead):
     assert expected in part.failed and 1.0 < now < 1.5
 
 
-# --- both cores over a lossy network --------------------------------------------------------------
+# --- both cores over a lossy network --------------------------------------------------
 
 
 @dataclass

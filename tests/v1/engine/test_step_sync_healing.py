@@ -54,8 +54,15 @@ def test_steady_work_through_a_lossy_link_keeps_every_rank_in_step(group):
     wait_until(
         lambda: settled(coord, engines),
         timeout_s=10,
-        what=lambda: f"all ranks at one step: coordinator {coord.step}, ranks "
-        f"{[(e.part.local_step, e.part.delivered, e.work_steps, e.failures) for e in engines]}",
+        what=lambda: (
+            f"all ranks at one step: coordinator {coord.step}, ranks "
+            + str(
+                [
+                    (e.part.local_step, e.part.delivered, e.work_steps, e.failures)
+                    for e in engines
+                ]
+            )
+        ),
     )
     time.sleep(0.3)
     assert relay.chunks_dropped > 0, "the relay lost nothing; the test proves nothing"

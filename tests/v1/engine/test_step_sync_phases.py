@@ -188,7 +188,9 @@ def _run_schedule_and_check(group, schedule):
         lambda: all(f.done() for t in group.threads for f in _futures(t))
         and all(e.pause_phase == PausePhase.PAUSED for e in group.engines),
         timeout_s=10,
-        what=lambda: f"every pause to complete: {[e.pause_phase for e in group.engines]}",
+        what=lambda: (
+            f"every pause to complete: {[e.pause_phase for e in group.engines]}"
+        ),
     )
     assert group.coord.phase == GroupPhase.PAUSED
     for thread in group.threads:
@@ -207,7 +209,9 @@ def _run_schedule_and_check(group, schedule):
         and part.forward_steps >= before + 3
         and group.quiet(),
         timeout_s=10,
-        what=lambda: f"work: forward {part.forward_steps - before}/3, steps {group.steps()}",
+        what=lambda: (
+            f"work: forward {part.forward_steps - before}/3, steps {group.steps()}"
+        ),
     )
     group.assert_healthy()
     # Errors are allowed only where upstream raises too: resume during a

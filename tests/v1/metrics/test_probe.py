@@ -49,7 +49,8 @@ COMMAND = textwrap.dedent(
 
     def serve():
         cores = [
-            subprocess.Popen([sys.executable, "-c", ENGINE_CORE, str(rank)]) for rank in (0, 1)
+            subprocess.Popen([sys.executable, "-c", ENGINE_CORE, str(rank)])
+            for rank in (0, 1)
         ]
         return max(core.wait(timeout=60) for core in cores)
 

@@ -217,7 +217,7 @@ def test_registered_as_an_enabler_of_the_upstream_module():
 
 
 def test_applied_by_the_plugin_even_with_features_off():
-    """vLLM's general-plugin hook applies it in every process, and as an
+    """Upstream vLLM's general-plugin hook applies it in every process, and as an
     enabler it stays on with VLLM_DISAGG_DISABLE=1."""
     code = (
         "from vllm.plugins import load_general_plugins\n"

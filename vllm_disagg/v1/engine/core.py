@@ -27,6 +27,7 @@ step before the pause completes (or before it leaves the busy loop).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import queue
@@ -212,7 +213,8 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
 
         def hard_exit():
             logger.critical(
-                "step sync: engine core dp_rank=%d did not stop %.1fs after: %s; exiting",
+                "step sync: engine core dp_rank=%d did not stop %.1fs after: %s; "
+                "exiting",
                 self.dp_rank,
                 grace_s,
                 reason,
@@ -274,8 +276,8 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         )
         if waited > self._leave_wait_s():
             logger.warning(
-                "step sync: dp_rank=%d leaves the DP group alone: the peers did not shut "
-                "down within %.0fs; the group ends here",
+                "step sync: dp_rank=%d leaves the DP group alone: the peers did not "
+                "shut down within %.0fs; the group ends here",
                 self.dp_rank,
                 waited,
             )
@@ -319,12 +321,10 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             # come: wait for it (upstream's loop does not block once
             # shutdown was requested).
             self._report_drained()
-            try:
+            with contextlib.suppress(queue.Empty):
                 self._handle_client_request(
                     *self.input_queue.get(timeout=SHUTDOWN_POLL_S)
                 )
-            except queue.Empty:
-                pass
         super()._process_input_queue()
 
     def _report_drained(self) -> None:
@@ -435,7 +435,8 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         if self.model_executor.is_sleeping:
             # Its peers would need passes it cannot run.
             raise RuntimeError(
-                "resume_scheduler called while this DP rank is asleep; call wake_up instead"
+                "resume_scheduler called while this DP rank is asleep; call wake_up "
+                "instead"
             )
         # Scheduling restarts when every rank has resumed.
         self.pause_phase = PausePhase.RESUMING

@@ -64,7 +64,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "grant_waits": (
         "grant_waits",
         "counter",
-        "Waits (at most 20 ms each) for a grant this rank asked for: wake-ups of an idle group.",
+        "Waits (at most 20 ms each) for a grant this rank asked for: wake-ups of an "
+        "idle group.",
     ),
     "malformed_messages": (
         "malformed_messages",
@@ -165,7 +166,8 @@ def command_metrics_dir() -> Path:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(
-                f"{envs.VLLM_DISAGG_METRICS_DIR}: cannot create {chosen!r} ({e.strerror})"
+                f"{envs.VLLM_DISAGG_METRICS_DIR}: cannot create {chosen!r} "
+                f"({e.strerror})"
             ) from None
         return path
     return new_metrics_dir()

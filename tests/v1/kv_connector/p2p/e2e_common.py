@@ -53,7 +53,8 @@ def token_prompt(rng: random.Random, length: int) -> list[int]:
 
 _rng = random.Random(20261122)
 LENGTH_PROMPTS = [token_prompt(_rng, n) for n in PROMPT_LENGTHS]
-# Many requests in flight: shared prefixes too, so prefix-cache hits happen on both sides.
+# Many requests in flight: shared prefixes too, so prefix-cache hits happen on both
+# sides.
 _shared = token_prompt(_rng, 2 * BLOCK_SIZE)
 MANY_PROMPTS = [
     (_shared if i % 3 == 0 else []) + token_prompt(_rng, _rng.randint(5, 150))

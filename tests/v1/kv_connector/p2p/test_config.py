@@ -485,8 +485,8 @@ def _ktc(role, send_type):
 def test_internal_lb_refuses_what_needs_the_named_rank(role, send_type):
     message = _error(check_p2p_config, _vllm_config(_ktc(role, send_type), dp=2))
     assert message.startswith(
-        f"P2pNcclConnector: kv_role {role} with send_type {send_type} cannot run 2 DP ranks "
-        "behind one API server (internal load balancing): "
+        f"P2pNcclConnector: kv_role {role} with send_type {send_type} cannot run 2 DP "
+        "ranks behind one API server (internal load balancing): "
     )
     assert message.endswith(
         "run one `vllm serve` per DP rank (--data-parallel-rank N, external load "
@@ -585,8 +585,8 @@ def test_bad_proxy_ip_names_the_key_and_the_allowed_values(proxy_ip):
     )
     assert message.startswith("kv_connector_extra_config.proxy_ip: ")
     assert message.endswith(
-        "is not a router address: host or host:port ([IPv6]:port), or a comma-separated "
-        "string or JSON list of them"
+        "is not a router address: host or host:port ([IPv6]:port), or a "
+        "comma-separated string or JSON list of them"
     )
 
 
@@ -613,7 +613,8 @@ def test_proxy_port_may_be_left_out_only_when_every_router_has_its_port():
     )
     message = _error(_config, {"proxy_ip": "10.0.0.1:30001,10.0.0.2", "http_port": 1})
     assert message.startswith(
-        "kv_connector_extra_config.proxy_ip, kv_connector_extra_config.proxy_port: give both"
+        "kv_connector_extra_config.proxy_ip, kv_connector_extra_config.proxy_port: "
+        "give both"
     )
     assert "every router needs its port (host:port)" in message
 
@@ -640,7 +641,7 @@ def test_bad_http_ip(http_ip):
 
 
 def test_dense_dp_ranks_keep_their_own_ports_after_vllm_resets_the_rank():
-    """vLLM runs each DP rank of a dense model as an independent rank 0; the
+    """Upstream vLLM runs each DP rank of a dense model as an independent rank 0; the
     port plan must still use the rank the user launched."""
     from vllm.config import ParallelConfig
 
@@ -749,7 +750,8 @@ def test_registering_beyond_loopback_needs_the_router_token(monkeypatch):
 def test_both_ways_in_share_the_cross_field_rules():
     """The JSON and direct construction run one check; only the key labels differ."""
     assert _error(_config, {"proxy_port": 30001}).startswith(
-        "kv_connector_extra_config.proxy_ip, kv_connector_extra_config.proxy_port: give both"
+        "kv_connector_extra_config.proxy_ip, kv_connector_extra_config.proxy_port: "
+        "give both"
     )
     assert _error(P2pConfig, role="kv_both", base_port=1, proxy_port=30001).startswith(
         "proxy_ip, proxy_port: give both"
@@ -764,7 +766,7 @@ def test_both_ways_in_share_the_cross_field_rules():
 
 def test_every_option_is_a_field_with_the_tables_default():
     fields = {f.name: f for f in dataclasses.fields(P2pConfig)}
-    assert EXTRA_CONFIG_KEYS == tuple(o.key for o in p2p_config.OPTIONS)
+    assert tuple(o.key for o in p2p_config.OPTIONS) == EXTRA_CONFIG_KEYS
     for option in p2p_config.OPTIONS:
         assert fields[option.name].default == option.default, option.key
         assert option.help and option.refused and option.type, option.key
@@ -776,7 +778,8 @@ DOC = Path(__file__).resolve().parents[4] / "docs" / "p2p_connector.md"
 def test_docs_key_table_is_the_option_table():
     """docs/p2p_connector.md's table of kv_connector_extra_config keys is
     rendered from OPTIONS; after a change run
-    `.venv/bin/python -m vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config`."""
+    `.venv/bin/python -m
+    vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config`."""
     assert p2p_config.doc_table(DOC.read_text()) == p2p_config.markdown_table()
 
 

@@ -32,12 +32,11 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake impo
     FakeTransport,
 )
 
-from .test_engine import (  # noqa: F401  (make_engine is a fixture)
+from .test_engine import (
     DIGEST,
     HOST,
     assert_nothing_allocated,
     deadline,
-    make_engine,
     receive,
     send,
     wait_done,
@@ -266,7 +265,7 @@ def test_a_new_channel_from_a_sender_replaces_its_old_one_once_set_up(make_engin
         for i in range(5):  # a prefill that restarted five times
             joined_hello(stranger, decode, channel_id=f"c{i}")
             wait_for(
-                lambda: list(decode.engine._inbound) == [f"c{i}"],
+                lambda i=i: list(decode.engine._inbound) == [f"c{i}"],
                 "one channel per sender",
             )
         # A Hello that never completes its set-up (a replay) replaces nothing.

@@ -75,7 +75,8 @@ def xpyd_dp(tiny_models, start_server, start_router):
         ranks = []
         for rank in (0, 1):
             http_port = get_free_port()
-            # One kv_port for both ranks: each rank's worker listens on kv_port + dp_rank.
+            # One kv_port for both ranks: each rank's worker listens on kv_port +
+            # dp_rank.
             config = kv_transfer_config(
                 role,
                 kv_port,
@@ -240,7 +241,8 @@ def test_dp2_decode_loads_remote_kv_and_a_waiting_rank_never_stalls_the_group(
     for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
         assert out == reference[tuple(prompt)], f"request {i} on rank {i % 2}"
     assert orphan_out == reference[tuple(ORPHAN)]
-    # The others did not wait for the orphan's deadline; the orphan was recomputed after it.
+    # The others did not wait for the orphan's deadline; the orphan was recomputed after
+    # it.
     orphan_done = done_after.pop("orphan")
     assert max(done_after.values()) < orphan_done, done_after
     assert LOAD_TIMEOUT_S - 1 <= orphan_done < LOAD_TIMEOUT_S + 60, orphan_done

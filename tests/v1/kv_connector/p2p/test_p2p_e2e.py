@@ -506,8 +506,8 @@ COMPAT_RULES = compare.FieldRules(normalize=FIELDS_THAT_DIFFER_BY_NATURE)
 KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
     "health": (
         ("content_type", "body"),
-        "the router's /health reports the fleet (ready, prefill and decode counts) as JSON; "
-        "vLLM's is an empty 200",
+        "the router's /health reports the fleet (ready, prefill and decode counts) as "
+        "JSON; vLLM's is an empty 200",
     ),
 }
 

@@ -29,10 +29,12 @@ def test_importing_the_package_or_its_options_stays_cheap():
     code = (
         "import sys\n"
         "import vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p as p2p\n"
-        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'vllm imported'\n"
+        "assert 'vllm' not in sys.modules and 'torch' not in sys.modules, 'vllm "
+        "imported'\n"
         "import vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config\n"
         "heavy = [m for m in sys.modules if m.startswith(p2p.__name__ + '.')\n"
-        "         and m.split('.')[-1] in ('connector', 'engine', 'scheduler', 'worker')]\n"
+        "         and m.split('.')[-1] in ('connector', 'engine', 'scheduler', "
+        "'worker')]\n"
         "assert not heavy, heavy\n"
     )
     proc = subprocess.run(

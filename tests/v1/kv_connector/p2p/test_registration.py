@@ -212,14 +212,14 @@ def test_token_signs_and_a_refusal_is_logged_once_while_the_client_keeps_going(
     assert router.serve_until(lambda: logs["warning"])
     assert len(router.receive(5, kind=Register)) == 5  # the client keeps going
     assert logs["warning"] == [
-        f"router 127.0.0.1:{router.port} refused the registration of {client.instance_id}: "
-        "model 'tiny' is not served here"
+        f"router 127.0.0.1:{router.port} refused the registration of "
+        f"{client.instance_id}: model 'tiny' is not served here"
     ]  # once: at most one line per router per minute
     router.accept = True
     assert router.serve_until(lambda: logs["info"])
     assert logs["info"][0].startswith(
-        f"registered with router 127.0.0.1:{router.port} as {client.instance_id} (decode, "
-        f"http {HTTP_ADDR}, kv {KV_ADDR}, DP rank 0/1)"
+        f"registered with router 127.0.0.1:{router.port} as {client.instance_id} "
+        f"(decode, http {HTTP_ADDR}, kv {KV_ADDR}, DP rank 0/1)"
     )
 
 
@@ -231,8 +231,8 @@ def test_a_wrong_token_is_refused_and_the_reason_logged(routers, clients, logs):
     assert router.serve_until(lambda: logs["warning"])
     assert router.rejected >= 1
     assert logs["warning"] == [
-        f"router 127.0.0.1:{router.port} refused the registration of {client.instance_id}: "
-        "unauthenticated: bad or missing registration token"
+        f"router 127.0.0.1:{router.port} refused the registration of "
+        f"{client.instance_id}: unauthenticated: bad or missing registration token"
     ]
 
 

@@ -840,7 +840,7 @@ def test_no_token_and_no_allowed_peers_refuses_to_start(model_dir, monkeypatch):
 
 
 def test_decode_siblings_sharing_a_key_do_not_wait(harness):
-    """n > 1: the children share the proxy's key; only the first loads, the
+    """With n > 1: the children share the proxy's key; only the first loads, the
     others compute at once (they used to wait kv_load_timeout_s)."""
     h = harness("kv_consumer")
     proxy_id = make_request_id(PREFILL, OWN, "shared")
@@ -897,7 +897,7 @@ def test_load_and_save_carry_the_prompt_digest(harness):
 
 
 def test_decode_with_prompt_logprobs_does_not_wait_and_refuses_the_kv(harness):
-    """vLLM computes a prompt_logprobs request's whole prompt itself; the
+    """Upstream vLLM computes a prompt_logprobs request's whole prompt itself; the
     decode must not wait for KV, and tells its workers to refuse the offer
     (the prefill then frees its blocks at once instead of holding them)."""
     h = harness("kv_consumer")

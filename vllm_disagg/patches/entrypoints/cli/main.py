@@ -60,7 +60,9 @@ class VllmCpuAliasFinder(md.DistributionFinder):
         return None
 
     @classmethod
-    def find_distributions(cls, context=md.DistributionFinder.Context()):
+    def find_distributions(cls, context=None):
+        if context is None:
+            context = md.DistributionFinder.Context()
         if context.name is None or _normalize(context.name) != ALIAS_NAME:
             return iter(())
         try:

@@ -41,7 +41,8 @@ class StepSyncConfig:
             )
         if not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 1024:
             raise ConfigError(
-                f"step_sync_lookahead must be an integer in [1, 1024], got {self.lookahead!r}"
+                "step_sync_lookahead must be an integer in [1, 1024], got "
+                f"{self.lookahead!r}"
             )
         timeout = self.peer_timeout_s
         if (

@@ -1,17 +1,19 @@
 """The coordinator's rules as a plain state machine: frames in, messages out.
 
-No socket, thread or clock: the shell (``coordinator.py``) hands in every frame it receives and
-the time, and sends what comes back, so tests drive the phase rules directly, thousands of
-interleavings a second. The rules:
+No socket, thread or clock: the shell (``coordinator.py``) hands in every frame it
+receives and the time, and sends what comes back, so tests drive the phase rules
+directly, thousands of interleavings a second. The rules:
 
-* ``G`` (:attr:`CoordinatorCore.step`) only grows, to the highest step any member asked for,
-  and never past ``max(G, the asker's pass count) + lookahead + 1``; every rank hears each new
-  ``G`` in the same broadcast, so no rank is granted a step the others were not.
-* The group pauses when every rank is paused and drained, resumes when none wants a pause, and
-  exits (finally) when every rank is leaving; each at the ``G`` of that moment.
-* It fails, and tells every member why, when a rank is missing ``peer_timeout_s`` after start,
-  a member is silent that long, a rank comes back as a new process, leaves outside an agreed
-  exit, or joins with other options.
+* ``G`` (:attr:`CoordinatorCore.step`) only grows, to the highest step any member asked
+  for, and never past ``max(G, the asker's pass count) + lookahead + 1``; every rank
+  hears each new ``G`` in the same broadcast, so no rank is granted a step the others
+  were not.
+* The group pauses when every rank is paused and drained, resumes when none wants a
+  pause, and exits (finally) when every rank is leaving; each at the ``G`` of that
+  moment.
+* It fails, and tells every member why, when a rank is missing ``peer_timeout_s`` after
+  start, a member is silent that long, a rank comes back as a new process, leaves
+  outside an agreed exit, or joins with other options.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ class Member:
 class CoordinatorCore:
     """Keeps the coordinator step ``G``, the group phase and the members.
 
-    Every entry point returns the messages to send, in order. :attr:`failed` is set once, when
-    the group fails; the Aborts that tell the members are among the messages returned then.
+    Every entry point returns the messages to send, in order. :attr:`failed` is set
+    once, when the group fails; the Aborts that tell the members are among the messages
+    returned then.
     """
 
     def __init__(self, config: StepSyncConfig, secret: bytes):
@@ -92,7 +95,8 @@ class CoordinatorCore:
     # --- entry points ---
 
     def start(self, now: float) -> None:
-        """The join deadline (``peer_timeout_s``) and the heartbeats count from ``now``."""
+        """The join deadline (``peer_timeout_s``) and the heartbeats count from
+        ``now``."""
         self._started = now
         self.next_heartbeat = now + self.config.heartbeat_interval_s
 
@@ -172,7 +176,8 @@ class CoordinatorCore:
             self._drop(
                 "malformed_messages",
                 "range",
-                f"rank {rank} asked for step {msg.requested} at coordinator step {self.step}",
+                f"rank {rank} asked for step {msg.requested} at coordinator step "
+                f"{self.step}",
             )
             return
         previous = member.state
@@ -211,7 +216,8 @@ class CoordinatorCore:
                 f"DP rank {msg.dp_rank} was rejected: it has data_parallel_size="
                 f"{msg.dp_size} step_sync_lookahead={msg.lookahead}, DP rank 0 has "
                 f"data_parallel_size={cfg.dp_size} step_sync_lookahead={cfg.lookahead} "
-                "(every rank needs the same --data-parallel-size and --additional-config)"
+                "(every rank needs the same --data-parallel-size and "
+                "--additional-config)"
             )
             self.rejected[msg.dp_rank] = reason
             self._out.append((route, Abort(PROTOCOL_VERSION, self._next_seq(), reason)))
@@ -254,18 +260,18 @@ class CoordinatorCore:
         missing = [r for r in range(self.config.dp_size) if r not in self.members]
         if missing and now - self._started > self.config.peer_timeout_s:
             self._fail(
-                f"DP rank(s) {', '.join(map(str, missing))} did not join the step-sync group "
-                f"within {self.config.peer_timeout_s:.0f}s (step_sync_peer_timeout_s); "
-                "every rank must start with the same --data-parallel-size, "
-                "--data-parallel-address and --additional-config"
+                f"DP rank(s) {', '.join(map(str, missing))} did not join the step-sync "
+                f"group within {self.config.peer_timeout_s:.0f}s "
+                "(step_sync_peer_timeout_s); every rank must start with the same "
+                "--data-parallel-size, --data-parallel-address and --additional-config"
             )
             return
         for rank, member in self.members.items():
             silent = now - member.last_seen
             if not member.state.left and silent > self.config.peer_timeout_s:
                 self._fail(
-                    f"DP rank {rank} silent for {silent:.1f}s (step_sync_peer_timeout_s="
-                    f"{self.config.peer_timeout_s})"
+                    f"DP rank {rank} silent for {silent:.1f}s "
+                    f"(step_sync_peer_timeout_s={self.config.peer_timeout_s})"
                 )
                 return
 

@@ -1,7 +1,7 @@
 """Step sync's wire messages and their sealed, direction-labelled frames.
 
-State, not events: every message carries the sender's whole state, so the latest one wins and a
-lost one is healed by the next (see the package docstring).
+State, not events: every message carries the sender's whole state, so the latest one
+wins and a lost one is healed by the next (see the package docstring).
 """
 
 from __future__ import annotations

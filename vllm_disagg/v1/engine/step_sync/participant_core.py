@@ -1,12 +1,14 @@
 """One rank's side of the protocol as a plain state machine.
 
-Two halves, each touched by one thread of the shell (``participant.py``), neither doing I/O:
+Two halves, each touched by one thread of the shell (``participant.py``), neither doing
+I/O:
 
-* the engine half counts passes and decides when to ask for steps (:meth:`begin_forward`,
-  :meth:`request_ahead`, the pause and leave intents); every change makes a new :attr:`state`;
-* the network half turns :attr:`state` into the next :class:`RankState` to send, takes the
-  coordinator's frames in, and decides when to re-send and when the group has failed, with
-  the time passed in.
+* the engine half counts passes and decides when to ask for steps
+  (:meth:`begin_forward`, :meth:`request_ahead`, the pause and leave intents); every
+  change makes a new :attr:`state`;
+* the network half turns :attr:`state` into the next :class:`RankState` to send, takes
+  the coordinator's frames in, and decides when to re-send and when the group has
+  failed, with the time passed in.
 """
 
 from __future__ import annotations
@@ -120,8 +122,9 @@ class ParticipantCore:
         return self.local_step
 
     def request_ahead(self) -> int | None:
-        """Work arrived: ask for the next ``lookahead`` steps unless this rank holds a grant
-        (or a request) beyond its last pass; return the step to wait for, if it asked."""
+        """Work arrived: ask for the next ``lookahead`` steps unless this rank holds a
+        grant (or a request) beyond its last pass; return the step to wait for, if it
+        asked."""
         if self._horizon <= self.local_step:
             self._request_steps(self.local_step + self.config.lookahead)
             return self.local_step + 1
@@ -229,8 +232,8 @@ class ParticipantCore:
         return Received(msg.step if grew else None, msg if changed else None)
 
     def on_tick(self, now: float) -> RankState | None:
-        """The message to send now, if any; fails the group when the coordinator was silent
-        or this rank cannot make progress for ``peer_timeout_s``."""
+        """The message to send now, if any; fails the group when the coordinator was
+        silent or this rank cannot make progress for ``peer_timeout_s``."""
         state = self.state
         msg = None
         if state is not self._sent_state or self._needs_resend(now - self._last_sent):
@@ -297,11 +300,12 @@ class ProgressWatch:
         timeout = self.config.peer_timeout_s
         if local > granted:
             return (
-                f"DP rank {self.dp_rank} ran pass {local} but the group granted only up to "
-                f"{granted} for {waited:.1f}s (step_sync_peer_timeout_s={timeout})"
+                f"DP rank {self.dp_rank} ran pass {local} but the group granted only "
+                f"up to {granted} for {waited:.1f}s "
+                f"(step_sync_peer_timeout_s={timeout})"
             )
         return (
-            f"DP rank {self.dp_rank} owes passes {local + 1}..{granted} but ran none for "
-            f"{waited:.1f}s (its engine is stuck or asleep; step_sync_peer_timeout_s="
-            f"{timeout})"
+            f"DP rank {self.dp_rank} owes passes {local + 1}..{granted} but ran none "
+            f"for {waited:.1f}s (its engine is stuck or asleep; "
+            f"step_sync_peer_timeout_s={timeout})"
         )

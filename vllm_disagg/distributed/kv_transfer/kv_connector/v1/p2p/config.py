@@ -2,9 +2,10 @@
 ``--kv-transfer-config``, with one-line errors that name the key.
 
 Every key of ``kv_connector_extra_config`` is one row of :data:`OPTIONS` (type,
-default, parser, help); the rules between keys are one function, ``_check_cross_fields``.
-Direct construction and the JSON go through both, and docs/p2p_connector.md's
-key table is rendered from the rows (``python -m`` this module rewrites it).
+default, parser, help); the rules between keys are one function,
+``_check_cross_fields``. Direct construction and the JSON go through both, and
+docs/p2p_connector.md's key table is rendered from the rows (``python -m`` this module
+rewrites it).
 
 Users select the connector with the seed design document's JSON::
 
@@ -196,7 +197,7 @@ _HOSTNAME = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
 def parse_host(key: str, value: Any) -> str:
     """An IPv4 address, an IPv6 address (brackets optional) or a host name.
 
-    The same grammar the request-id codec accepts (``vllm_disagg/wire/peers.py``): no
+    The same grammar the request-id codec accepts (``wire/peers.py``): no
     underscores, no IPv6 zone ids.
     """
     what = "an IPv4 or IPv6 address or a host name"
@@ -376,7 +377,8 @@ def parse_allowed_peers(key: str, value: Any) -> AllowedPeers:
 
 @dataclass(frozen=True)
 class Option:
-    """One key of ``kv_connector_extra_config``: how it is read, and its row in the docs."""
+    """One key of ``kv_connector_extra_config``: how it is read, and its row in the
+    docs."""
 
     key: str
     type: str  # docs: what the key accepts (Markdown)
@@ -423,7 +425,8 @@ OPTIONS: tuple[Option, ...] = (
         "number (GiB)",
         GIB,
         parse_gib,
-        "host pool for what does not fit the buffer, created on first spill; 0 disables it",
+        "host pool for what does not fit the buffer, created on first spill; 0 "
+        "disables it",
         f"< 0, > {MAX_MEM_POOL_SIZE_GB:.0f}",
         field="mem_pool_size_bytes",
         shown_default="1.0",
@@ -434,13 +437,16 @@ OPTIONS: tuple[Option, ...] = (
         "IPv4, IPv6 (brackets optional), host name",
         "127.0.0.1",
         parse_host,
-        "address the workers bind and put in their messages; must be reachable by peers",
+        "address "
+        "the workers bind and put in their messages; must be reachable by peers",
         "wildcard, `_` in names, IPv6 zone ids, bad IPs",
         field="host",
-        shown_default="the address of `vllm serve --host` when it names one (not a "
-        "wildcard; the `vllm` command passes it on as `VLLM_DISAGG_SERVE_HOST`), else "
-        "vLLM's `get_ip()` (`VLLM_HOST_IP`, else the default route's address; 127.0.0.1 "
-        "without a route)",
+        shown_default=(
+            "the address of `vllm serve --host` when it names one (not a wildcard; the "
+            "`vllm` command passes it on as `VLLM_DISAGG_SERVE_HOST`), else vLLM's "
+            "`get_ip()` (`VLLM_HOST_IP`, else the default route's address; 127.0.0.1 "
+            "without a route)"
+        ),
         absent=_default_host,
     ),
     Option(
@@ -465,8 +471,8 @@ OPTIONS: tuple[Option, ...] = (
         "seconds",
         60.0,
         parse_seconds,
-        "P: how long a send may take / held blocks wait for a pull; D: how long unclaimed "
-        "KV is kept; channel set-up on D",
+        "P: how long a send may take / held blocks wait for a pull; D: how long "
+        "unclaimed KV is kept; channel set-up on D",
         f"≤ 0, > {MAX_TIMEOUT_S:.0f}",
     ),
     Option(
@@ -493,8 +499,8 @@ OPTIONS: tuple[Option, ...] = (
         "port",
         None,
         parse_port,
-        "discovery port of every `proxy_ip` item that has none; needed unless every item "
-        "has its port",
+        "discovery port of every `proxy_ip` item that has none; needed unless every "
+        "item has its port",
         "given without `proxy_ip`",
     ),
     Option(
@@ -512,9 +518,9 @@ OPTIONS: tuple[Option, ...] = (
         "host (as `kv_ip`)",
         None,
         parse_advertised_host,
-        "the host of this instance's API server as the routers must reach it; one that is "
-        "not where `vllm serve --host` listens (or, with a wildcard `--host`, not an "
-        "address of this machine, or not resolvable) is reported at start",
+        "the host of this instance's API server as the routers must reach it; one that "
+        "is not where `vllm serve --host` listens (or, with a wildcard `--host`, not "
+        "an address of this machine, or not resolvable) is reported at start",
         "wildcard (`0.0.0.0`, `::`) and what `kv_ip` refuses",
         shown_default="`kv_ip` (or its default)",
     ),
@@ -524,7 +530,8 @@ OPTIONS: tuple[Option, ...] = (
         None,
         parse_allowed_peers,
         'peers a request may name without a router grant (see "Security")',
-        "anything else: `kv_connector_extra_config.allowed_peers: 'x' is not peers: ...`",
+        "anything else: `kv_connector_extra_config.allowed_peers: 'x' is not peers: "
+        "...`",
         shown_default="none",
     ),
     Option(
@@ -572,8 +579,8 @@ def _check_cross_fields(
         routers.append(router)
     if fields["http_port"] is None:
         raise ConfigError(
-            f"{label('http_port')}: required with proxy_ip/proxy_port (the port of this "
-            "instance's API server that the router forwards requests to)"
+            f"{label('http_port')}: required with proxy_ip/proxy_port (the port of "
+            "this instance's API server that the router forwards requests to)"
         )
     text = ",".join(host if p is None else format_addr(host, p) for host, p in items)
     return {**fields, "proxy_ip": text, "routers": tuple(routers)}
@@ -687,7 +694,8 @@ class P2pConfig:
     routers: tuple[tuple[str, int], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
-        # Direct construction gets the same rows and rules as the JSON; errors name the field.
+        # Direct construction gets the same rows and rules as the JSON; errors name the
+        # field.
         set_ = object.__setattr__
         set_(self, "role", parse_choice("role", self.role, ROLES))
         set_(self, "base_port", parse_port("base_port", self.base_port))
@@ -715,16 +723,17 @@ class P2pConfig:
             if not self.allow_unauthenticated:
                 raise ConfigError(
                     f"{_EXTRA}.kv_ip: {self.host} is reachable beyond loopback and the "
-                    f"P2P control plane has no secret: set {envs.VLLM_DISAGG_P2P_SECRET} "
-                    f"(or {envs.VLLM_DISAGG_P2P_SECRET_FILE}) to the same value on every "
-                    f"instance, or set {_EXTRA}.allow_unauthenticated to true to accept "
-                    "KV from anyone who can reach the port"
+                    "P2P control plane has no secret: set "
+                    f"{envs.VLLM_DISAGG_P2P_SECRET} (or "
+                    f"{envs.VLLM_DISAGG_P2P_SECRET_FILE}) to the same value on every "
+                    f"instance, or set {_EXTRA}.allow_unauthenticated to true to "
+                    "accept KV from anyone who can reach the port"
                 )
             if "allow_unauthenticated" not in _warned:
                 _warned.add("allow_unauthenticated")
                 logger.warning(
-                    "%s: allow_unauthenticated is set: the P2P ports on %s accept KV and "
-                    "control messages from anyone who can reach them (no %s)",
+                    "%s: allow_unauthenticated is set: the P2P ports on %s accept KV "
+                    "and control messages from anyone who can reach them (no %s)",
                     CONNECTOR_NAME,
                     self.host,
                     envs.VLLM_DISAGG_P2P_SECRET,
@@ -736,14 +745,15 @@ class P2pConfig:
             and not self.allow_unauthenticated
         ):
             raise ConfigError(
-                f"{_EXTRA}.proxy_ip: registrations with the router from {self.host} would be "
-                f"unsigned: set {envs.VLLM_DISAGG_ROUTER_TOKEN} to the router's token"
+                f"{_EXTRA}.proxy_ip: registrations with the router from {self.host} "
+                f"would be unsigned: set {envs.VLLM_DISAGG_ROUTER_TOKEN} to the "
+                "router's token"
             )
         if self.grant_token is None and self.allowed_peers is None:
             raise ConfigError(
                 f"{CONNECTOR_NAME}: nothing vouches for the peers a request names: set "
-                f"{envs.VLLM_DISAGG_ROUTER_TOKEN} to the router's token (the router signs "
-                f"the peers of every request with it) or list the peers in "
+                f"{envs.VLLM_DISAGG_ROUTER_TOKEN} to the router's token (the router "
+                "signs the peers of every request with it) or list the peers in "
                 f"{_EXTRA}.allowed_peers"
             )
 
@@ -893,10 +903,11 @@ class P2pConfig:
         else:
             return
         raise ConfigError(
-            f"{CONNECTOR_NAME}: kv_role {self.role} with send_type {self.send_type.value} "
-            f"cannot run {dp} DP ranks behind one API server (internal load balancing): "
-            f"{why}; run one `vllm serve` per DP rank (--data-parallel-rank N, external "
-            "load balancing) so each rank registers as its own instance"
+            f"{CONNECTOR_NAME}: kv_role {self.role} with send_type "
+            f"{self.send_type.value} cannot run {dp} DP ranks behind one API server "
+            f"(internal load balancing): {why}; run one `vllm serve` per DP rank "
+            "(--data-parallel-rank N, external load balancing) so each rank registers "
+            "as its own instance"
         )
 
 

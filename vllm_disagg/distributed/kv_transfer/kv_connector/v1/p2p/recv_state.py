@@ -13,14 +13,14 @@ the engine calls it under its lock, the unit tests drive it directly.
 
 ::
 
-             expect                offer accepted            bytes in / failed
-    (none) ---------> EXPECTED ----------------> RECEIVING -----------------> READY
-      |                  |  fail (no room,          |  abandon                 |  taken by poll()
-      |  offer           |  digest, GET error)      v                          |  abandon, expire
-      +---------------> RECEIVING        READY  ABANDONING --bytes in/failed--> CLOSED
-                         |  abandon, expire           (slot freed)               (late offers
-                         +------------------------------------------------->      refused until
-                                                                                  it is forgotten)
+            expect         offer accepted           bytes in / failed
+    (none) ------> EXPECTED ------------> RECEIVING ----------------> READY
+      |               |  fail (no room,      |  abandon               |  taken by poll()
+      |  offer        |  digest, GET error)  v                        |  abandon, expire
+      +-----------> RECEIVING  READY  ABANDONING --bytes in/failed--> CLOSED
+                      |  abandon, expire     (slot freed)               (late offers
+                      +----------------------------------------->       refused until
+                                                                        it is forgotten)
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ class RecvTable:
         target = TRANSITIONS.get((current, event))
         if target is None:
             raise TransitionError(
-                f"key {key}: {event.value} in state {current.value if current else 'none'}"
+                f"key {key}: {event.value} in state "
+                f"{current.value if current else 'none'}"
             )
         if entry is None:
             entry = self.keys[key] = RecvKey(key)

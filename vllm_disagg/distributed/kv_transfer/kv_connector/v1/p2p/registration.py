@@ -21,6 +21,7 @@ by the next heartbeat after ZMQ reconnects (within about a second).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import socket
 import threading
 import time
@@ -299,7 +300,8 @@ class RegistrationClient:
             if msg.accepted:
                 if not router.registered:
                     logger.info(
-                        "registered with router %s as %s (%s, http %s, kv %s, DP rank %d/%d)",
+                        "registered with router %s as %s (%s, http %s, kv %s, DP rank "
+                        "%d/%d)",
                         router.addr,
                         self.instance_id,
                         self._template.role.value,
@@ -332,10 +334,9 @@ class RegistrationClient:
         for router in routers:
             if not router.seq:
                 continue  # never registered there
-            try:
+            # zmq.Again: not connected; it drops us when the heartbeats stop.
+            with contextlib.suppress(zmq.Again):
                 router.sock.send_multipart(frames, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # not connected: it drops us when the heartbeats stop
 
     def _warn(self, router: _Router, fmt: str, *args) -> None:
         self._log.warning(router.addr, fmt, *args)  # one per router per interval
@@ -372,7 +373,8 @@ def advertised_http_problems(
     problems = []
     if serve_port is not None and port != serve_port:
         problems.append(
-            f"http_port {port} is not the port vllm serve listens on (--port {serve_port})"
+            f"http_port {port} is not the port vllm serve listens on (--port "
+            f"{serve_port})"
         )
     ips = _addresses(host)
     if not ips:
@@ -380,7 +382,8 @@ def advertised_http_problems(
     elif serve_host is not None:
         if not ips & _addresses(serve_host):
             problems.append(
-                f"http_ip {host} is not the address vllm serve listens on (--host {serve_host})"
+                f"http_ip {host} is not the address vllm serve listens on (--host "
+                f"{serve_host})"
             )
     elif not any(_is_local(ip) for ip in ips):
         problems.append(f"http_ip {host} is not an address of this machine")
@@ -421,10 +424,10 @@ def start_registration(
         config.http_addr, envs.serve_host(), envs.serve_port()
     ):
         logger.warning(
-            "%s: routers will send this instance's requests where its API server does not "
-            "listen (unless a port mapping or NAT is in between); set "
-            "kv_connector_extra_config.http_ip / http_port to the address clients of this "
-            "server use",
+            "%s: routers will send this instance's requests where its API server does "
+            "not listen (unless a port mapping or NAT is in between); set "
+            "kv_connector_extra_config.http_ip / http_port to the address clients of "
+            "this server use",
             problem,
         )
     return RegistrationClient(

@@ -29,7 +29,9 @@ COUNTERS = {
     "failed_loads": "KV loads that failed or timed out (recomputed locally)",
     "spills": "received transfers stored in the host tensor pool (receive buffer full)",
     "dropped": "offered transfers refused for lack of room (recomputed locally)",
-    "rejected_messages": "control-plane messages rejected (malformed, unauthenticated, unknown)",
+    "rejected_messages": (
+        "control-plane messages rejected (malformed, unauthenticated, unknown)"
+    ),
     "refused_peers": "requests whose named peers no grant or allowed_peers vouched for "
     "(computed locally)",
     "digest_mismatches": "offered KV whose prompt digest differed from the request's "

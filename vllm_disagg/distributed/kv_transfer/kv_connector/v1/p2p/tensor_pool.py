@@ -40,7 +40,8 @@ class BuddyAllocator:
             )
         if capacity_bytes < min_block_bytes:
             raise ValueError(
-                f"capacity_bytes ({capacity_bytes}) is below min_block_bytes ({min_block_bytes})"
+                f"capacity_bytes ({capacity_bytes}) is below min_block_bytes "
+                f"({min_block_bytes})"
             )
         self.min_block_bytes = min_block_bytes
         # Rounded down to a power-of-two number of minimum blocks: the whole

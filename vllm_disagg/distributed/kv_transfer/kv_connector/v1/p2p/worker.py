@@ -119,8 +119,8 @@ class P2pWorkerConnector:
             stats=self.stats,
         )
         logger.info(
-            "P2P engine listening on %s: role %s, send_type %s, transport %s, %d layers x "
-            "%d blocks of %d bytes",
+            "P2P engine listening on %s: role %s, send_type %s, transport %s, %d "
+            "layers x %d blocks of %d bytes",
             self.engine.addr,
             config.role,
             config.send_type.value,

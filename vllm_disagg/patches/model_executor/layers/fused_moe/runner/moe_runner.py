@@ -1,6 +1,7 @@
 """Patch: on CPU with data parallelism, run the MoE layer behind its custom op.
 
-Upstream: ``vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._select_forward``
+Upstream:
+``vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._select_forward``
 calls the MoE body directly on CPU, so ``torch.compile`` traces it. With
 ``--data-parallel-size > 1`` that body gathers tokens from every DP rank, and
 the gathered length is data-dependent: tracing stops at the first branch on it

@@ -143,9 +143,9 @@ class P2pEngine(ReceiverMixin, SenderMixin):
             self.zmq_ctx.term()
             raise OSError(
                 f"P2pNcclConnector cannot listen on {self.addr} ({e}): the port is "
-                "taken; every worker of every DP rank needs its own port "
-                "(kv_port + dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank), "
-                "so give each instance on a host a kv_port range of its own"
+                "taken; every worker of every DP rank needs its own port (kv_port + "
+                "dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank), so give "
+                "each instance on a host a kv_port range of its own"
             ) from e
         self._listener = threading.Thread(
             target=self._listen, name="p2p-listener", daemon=True

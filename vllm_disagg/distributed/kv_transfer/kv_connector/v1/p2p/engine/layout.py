@@ -51,7 +51,8 @@ class KVLayout:
         )
 
     def read_blocks(self, layer: int, block_ids: list[int]) -> list[torch.Tensor]:
-        """The bytes of ``block_ids`` of one layer, in order, without a copy if possible."""
+        """The bytes of ``block_ids`` of one layer, in order, without a copy if
+        possible."""
         t = self.tensors[layer]
         if self.blocks_contiguous:
             return [t[b].reshape(-1).view(torch.uint8) for b in block_ids]
@@ -77,7 +78,8 @@ def check_compatible(local: LayoutSpec, remote: LayoutSpec) -> str | None:
     for name in ("num_layers", "page_bytes", "block_size", "dtype"):
         if getattr(local, name) != getattr(remote, name):
             return (
-                f"KV layout mismatch: {name} is {getattr(remote, name)} on the peer and "
-                f"{getattr(local, name)} here (same model, dtype and --block-size needed)"
+                f"KV layout mismatch: {name} is {getattr(remote, name)} on the peer "
+                f"and {getattr(local, name)} here (same model, dtype and --block-size "
+                "needed)"
             )
     return None

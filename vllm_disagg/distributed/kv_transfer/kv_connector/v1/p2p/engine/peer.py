@@ -114,7 +114,8 @@ class Peer:
                 self._reset_socket()
                 self.silent_until = now + limits.PEER_RETRY_AFTER_S
                 raise TransportError(
-                    f"no reply to {type(msg).__name__} from {self.addr} in {now - sent_at:.1f} s"
+                    f"no reply to {type(msg).__name__} from {self.addr} in "
+                    f"{now - sent_at:.1f} s"
                 )
             if not sock.poll(min(left_ms, 100)):
                 continue
@@ -158,7 +159,10 @@ class Peer:
     def _do(self, job: SendTransfer | GetJob) -> None:
         left = self.silent_until - time.monotonic()
         if left > 0:
-            reason = f"peer {self.addr} left a request unanswered; not asked again for {left:.1f} s"
+            reason = (
+                f"peer {self.addr} left a request unanswered; not asked again for "
+                f"{left:.1f} s"
+            )
             if isinstance(job, GetJob):
                 job.on_failure(reason)
             else:
@@ -240,7 +244,8 @@ class Peer:
         )
         if reply.status != Status.OK:
             raise TransportError(
-                f"peer {self.addr} refused the channel ({reply.reason}; its log says why)"
+                f"peer {self.addr} refused the channel ({reply.reason}; its log says "
+                "why)"
             )
         self.channel = finish(reply.setup, deadline)
         self.channel_id = channel_id

@@ -1,4 +1,5 @@
-"""The receive side: the engine's receive API, its room, and the Hello and Offer handlers.
+"""The receive side: the engine's receive API, its room, and the Hello and Offer
+handlers.
 
 Each key has one explicit state in a :class:`~..recv_state.RecvTable`; the
 model thread expects, polls, copies and abandons keys, the listener accepts
@@ -116,7 +117,8 @@ class ReceiverMixin:
             )
 
     def poll(self, key: str) -> RecvSlot | None:
-        """The slot of ``key`` once it is complete or failed (then owned by the caller)."""
+        """The slot of ``key`` once it is complete or failed (then owned by the
+        caller)."""
         with self._lock:
             entry = self._recv.get(key)
             if entry is None or entry.state is not RecvState.READY:
@@ -128,7 +130,8 @@ class ReceiverMixin:
     def copy_into_cache(
         self, slot: RecvSlot, block_ids: list[int], first_block: int
     ) -> None:
-        """Write blocks ``first_block..`` of the prompt from ``slot`` into ``block_ids``."""
+        """Write blocks ``first_block..`` of the prompt from ``slot`` into
+        ``block_ids``."""
         offset = first_block - slot.skip_blocks
         if offset < 0 or offset + len(block_ids) != slot.blocks_held:
             raise ValueError(
@@ -283,7 +286,8 @@ class ReceiverMixin:
             return self._refuse(
                 msg.req_no,
                 "transport",
-                f"peer uses transport {msg.transport}, this worker {self.transport.name}",
+                f"peer uses transport {msg.transport}, this worker "
+                f"{self.transport.name}",
             )
         mismatch = check_compatible(self.layout.spec, msg.layout)
         if mismatch:
@@ -367,7 +371,8 @@ class ReceiverMixin:
             return self._refuse(
                 msg.req_no,
                 "oversized",
-                f"offer of {msg.num_blocks} blocks, the KV cache has {self.layout.num_blocks}",
+                f"offer of {msg.num_blocks} blocks, the KV cache has "
+                f"{self.layout.num_blocks}",
             )
         if duplicate:
             return self._refuse(msg.req_no, "duplicate", f"second offer for {msg.key}")

@@ -133,7 +133,8 @@ class SenderMixin:
         all_saved: bool,
         prompt_digest: bytes,
     ) -> SendTransfer:
-        """Queue the KV of ``block_ids`` for ``peer``; layers follow via layer_saved()."""
+        """Queue the KV of ``block_ids`` for ``peer``; layers follow via
+        layer_saved()."""
         xfer = SendTransfer(
             key=key,
             request_id=request_id,
@@ -157,7 +158,8 @@ class SenderMixin:
         prompt_digest: bytes,
         decode_addr: str | None = None,
     ) -> SendTransfer:
-        """GET mode: keep the KV of ``block_ids`` until a peer pulls it or the hold expires.
+        """GET mode: keep the KV of ``block_ids`` until a peer pulls it or the hold
+        expires.
 
         A second hold of one key (a retried id) replaces the first, which
         ends as a failed send at once: nothing could ever pull it."""
@@ -237,7 +239,8 @@ class SenderMixin:
             return self._refuse(
                 msg.req_no,
                 "not_yours",
-                f"Get of {msg.key} from {msg.sender_addr}: held for {hold.xfer.decode_host}",
+                f"Get of {msg.key} from {msg.sender_addr}: held for "
+                f"{hold.xfer.decode_host}",
             )
         logger.debug(
             "P2P %s: Get of %s from %s: %s",

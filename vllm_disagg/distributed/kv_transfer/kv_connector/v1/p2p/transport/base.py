@@ -58,7 +58,8 @@ from vllm_disagg.wire.peers import canonical_host
 
 
 class TransportError(RuntimeError):
-    """A channel failed: timeout, peer gone, protocol mismatch. The channel is unusable."""
+    """A channel failed: timeout, peer gone, protocol mismatch. The channel is
+    unusable."""
 
 
 class Channel(abc.ABC):
@@ -120,7 +121,10 @@ class Transport(abc.ABC):
         another host than ``peer_host`` where it makes this side connect."""
 
     def close(self) -> None:
-        """Release listening resources; channels already made stay usable."""
+        """Release listening resources; channels already made stay usable.
+
+        Nothing by default: only transports that listen (tcp) override it."""
+        return
 
 
 MAX_SETUP_BYTES = 1024
@@ -166,7 +170,8 @@ def check_peer_endpoint(endpoint: Endpoint, peer_host: str | None) -> None:
         return
     if canonical_host(endpoint.host) not in addresses_of(peer_host):
         raise TransportError(
-            f"the peer on {peer_host} named a data endpoint on another host ({endpoint.host})"
+            f"the peer on {peer_host} named a data endpoint on another host "
+            f"({endpoint.host})"
         )
 
 
@@ -238,7 +243,8 @@ class Endpoint(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 def call_before(
     deadline: float, what: str, fn: Callable[[], T], discard: Callable[[T], None]
 ) -> T:
-    """Run the blocking set-up step ``fn`` in a daemon thread, waiting until ``deadline``.
+    """Run the blocking set-up step ``fn`` in a daemon thread, waiting until
+    ``deadline``.
 
     For steps with no usable timeout of their own (``ncclCommInitRank``
     waits for the peer forever; gloo's rendezvous can take its timeout

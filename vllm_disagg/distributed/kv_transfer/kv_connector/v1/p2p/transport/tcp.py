@@ -15,6 +15,7 @@ it. Connections presenting anything else are closed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -214,10 +215,8 @@ class TcpChannel(Channel):
     def _shutdown(self) -> None:
         # shutdown() wakes the calls blocked on this connection, here and on
         # the peer; close() alone would not.
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
 
 

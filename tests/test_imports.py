@@ -22,10 +22,17 @@ import vllm_disagg
 PACKAGE = Path(vllm_disagg.__file__).resolve().parent
 
 
+# Test files the export writes into vLLM's tree: data here, not modules of the
+# package (they import vLLM's test helpers, which only that tree has).
+DATA = PACKAGE / "export" / "upstream_tests"
+
+
 def _modules() -> dict[str, tuple[Path, bool]]:
     """Every module of the package: name -> (path, is a package)."""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
+        if DATA in path.parents:
+            continue
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         is_package = parts[-1] == "__init__"
         found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
@@ -33,7 +40,8 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 
 
 def _imports(name: str, path: Path, is_package: bool, modules) -> set[str]:
-    """The package's modules that ``name`` imports anywhere, but under ``TYPE_CHECKING``."""
+    """The package's modules that ``name`` imports anywhere, but under
+    ``TYPE_CHECKING``."""
     package = name if is_package else name.rpartition(".")[0]
     targets: set[str] = set()
 
@@ -76,7 +84,9 @@ _IMPORT_EACH = """
 import importlib, json, sys, traceback
 failed = {}
 for name in json.loads(sys.argv[1]):
-    for loaded in [m for m in sys.modules if m == "vllm_disagg" or m.startswith("vllm_disagg.")]:
+    for loaded in [
+        m for m in sys.modules if m == "vllm_disagg" or m.startswith("vllm_disagg.")
+    ]:
         del sys.modules[loaded]
     try:
         importlib.import_module(name)

@@ -123,7 +123,9 @@ def test_directory_without_config(cli):
 
 
 def test_unsupported_head_dim_on_cpu(cli):
-    _assert_clean_error(cli["head-dim"], "head size 16", "supported head sizes: 32, 64")
+    _assert_clean_error(
+        cli["head-dim"], "head size 16", "supported head sizes: 32, 48, 64"
+    )
 
 
 def test_ray_executor_refused_on_cpu(cli):

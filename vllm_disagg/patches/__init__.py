@@ -37,10 +37,12 @@ logger = init_logger(__name__)
 @dataclass(frozen=True)
 class InTree:
     """What a patch becomes in an in-tree fork of vLLM (the export of the
-    patch set as upstream changes): ``edit``, a small change of the upstream
-    symbol an exporter can make; ``hand``, an in-tree form that has to be
-    written (a new field, a redone mechanism); ``dropped``, nothing, because
-    only the plugin or the CPU CI needs it. ``detail`` says what, or why not."""
+    patch set as upstream changes, :mod:`vllm_disagg.export`): ``edit``, a
+    small change of the upstream symbol the exporter derives (anchored edit
+    or transplant, :mod:`vllm_disagg.export.edits`); ``hand``, an in-tree
+    form written for it (a new field, a redone mechanism: ``hand_cpu.py``,
+    ``step_sync.py``); ``dropped``, nothing, because only the plugin or the
+    CPU CI needs it. ``detail`` says what, or why not."""
 
     form: Literal["edit", "hand", "dropped"]
     detail: str
@@ -98,9 +100,14 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream CpuCommunicator implements all_gatherv/reduce_scatterv.",
         in_tree=InTree(
             "edit",
-            "CpuCommunicator gains all_gatherv and reduce_scatterv (and the two custom ops they dispatch through); no existing line of the class changes.",
+            "CpuCommunicator gains all_gatherv and reduce_scatterv (and the two custom "
+            "ops they dispatch through); no existing line of the class changes.",
         ),
-        related="vllm-project/vllm#57837 asks for the same variable-size collectives for CPU expert parallelism; #31867 added CpuCommunicator.dispatch/combine for DP+MoE.",
+        related=(
+            "vllm-project/vllm#57837 asks for the same variable-size collectives for "
+            "CPU expert parallelism; #31867 added CpuCommunicator.dispatch/combine for "
+            "DP+MoE."
+        ),
     ),
     Patch(
         name="cpu-moe-dp-opaque",
@@ -122,7 +129,8 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream's CPU MoE path handles DP under torch.compile.",
         in_tree=InTree(
             "edit",
-            "One more condition in MoERunner._select_forward: the CPU fast path is taken only when the layer's dp_size is 1.",
+            "One more condition in MoERunner._select_forward: the CPU fast path is "
+            "taken only when the layer's dp_size is 1.",
         ),
         related="none known; found by this project's DP=2 MoE test on CPU.",
     ),
@@ -153,7 +161,10 @@ PATCHES: tuple[Patch, ...] = (
             "and refuses an explicit --distributed-executor-backend ray with "
             "a one-line error naming mp."
         ),
-        drop_when="Upstream's CpuPlatform sets a Ray device key (and the Ray DP path runs on CPU).",
+        drop_when=(
+            "Upstream's CpuPlatform sets a Ray device key (and the Ray DP path runs on "
+            "CPU)."
+        ),
         in_tree=InTree("edit", 'CpuPlatform declares ray_device_key = "CPU".'),
         related="none known; found by the Ray DP test on CPU.",
     ),
@@ -183,12 +194,21 @@ PATCHES: tuple[Patch, ...] = (
             "request's random stream, as upstream's rewind intends; other "
             "devices' generators are left to upstream."
         ),
-        drop_when="Upstream rewinds (or does not advance) CPU generators of discarded samples.",
+        drop_when=(
+            "Upstream rewinds (or does not advance) CPU generators of discarded "
+            "samples."
+        ),
         in_tree=InTree(
             "hand",
-            "The discarded-sample rewind in _bookkeeping_sync restores a CPU generator's state instead of moving its offset (which only Philox generators have).",
+            "The discarded-sample rewind in _bookkeeping_sync restores a CPU "
+            "generator's state instead of moving its offset (which only Philox "
+            "generators have).",
         ),
-        related="vllm-project/vllm#10097 introduced the offset rewind (CUDA-specific, as its comment says); RBLN-SW/vllm-rbln#1025 hit the same error with another plugin's CPU generators.",
+        related=(
+            "vllm-project/vllm#10097 introduced the offset rewind (CUDA-specific, as "
+            "its comment says); RBLN-SW/vllm-rbln#1025 hit the same error with another "
+            "plugin's CPU generators."
+        ),
     ),
     Patch(
         name="dp-ipv6-master-port",
@@ -213,7 +233,8 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream binds the DP master port socket in the address's family.",
         in_tree=InTree(
             "edit",
-            "ParallelConfig._pick_stateless_dp_port opens its socket with the address family of the DP master address.",
+            "ParallelConfig._pick_stateless_dp_port opens its socket with the address "
+            "family of the DP master address.",
         ),
         related="none known; found by the IPv6 DP test.",
     ),
@@ -239,14 +260,17 @@ PATCHES: tuple[Patch, ...] = (
         ),
         in_tree=InTree(
             "dropped",
-            "It only loads the plugin in spawned engine cores before the engine class is picked; an in-tree fork has no plugin to load.",
+            "It only loads the plugin in spawned engine cores before the engine class "
+            "is picked; an in-tree fork has no plugin to load.",
         ),
         related="none: plugin loading only.",
     ),
     Patch(
         name="startup-validation",
         module="vllm_disagg.patches.engine.arg_utils",
-        upstream="vllm.engine.arg_utils.EngineArgs.__post_init__ / create_engine_config",
+        upstream=(
+            "vllm.engine.arg_utils.EngineArgs.__post_init__ / create_engine_config"
+        ),
         kind="enabler",
         why=(
             "A missing local model directory or a head size the CPU attention "
@@ -269,7 +293,14 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream validates both at config time with clear errors.",
         in_tree=InTree(
             "hand",
-            "Three separate changes: the CPU executor default for Ray DP in CpuPlatform.check_and_update_config, the head-size check in the CPU attention backend's validation, and the model-path check as its own small pull request (or left out).",
+            "Two separate pull requests: on CPU, "
+            "CpuPlatform.check_and_update_config turns the ray executor that "
+            "ParallelConfig defaults to for the Ray DP backend into mp; "
+            "CPUAttentionBackendImpl refuses a head size CPUAttentionBackend does "
+            "not declare (the list gains 48, which the kernels dispatch). The "
+            "model-path check is left out: it guesses paths from strings (generic "
+            "UX, not CPU enablement), and upstream's loaders already report a "
+            "missing model.",
         ),
         related="none known.",
         also_changes=(
@@ -330,12 +361,21 @@ PATCHES: tuple[Patch, ...] = (
             "for steps before a real pass, and the output queue is wrapped to "
             "count outputs carrying wave fields."
         ),
-        drop_when="Upstream adopts step-synchronized DP (or an equivalent) in DPEngineCoreProc.",
+        drop_when=(
+            "Upstream adopts step-synchronized DP (or an equivalent) in "
+            "DPEngineCoreProc."
+        ),
         in_tree=InTree(
             "edit",
-            'The step-synchronized engine core is a new module; run_engine_core picks it instead of DPEngineCoreProc when data_parallel_sync is "step". Merging it into DPEngineCoreProc instead is the maintainers\' call (about 300 more lines).',
+            "The step-synchronized engine core is a new module; run_engine_core picks "
+            'it instead of DPEngineCoreProc when data_parallel_sync is "step". Merging '
+            "it into DPEngineCoreProc instead is the maintainers' call (about 300 "
+            "more lines).",
         ),
-        related="none known; vLLM 0.33.0 reworked the DP clients' wake-up (FIRST_REQ), which the export's drift check must report.",
+        related=(
+            "none known; vLLM 0.33.0 reworked the DP clients' wake-up (FIRST_REQ), "
+            "which the export's drift check must report."
+        ),
     ),
     Patch(
         name="step-sync-ray-actor",
@@ -367,7 +407,8 @@ PATCHES: tuple[Patch, ...] = (
         ),
         in_tree=InTree(
             "edit",
-            'CoreEngineActorManager picks the step-sync actor class when data_parallel_sync is "step".',
+            "CoreEngineActorManager picks the step-sync actor class when "
+            'data_parallel_sync is "step".',
         ),
         related="none known.",
         also_changes=("vllm/v1/engine/utils.py",),
@@ -376,7 +417,8 @@ PATCHES: tuple[Patch, ...] = (
         name="step-sync-clients",
         module="vllm_disagg.patches.v1.engine.core_client",
         upstream=(
-            "vllm.v1.engine.core_client.SyncMPClient / DPAsyncMPClient / DPLBAsyncMPClient"
+            "vllm.v1.engine.core_client.SyncMPClient / DPAsyncMPClient / "
+            "DPLBAsyncMPClient"
         ),
         kind="feature",
         why=(
@@ -403,7 +445,8 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream clients stop carrying DP wave state.",
         in_tree=InTree(
             "edit",
-            'make_client and make_async_mp_client pick the step-sync client classes when data_parallel_sync is "step".',
+            "make_client and make_async_mp_client pick the step-sync client classes "
+            'when data_parallel_sync is "step".',
         ),
         related="none known.",
     ),
@@ -426,7 +469,8 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream no longer runs wave coordination for MoE models.",
         in_tree=InTree(
             "edit",
-            'The stats-only DP coordinator becomes an argument: launch_core_engines enables wave coordination only for MoE with data_parallel_sync "wave".',
+            "The stats-only DP coordinator becomes an argument: launch_core_engines "
+            'enables wave coordination only for MoE with data_parallel_sync "wave".',
         ),
         related="none known.",
     ),
@@ -450,7 +494,8 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="vLLM exports engine-core plugin metrics to /metrics itself.",
         in_tree=InTree(
             "hand",
-            "Redone: the counters travel in SchedulerStats to vLLM's Prometheus logger instead of JSON files read by a collector in the API server.",
+            "Redone: the counters travel in SchedulerStats to vLLM's Prometheus logger "
+            "instead of JSON files read by a collector in the API server.",
         ),
         related="none known.",
         also_changes=("vllm/v1/metrics/stats.py", "vllm/v1/metrics/loggers.py"),
@@ -481,7 +526,9 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Step sync is upstream and vLLM validates its options itself.",
         in_tree=InTree(
             "hand",
-            'data_parallel_sync ("wave" by default, or "step"), the look-ahead and the peer timeout become ParallelConfig fields with EngineArgs flags, and their checks move into ParallelConfig.',
+            'data_parallel_sync ("wave" by default, or "step"), the look-ahead and the '
+            "peer timeout become ParallelConfig fields with EngineArgs flags, and "
+            "their checks move into ParallelConfig.",
         ),
         related="none known.",
         also_changes=("vllm/config/parallel.py",),
@@ -490,7 +537,8 @@ PATCHES: tuple[Patch, ...] = (
         name="p2p-kv-transfer-json",
         module="vllm_disagg.patches.engine.arg_utils_p2p",
         upstream=(
-            "vllm.engine.arg_utils.EngineArgs.add_cli_args / __post_init__ / create_engine_config"
+            "vllm.engine.arg_utils.EngineArgs.add_cli_args / __post_init__ / "
+            "create_engine_config"
         ),
         kind="feature",
         why=(
@@ -519,9 +567,14 @@ PATCHES: tuple[Patch, ...] = (
         ),
         in_tree=InTree(
             "hand",
-            "The connector is registered in the connector factory; whether the legacy top-level keys (kv_buffer_size, kv_ip) get a KVTransferConfig validator or only documentation is for the maintainers to decide.",
+            "The connector is registered in the connector factory; whether the legacy "
+            "top-level keys (kv_buffer_size, kv_ip) get a KVTransferConfig validator "
+            "or only documentation is for the maintainers to decide.",
         ),
-        related="vllm-project/vllm#44854 removed upstream's P2pNcclConnector (for the reasons of #33115); this connector is a rewrite with its own tests.",
+        related=(
+            "vllm-project/vllm#44854 removed upstream's P2pNcclConnector (for the "
+            "reasons of #33115); this connector is a rewrite with its own tests."
+        ),
         also_changes=(
             "vllm/config/kv_transfer.py",
             "vllm/distributed/kv_transfer/kv_connector/factory.py",
@@ -550,7 +603,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="dp-collective-probe",
         module="vllm_disagg.patches.config.parallel",
-        upstream="vllm.config.parallel.ParallelConfig.sync_dp_state / has_unfinished_dp",
+        upstream=(
+            "vllm.config.parallel.ParallelConfig.sync_dp_state / has_unfinished_dp"
+        ),
         kind="probe",
         why=(
             "The benchmark counts blocking collectives per 1000 steps; these "
@@ -561,7 +616,8 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="Upstream exports a counter of DP-sync all-reduces.",
         in_tree=InTree(
             "dropped",
-            "Measurement for the benchmarks only; vLLM 0.33.0 made sync_dp_state an instance method, so it would need redoing there anyway.",
+            "Measurement for the benchmarks only; vLLM 0.33.0 made sync_dp_state an "
+            "instance method, so it would need redoing there anyway.",
         ),
         related="none: benchmark only.",
     ),

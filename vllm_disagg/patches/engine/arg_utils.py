@@ -109,7 +109,9 @@ def check_cpu_head_size(vllm_config) -> None:
 
     model_config = vllm_config.model_config
     head_size = model_config.get_head_size()
-    supported = CPUAttentionBackend.get_supported_head_sizes()
+    # The kernels also dispatch 48, which upstream's list leaves out (its
+    # in-tree form adds it there): a head size of 48 runs, so accept it.
+    supported = sorted({*CPUAttentionBackend.get_supported_head_sizes(), 48})
     if head_size not in supported:
         raise ConfigError(
             f"model {model_config.model!r} has attention head size {head_size}, "

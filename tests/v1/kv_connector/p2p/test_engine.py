@@ -4,7 +4,8 @@ Fake KV caches (3 layers x 64 blocks of [1, 32, 128]) stand in for the model;
 the tests drive the engine API the worker uses (start_send / layer_saved /
 hold on the sender, expect / poll / copy_into_cache / release / abandon on
 the receiver) and check bytes, stats and memory accounting exactly.
-Every wait is bounded; every engine is closed by the ``make_engine`` fixture.
+Every wait is bounded; every engine is closed by the ``make_engine`` fixture
+(conftest.py).
 """
 
 from __future__ import annotations
@@ -45,12 +46,10 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.recv_state import R
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import COUNTERS
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
     TransportError,
-    create_transport,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import (
     FakeTransport,
 )
-from vllm_disagg.testing.server import get_free_port
 
 LAYERS = 3
 BLOCKS = 64
@@ -85,59 +84,6 @@ class Node:
 
     def block_bytes(self, layer: int, block_ids: list[int]) -> torch.Tensor:
         return self.layers[layer][block_ids].contiguous().view(torch.uint8).clone()
-
-
-@pytest.fixture
-def make_engine():
-    nodes: list[Node] = []
-
-    def make(
-        transport: str = "fake",
-        send_type: str = "PUT_ASYNC",
-        *,
-        buf: int = 1 << 26,
-        pool: int = 0,
-        hold: float = 5.0,
-        secret: bytes | None = None,
-        layers: int = LAYERS,
-        shape: tuple[int, ...] = BLOCK_SHAPE,
-        dtype: torch.dtype = torch.float32,
-        block_size: int = BLOCK_SIZE,
-        seed: int = 0,
-    ) -> Node:
-        gen = torch.Generator().manual_seed(seed)
-        kv = {
-            f"model.layers.{i}.self_attn.attn": torch.randn(
-                BLOCKS, *shape, generator=gen
-            ).to(dtype)
-            for i in range(layers)
-        }
-        for attempt in range(5):
-            try:
-                engine = P2pEngine(
-                    layout=KVLayout(kv, block_size),
-                    host=HOST,
-                    port=get_free_port(),
-                    transport=create_transport(transport, torch.device("cpu"), HOST),
-                    send_type=send_type,
-                    kv_buffer_size=buf,
-                    mem_pool_size_bytes=pool,
-                    hold_timeout_s=hold,
-                    secret=secret,
-                )
-                break
-            except OSError:  # the free port was taken in between
-                if attempt == 4:
-                    raise
-        node = Node(engine, kv)
-        nodes.append(node)
-        return node
-
-    try:
-        yield make
-    finally:
-        for node in nodes:
-            node.engine.close()
 
 
 # --- helpers -----------------------------------------------------------------
@@ -1038,11 +984,11 @@ def test_a_pool_block_is_read_before_copy_into_cache_returns():
     )
     engine = P2pEngine.__new__(P2pEngine)  # only copy_into_cache's layout is used
     engine.layout = layout
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     torch.cuda._sleep(50_000_000)  # keep the stream busy so the copies queue behind it
     P2pEngine.copy_into_cache(engine, slot, list(range(n)), 0)
     src.fill_(0)  # the next receive into the freed pool block
-    torch.cuda.synchronize()
+    torch.accelerator.synchronize()
     for i, t in enumerate(layout.tensors):
         got = t[:n].reshape(-1).view(torch.uint8).cpu()
         want = expected[i * n * layout.page_bytes : (i + 1) * n * layout.page_bytes]

@@ -11,6 +11,7 @@ so each peer starts in milliseconds instead of re-importing vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import socket
 import threading
@@ -215,10 +216,8 @@ def test_size_mismatch_breaks_channel(pair):
         b.recv([torch.zeros(64, dtype=torch.uint8)], _in(5))
     with pytest.raises(TransportError):
         b.recv([torch.zeros(100, dtype=torch.uint8)], _in(5))
-    try:
+    with contextlib.suppress(TransportError):
         join()  # done, or failed when the receiver broke the channel
-    except TransportError:
-        pass
     # The sender's side learns at once, not at its deadline.
     _raises_by(lambda: a.recv([torch.zeros(1)], _in(10)), _in(2))
 
@@ -306,18 +305,13 @@ def test_acceptor_finish_without_initiator_times_out(name):
 def test_tcp_strangers_on_the_data_port_do_not_break_set_up():
     a, b = create_transport("tcp", CPU, HOST), create_transport("tcp", CPU, HOST)
     rejected = []
-    b.on_rejected = (
-        rejected.append
-    )  # the engine counts them (vllm:p2p_rejected_messages)
+    # the engine counts them (vllm:p2p_rejected_messages)
+    b.on_rejected = rejected.append
     strangers = []
     try:
         setup, finish_initiator = a.initiate()
         reply, finish_acceptor = b.accept(setup)
         # Anyone who finds the data port can connect to it before the peer.
-        from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
-            Endpoint,
-        )
-
         port = Endpoint.decode(reply).port
         for token in (b"wrong token 16b!", b"", b"short"):
             s = socket.create_connection((HOST, port), timeout=5)
@@ -470,7 +464,8 @@ def remote(request):
     try:
         setup, finish = transport.initiate()
         peer.ask("accept", setup)
-        # The first answer waits for the forkserver to import torch: minutes on a loaded host.
+        # The first answer waits for the forkserver to import torch: minutes on a loaded
+        # host.
         channel = finish(peer.answer(timeout=180), _in(30))
         assert peer.answer() == ("ok", None)
         yield channel, peer
@@ -563,7 +558,7 @@ def test_wildcard_bind_host_is_refused(name, host):
 
 # --- nccl --------------------------------------------------------------------
 
-_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+_GPUS = torch.accelerator.device_count() if torch.cuda.is_available() else 0
 
 
 def test_nccl_refuses_to_run_without_cuda():

@@ -50,7 +50,7 @@ def _communicators(setup: bytes, rank: int, device: torch.device, deadline: floa
     def build():
         comms = []
         try:
-            with torch.cuda.device(device):
+            with torch.accelerator.device_index(device.index):
                 for i in range(2):
                     uid = setup[i * UNIQUE_ID_BYTES : (i + 1) * UNIQUE_ID_BYTES]
                     comm = PyNcclCommunicator.from_unique_id_bytes(uid, rank, 2, device)
@@ -179,7 +179,7 @@ class NcclTransport(Transport):
                 "use transport 'tcp' or 'gloo' on CPU"
             )
         if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device("cuda", torch.accelerator.current_device_index())
         super().__init__(device, bind_host)
         try:
             from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary

@@ -41,7 +41,8 @@ def test_a_moved_anchor_a_changed_symbol_and_a_broken_assumption_are_reported():
         and "_select_forward is defined 0 times" in text
     )
     assert (
-        "gone     vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._select_forward"
+        "gone     "
+        "vllm.model_executor.layers.fused_moe.runner.moe_runner.MoERunner._select_forward"
         in text
     )
     assert (

@@ -15,6 +15,7 @@ import pytest
 
 from vllm_disagg.export import cst as anchors
 from vllm_disagg.export import pin as pin_module
+from vllm_disagg.export.describe import _purpose
 from vllm_disagg.export.edits import EDITS
 from vllm_disagg.export.overlay import installed_vllm
 from vllm_disagg.export.pin import sha256_file
@@ -25,17 +26,7 @@ from vllm_disagg.patches import PATCHES
 
 BY_NAME = {patch.name: patch for patch in PATCHES}
 # Registry entries with an in-tree form whose edits are not written yet, and why.
-NOT_YET = {
-    "cpu-seeded-requests": "hand form (GPUModelRunner's rewind) not written yet",
-    "startup-validation": "hand form (three separate changes) not written yet",
-    "step-sync-dp-engine": "step-sync slice in progress",
-    "step-sync-ray-actor": "step-sync slice in progress",
-    "step-sync-clients": "step-sync slice in progress",
-    "step-sync-stats-only-coordinator": "step-sync slice in progress",
-    "step-sync-metrics": "step-sync slice in progress",
-    "step-sync-options": "step-sync slice in progress",
-    "p2p-kv-transfer-json": "P2P slice in progress",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def _pinned(rel: str) -> str:
@@ -66,10 +57,20 @@ def test_every_edit_changes_a_pinned_file():
 
 
 def test_series_carries_each_edited_entry_once_and_its_tests_exist():
-    carried = [name for commit in SERIES for name in commit.patches]
+    # An entry is carried once, or by several commits that split its edits
+    # by file (edit_paths).
+    carried = [
+        (name, path)
+        for commit in SERIES
+        for name in commit.patches
+        for path in (commit.edit_paths or ("*",))
+    ]
     assert len(carried) == len(set(carried))
-    assert {edit.patch for edit in EDITS} <= set(carried)
+    for edit in EDITS:
+        assert sum(commit.carries(edit) for commit in SERIES) == 1, edit
+    assert {edit.patch for edit in EDITS} <= {name for name, _ in carried}
     for commit in SERIES:
+        assert _purpose(commit), f"{commit.slug}: no why for its description"
         assert re.fullmatch(r"(\[[A-Za-z0-9 ]+\])+ [A-Z].*", commit.title), commit.title
         assert len(commit.title) <= 72, commit.title
         for rel in commit.tests:

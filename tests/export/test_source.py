@@ -36,7 +36,10 @@ OTHER_FILE = sorted(FAKE_FILES)[-1]
 
 
 def _pkg_info(version: str = VERSION, name: str = "vllm") -> bytes:
-    return f"Metadata-Version: 2.4\nName: {name}\nVersion: {version}\n\nA long description.\n".encode()
+    return (
+        f"Metadata-Version: 2.4\nName: {name}\nVersion: {version}\n\nA long "
+        "description.\n"
+    ).encode()
 
 
 def _tree_contents(version: str = VERSION) -> dict[str, bytes]:

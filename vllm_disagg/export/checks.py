@@ -24,9 +24,9 @@ HOOKS: tuple[tuple[str, str], ...] = (
     ("check_test_tethering.py", "tethering"),
 )
 NOT_RUN = (
-    "mypy (needs its pinned environment), typos, markdownlint, shellcheck, actionlint, "
-    "clang-format and the Rust hooks (not installed here; no file of those kinds changes "
-    "except where said)"
+    "mypy (needs its pinned environment), typos, markdownlint, shellcheck, "
+    "actionlint, clang-format and the Rust hooks (not installed here; no file "
+    "of those kinds changes except where said)"
 )
 
 

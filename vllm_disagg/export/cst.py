@@ -52,7 +52,8 @@ def find_scope(module: cst.Module, scope: str, where: str) -> cst.CSTNode:
         walked.append(name)
         if len(found) != 1:
             raise ExportError(
-                f"{where}: {'.'.join(walked)} is defined {len(found)} times, expected once"
+                f"{where}: {'.'.join(walked)} is defined {len(found)} times, "
+                "expected once"
             )
         node = found[0]
     return node
@@ -71,7 +72,8 @@ def replace_once(
     found = m.findall(scope_node, matcher)
     if len(found) != 1:
         raise ExportError(
-            f"{where}: {what} matches {len(found)} times in {scope or 'the module'}, expected once"
+            f"{where}: {what} matches {len(found)} times in "
+            f"{scope or 'the module'}, expected once"
         )
     return module.deep_replace(found[0], replacement(found[0]))
 
@@ -98,7 +100,8 @@ def class_body_insert(
         hits = [i for i, child in enumerate(body) if after in _defined_names(child)]
         if len(hits) != 1:
             raise ExportError(
-                f"{where}: {class_name}.{after} is defined {len(hits)} times, expected once"
+                f"{where}: {class_name}.{after} is defined {len(hits)} times, "
+                "expected once"
             )
         index = hits[0] + 1
     body[index:index] = new
@@ -123,7 +126,8 @@ def _defined_names(stmt: cst.CSTNode) -> set[str]:
 
 
 def defines(module: cst.Module, name: str) -> bool:
-    """Whether the module's top level binds ``name`` (def, class, assignment, import)."""
+    """Whether the module's top level binds ``name`` (a def, class,
+    assignment or import)."""
     for stmt in module.body:
         if name in _defined_names(stmt):
             return True

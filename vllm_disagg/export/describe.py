@@ -36,13 +36,22 @@ def _wrap(text: str, width: int = 72) -> str:
     return "\n".join(lines)
 
 
-def commit_message(commit: Commit, edits: Iterable[Edit]) -> str:
-    """Subject, a body on why and what (wrapped at 72); ``--signoff`` adds the trailer."""
-    parts = [commit.title, ""]
-    for entry in _entries(commit):
-        parts += [_wrap(entry.why), ""]
+def _purpose(commit: Commit) -> list[str]:
+    """Why the change: an enabler's registry ``why`` (what fails upstream),
+    then the commit's summary. A feature's ``why`` speaks of the plugin (what
+    it patches), so a feature commit says why in its summary instead."""
+    paragraphs = [e.why for e in _entries(commit) if e.kind == "enabler"]
     if commit.summary:
-        parts += [_wrap(commit.summary), ""]
+        paragraphs.append(commit.summary)
+    return paragraphs
+
+
+def commit_message(commit: Commit, edits: Iterable[Edit]) -> str:
+    """Subject, a body on why and what (wrapped at 72); ``--signoff`` adds
+    the trailer."""
+    parts = [commit.title, ""]
+    for paragraph in _purpose(commit):
+        parts += [_wrap(paragraph), ""]
     for edit in edits:
         parts.append(_wrap(f"- {edit.path}: {edit.what}"))
     for test in commit.tests:
@@ -54,8 +63,8 @@ def description(commit: Commit, edits: Iterable[Edit], changed: Iterable[str]) -
     """The pull-request description: what, why, how tested, unverified."""
     entries = _entries(commit)
     lines = [f"# {commit.title}", "", "## Purpose", ""]
-    for entry in entries:
-        lines += [" ".join(entry.why.split()), ""]
+    for paragraph in _purpose(commit):
+        lines += [" ".join(paragraph.split()), ""]
     lines += ["## What changes", ""]
     for entry in entries:
         lines.append(f"- {' '.join(entry.in_tree.detail.split())}")
@@ -65,6 +74,8 @@ def description(commit: Commit, edits: Iterable[Edit], changed: Iterable[str]) -
     lines += ["## Related", ""]
     for entry in entries:
         lines.append(f"- {' '.join(entry.related.split())}")
+    if not entries:
+        lines.append("- None: no patch of an upstream module; new files only.")
     lines += ["", "## Test plan", "", " ".join(commit.tested.split()), ""]
     lines += ["## Not verified", "", " ".join(commit.unverified.split()), ""]
     lines += [

@@ -85,7 +85,8 @@ ASSUMPTIONS: tuple[Assumption, ...] = (
         _mentions("FIRST_REQ"),
     ),
     Assumption(
-        "ParallelConfig.sync_dp_state is a static method (the dp-collective-probe wraps it as one)",
+        "ParallelConfig.sync_dp_state is a static method (the "
+        "dp-collective-probe wraps it as one)",
         "vllm/config/parallel.py",
         _static_method("ParallelConfig.sync_dp_state"),
     ),
@@ -149,7 +150,8 @@ def pinned_files_from_wheel(pin: Pin) -> dict[str, bytes]:
         data = path.read_bytes() if path.is_file() else b""
         if sha256_bytes(data) != digest:
             raise ExportError(
-                f"{path} is not the pinned {rel}: give the pinned source with --sdist or --vllm-src"
+                f"{path} is not the pinned {rel}: give the pinned source "
+                "with --sdist or --vllm-src"
             )
         files[rel] = data
     return files
@@ -210,8 +212,9 @@ def report(other: Source, pinned: dict[str, bytes], pin: Pin) -> list[str]:
             counts[status] += 1
             lines.append(f"  {status:<8} {dotted} ({patch.name}) {detail}".rstrip())
     lines.append(
-        f"symbols: {counts['same']} same, {counts['changed']} changed, {counts['gone']} gone, "
-        f"{counts['n/a']} not defined in the pinned module (added, inherited or imported)"
+        f"symbols: {counts['same']} same, {counts['changed']} changed, "
+        f"{counts['gone']} gone, {counts['n/a']} not defined in the pinned "
+        "module (added, inherited or imported)"
     )
 
     lines.append("assumptions:")

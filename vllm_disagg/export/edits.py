@@ -13,25 +13,17 @@ the registry has at least one edit here, or says in :data:`NOT_YET` why not.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import libcst as cst
 import libcst.matchers as m
 
 from vllm_disagg.export import cst as anchors
+from vllm_disagg.export import hand_cpu, hand_p2p, step_sync
+from vllm_disagg.export.edit import Edit, EditFn
 from vllm_disagg.export.source import ExportError
 
-EditFn = Callable[[cst.Module, str], cst.Module]
-
-
-@dataclass(frozen=True)
-class Edit:
-    patch: str  # the registry entry
-    path: str  # upstream file, relative to the source root
-    what: str  # one line, for the report and the commit body
-    apply: EditFn  # (module, where) -> module
+__all__ = ["EDITS", "Edit", "EditFn"]
 
 
 def _patch_module_source(module: str) -> str:
@@ -267,7 +259,41 @@ def _cli_version(module: cst.Module, where: str) -> cst.Module:
     )
 
 
-EDITS: tuple[Edit, ...] = (
+# --- p2p-kv-transfer-json: the connector in the factory ---------------------------
+
+_REGISTER = m.SimpleStatementLine(
+    body=[
+        m.Expr(
+            m.Call(
+                func=anchors.attribute_chain("KVConnectorFactory.register_connector")
+            )
+        )
+    ]
+)
+
+
+def _register_p2p_connector(module: cst.Module, where: str) -> cst.Module:
+    """One more registration, after the factory's last one."""
+    registrations = [
+        i for i, stmt in enumerate(module.body) if m.matches(stmt, _REGISTER)
+    ]
+    if not registrations:
+        raise ExportError(f"{where}: no KVConnectorFactory.register_connector call")
+    for stmt in m.findall(module, m.SimpleString('"P2pNcclConnector"')):
+        raise ExportError(f"{where}: P2pNcclConnector is registered already")
+    new = anchors.statements(
+        "KVConnectorFactory.register_connector(\n"
+        '    "P2pNcclConnector",\n'
+        '    "vllm.distributed.kv_transfer.kv_connector.v1.p2p.connector",\n'
+        '    "P2pNcclConnector",\n'
+        ")\n"
+    )
+    body = list(module.body)
+    body[registrations[-1] + 1 : registrations[-1] + 1] = new
+    return module.with_changes(body=body)
+
+
+_ENABLER_EDITS: tuple[Edit, ...] = (
     Edit(
         "cpu-collectives-v",
         "vllm/distributed/device_communicators/cpu_communicator.py",
@@ -301,4 +327,19 @@ EDITS: tuple[Edit, ...] = (
         "vllm --version reads vllm.__version__, not the distribution named vllm",
         _cli_version,
     ),
+    Edit(
+        "p2p-kv-transfer-json",
+        "vllm/distributed/kv_transfer/kv_connector/factory.py",
+        "KVConnectorFactory registers P2pNcclConnector",
+        _register_p2p_connector,
+    ),
+)
+
+# The hand-written CPU enablers' and the step-sync commit's edits are written
+# in their own modules.
+EDITS: tuple[Edit, ...] = (
+    *_ENABLER_EDITS,
+    *hand_cpu.EDITS,
+    *hand_p2p.EDITS,
+    *step_sync.EDITS,
 )

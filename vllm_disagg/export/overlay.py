@@ -7,8 +7,9 @@ in the pinned sdist (the fork's first commit) and in the wheel, which
 CPU build of the fork would install, compiled extensions aside.
 
 The overlay directory holds ``vllm/`` (the wheel's package as symlinks, with
-the series' changed and new files as real copies), the fork's ``tests/`` and
-``pyproject.toml`` (pytest reads its markers), and a ``sitecustomize.py``
+the series' changed and new files as real copies), the fork's ``tests/``, the
+series' files under ``examples/`` and ``pyproject.toml`` (pytest reads its
+markers), and a ``sitecustomize.py``
 that makes ``vllm_disagg`` unimportable in every process started from it, so
 nothing of the plugin can stand in for the in-tree code. Plugins are off
 (``VLLM_PLUGINS`` is empty). The fork's root is never put on ``sys.path``:
@@ -133,6 +134,12 @@ def prepare(fork: Path, dest: Path, wheel: Path | None = None) -> Overlay:
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(fork / name, target)
     shutil.copytree(fork / "tests", dest / "tests", symlinks=True)
+    # Examples the series adds (the router): tests find them from their own
+    # location (the tree's root), never through sys.path of the overlay.
+    for name in names:
+        if name.startswith("examples/"):
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(fork / name, dest / name)
     shutil.copyfile(fork / "pyproject.toml", dest / "pyproject.toml")
     (dest / "sitecustomize.py").write_text(_BLOCKER)
     return Overlay(dest, tuple(changed))

@@ -28,23 +28,57 @@ SDIST_NAME = f"vllm-{VLLM_VERSION}.tar.gz"
 SDIST_SHA256 = "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
 # sha256 of each upstream file an `edit` or `hand` registry entry changes.
 PINNED_FILES: dict[str, str] = {
-    "vllm/config/kv_transfer.py": "6c1aee67cd39507cd52df37725e88ced5baa63037c6912be011c8aa36ca55bfa",
-    "vllm/config/parallel.py": "e8dcfb67c1ace957dcc7e12569ee62eb0f983aec3901fdef27c13014cea4b760",
-    "vllm/distributed/device_communicators/cpu_communicator.py": "e75bfd60f00c5e24316884a3466b644b2722374ccfd8a6b75f086c1f9b2eb27f",
-    "vllm/distributed/kv_transfer/kv_connector/factory.py": "029202ea640823ac5cf9b0517bcc7d28daafde265ceb40eb4c8dd209093103b6",
-    "vllm/engine/arg_utils.py": "c10281277fd9a90dc8b22670db4f1af53708c5caa2aefee7aa861fa579329219",
-    "vllm/entrypoints/cli/main.py": "ba6fc0a28afea8059814b70077b3d1fddc80390305595b2957d67dd998680bf6",
-    "vllm/entrypoints/serve/instrumentator/metrics.py": "d511dd081071daeaf993a653e8716f73de9afbbece4c6eeacfe3a8c948a5bc74",
-    "vllm/model_executor/layers/fused_moe/runner/moe_runner.py": "20b69fe514bebd6723a1378f89a564c8fec4144c30244101f629c3f32c188183",
-    "vllm/platforms/cpu.py": "e8c3220ce2a277de62f9329eb630940bfc8acdb8fb31d6dfddd1238140c264ee",
-    "vllm/v1/attention/backends/cpu_attn.py": "ffcb1e2b03ceb1d913e10457b1a30366bf630138b0e628616d635c55315d8f09",
-    "vllm/v1/engine/core.py": "458fd729771681b124d3a4d5b1c575f689bf789a5e0c8cc9f5c524eb6ec84f87",
-    "vllm/v1/engine/core_client.py": "386b528a69029507f80a2df4d6df2a4fa6ba2ba811501dc3449ceea58b5cd90a",
-    "vllm/v1/engine/utils.py": "8740c9af331597573d59941d3d65a58dbfd93c92f0144fd187b44bb25a6e4a2e",
-    "vllm/v1/metrics/loggers.py": "a17291f044251f1586457b6bd1542f98660724dd07a426d61ce852186b95b9e1",
-    "vllm/v1/metrics/stats.py": "f594c5ea0f9caebe54737528e0da0ffbbdc909d74cfd625e0e384afb324d9663",
-    "vllm/v1/worker/cpu_model_runner.py": "d2810a0bae39552342cb447d4e864763e76c5802422d830a9022d084263fc50c",
-    "vllm/v1/worker/gpu_model_runner.py": "4cf95efe4ea8caa3110dcd231ff95ceb97e8136f5056e6bdd388300a484c4a81",
+    "vllm/config/kv_transfer.py": (
+        "6c1aee67cd39507cd52df37725e88ced5baa63037c6912be011c8aa36ca55bfa"
+    ),
+    "vllm/config/parallel.py": (
+        "e8dcfb67c1ace957dcc7e12569ee62eb0f983aec3901fdef27c13014cea4b760"
+    ),
+    "vllm/distributed/device_communicators/cpu_communicator.py": (
+        "e75bfd60f00c5e24316884a3466b644b2722374ccfd8a6b75f086c1f9b2eb27f"
+    ),
+    "vllm/distributed/kv_transfer/kv_connector/factory.py": (
+        "029202ea640823ac5cf9b0517bcc7d28daafde265ceb40eb4c8dd209093103b6"
+    ),
+    "vllm/engine/arg_utils.py": (
+        "c10281277fd9a90dc8b22670db4f1af53708c5caa2aefee7aa861fa579329219"
+    ),
+    "vllm/entrypoints/cli/main.py": (
+        "ba6fc0a28afea8059814b70077b3d1fddc80390305595b2957d67dd998680bf6"
+    ),
+    "vllm/entrypoints/serve/instrumentator/metrics.py": (
+        "d511dd081071daeaf993a653e8716f73de9afbbece4c6eeacfe3a8c948a5bc74"
+    ),
+    "vllm/model_executor/layers/fused_moe/runner/moe_runner.py": (
+        "20b69fe514bebd6723a1378f89a564c8fec4144c30244101f629c3f32c188183"
+    ),
+    "vllm/platforms/cpu.py": (
+        "e8c3220ce2a277de62f9329eb630940bfc8acdb8fb31d6dfddd1238140c264ee"
+    ),
+    "vllm/v1/attention/backends/cpu_attn.py": (
+        "ffcb1e2b03ceb1d913e10457b1a30366bf630138b0e628616d635c55315d8f09"
+    ),
+    "vllm/v1/engine/core.py": (
+        "458fd729771681b124d3a4d5b1c575f689bf789a5e0c8cc9f5c524eb6ec84f87"
+    ),
+    "vllm/v1/engine/core_client.py": (
+        "386b528a69029507f80a2df4d6df2a4fa6ba2ba811501dc3449ceea58b5cd90a"
+    ),
+    "vllm/v1/engine/utils.py": (
+        "8740c9af331597573d59941d3d65a58dbfd93c92f0144fd187b44bb25a6e4a2e"
+    ),
+    "vllm/v1/metrics/loggers.py": (
+        "a17291f044251f1586457b6bd1542f98660724dd07a426d61ce852186b95b9e1"
+    ),
+    "vllm/v1/metrics/stats.py": (
+        "f594c5ea0f9caebe54737528e0da0ffbbdc909d74cfd625e0e384afb324d9663"
+    ),
+    "vllm/v1/worker/cpu_model_runner.py": (
+        "d2810a0bae39552342cb447d4e864763e76c5802422d830a9022d084263fc50c"
+    ),
+    "vllm/v1/worker/gpu_model_runner.py": (
+        "4cf95efe4ea8caa3110dcd231ff95ceb97e8136f5056e6bdd388300a484c4a81"
+    ),
 }
 
 IN_TREE_FORMS = ("edit", "hand")
@@ -192,7 +226,11 @@ def measure(sdist: Path, root: Path) -> str:
         "PINNED_FILES: dict[str, str] = {",
     ]
     for rel in sorted(upstream_files(PATCHES, root)):
-        lines.append(f'    "{rel}": "{sha256_file(root / rel)}",')
+        digest = sha256_file(root / rel)
+        entry = f'    "{rel}": "{digest}",'
+        if len(entry) > 88:  # ruff format's shape of a value too long for a line
+            entry = f'    "{rel}": (\n        "{digest}"\n    ),'
+        lines.append(entry)
     lines.append("}")
     return "\n".join(lines)
 

@@ -156,8 +156,8 @@ def _git_tag_version(root: Path) -> str | None:
     git = shutil.which("git")
     if git is None:
         raise ExportError(
-            f"git is not installed: it is needed to read the version of the git checkout {root} "
-            "(which has no PKG-INFO or vllm/_version.py)"
+            "git is not installed: it is needed to read the version of the git "
+            f"checkout {root} (which has no PKG-INFO or vllm/_version.py)"
         )
     out = subprocess.run(
         [git, "-C", str(root), "describe", "--tags", "--exact-match", "HEAD"],
@@ -204,8 +204,8 @@ def verify(source: Source, pin: Pin | None = None) -> list[str]:
     if source.version != pin.version:
         changed = len(differ) + len(missing)
         raise ExportError(
-            f"{what} is vLLM {source.version} (from {source.version_from}), the pin is vLLM "
-            f"{pin.version}; {changed} of {len(statuses)} pinned files differ "
+            f"{what} is vLLM {source.version} (from {source.version_from}), the pin is "
+            f"vLLM {pin.version}; {changed} of {len(statuses)} pinned files differ "
             "(--check lists them)"
         )
     if differ or missing:
@@ -219,8 +219,9 @@ def verify(source: Source, pin: Pin | None = None) -> list[str]:
         )
     if source.kind == "sdist" and source.sdist_sha256 != pin.sdist_sha256:
         raise ExportError(
-            f"{what}: sha256 {source.sdist_sha256} is not the pinned {pin.sdist_name}'s "
-            f"{pin.sdist_sha256} (its version and pinned files match)"
+            f"{what}: sha256 {source.sdist_sha256} is not the pinned "
+            f"{pin.sdist_name}'s {pin.sdist_sha256} (its version and pinned files "
+            "match)"
         )
     lines = [f"source: {what}"]
     if source.kind == "sdist":
@@ -249,8 +250,8 @@ def check(path: Path, pin: Pin | None = None) -> list[str]:
         k: sum(s.status == k for s in statuses) for k in ("same", "differs", "missing")
     }
     lines.append(
-        f"check: of {len(statuses)} pinned files {counts['same']} same, {counts['differs']} "
-        f"differ, {counts['missing']} missing"
+        f"check: of {len(statuses)} pinned files {counts['same']} same, "
+        f"{counts['differs']} differ, {counts['missing']} missing"
     )
     return lines
 
@@ -317,8 +318,9 @@ def download_sdist(target: Path, pin: Pin) -> None:
     torch = importlib.util.find_spec("torch")
     if torch is None or torch.origin is None:
         raise ExportError(
-            "torch is not installed here, and pip needs it to read the vLLM sdist's metadata "
-            "while downloading it: install torch, or download the sdist and pass --sdist"
+            "torch is not installed here, and pip needs it to read the vLLM sdist's "
+            "metadata while downloading it: install torch, or download the sdist and "
+            "pass --sdist"
         )
     torch_site = Path(torch.origin).parent.parent
     cache = target.parent

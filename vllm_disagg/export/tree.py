@@ -119,7 +119,7 @@ def git(out: Path, *args: str, identity: Identity | None = None) -> str:
 
 
 def ruff_command() -> list[str]:
-    """ruff of this environment (the ``export`` extra pins upstream's version)."""
+    """The ruff of this environment (the ``export`` extra pins upstream's version)."""
     if importlib.util.find_spec("ruff") is not None:
         return [sys.executable, "-m", "ruff"]
     exe = shutil.which("ruff")
@@ -129,7 +129,7 @@ def ruff_command() -> list[str]:
 
 
 def ruff(out: Path, paths: Iterable[str]) -> list[str]:
-    """ruff check --fix, ruff format, then ruff check again on ``paths`` with
+    """Run ruff check --fix, ruff format, then ruff check again on ``paths`` with
     the tree's configuration; the findings left (none when clean)."""
     paths = sorted(paths)
     if not paths:
@@ -165,12 +165,21 @@ def apply_edits(out: Path, edits: Iterable[Edit]) -> list[str]:
     return changed
 
 
-def add_files(out: Path, files: dict[str, str]) -> list[str]:
-    """Write new files; refuses to overwrite one the tree has."""
+def add_files(
+    out: Path, files: dict[str, str], replaces: Iterable[str] = ()
+) -> list[str]:
+    """Write new files; refuses to overwrite one the tree has, but for
+    ``replaces`` (files an earlier commit of the series wrote), which must
+    exist."""
+    replaces = set(replaces)
     for rel, text in files.items():
         path = out / rel
-        if path.exists():
-            raise ExportError(f"{rel}: the export would overwrite an upstream file")
+        if path.exists() != (rel in replaces):
+            raise ExportError(
+                f"{rel}: the export would overwrite an upstream file"
+                if path.exists()
+                else f"{rel}: no earlier commit wrote it, nothing to replace"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     return list(files)
@@ -188,7 +197,8 @@ def tether(out: Path, commit: Commit) -> list[str]:
     ]
     if len(files) != 1:
         raise ExportError(
-            f"Buildkite job {commit.ci_job}: defined in {len(files)} files, expected one"
+            f"Buildkite job {commit.ci_job}: defined in {len(files)} files, "
+            "expected one"
         )
     rel = files[0].relative_to(out).as_posix()
     text = add_job_command(
@@ -196,6 +206,30 @@ def tether(out: Path, commit: Commit) -> list[str]:
     )
     files[0].write_text(text)
     return [rel]
+
+
+def project_root() -> Path:
+    """The project checkout the export relocates modules and tests from."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "tests").is_dir() or not (root / "pyproject.toml").is_file():
+        raise ExportError(
+            f"{root} is not a vllm-disagg source checkout (no tests/): the export "
+            "relocates the project's tests too; run it from a checkout"
+        )
+    return root
+
+
+def relocate_slice(out: Path, name: str) -> list[str]:
+    """Add a relocation slice's files; declare its env vars in vllm/envs.py."""
+    from vllm_disagg.export.relocate import add_env_vars, relocate
+
+    moved = relocate(project_root(), name, ruff_config=out / "pyproject.toml")
+    changed = add_files(out, moved.files, moved.replaces)
+    if moved.env_vars:
+        envs = out / "vllm" / "envs.py"
+        envs.write_text(add_env_vars(envs.read_text(encoding="utf-8"), moved.env_vars))
+        changed.append("vllm/envs.py")
+    return changed
 
 
 def upstream_tests(commit: Commit) -> dict[str, str]:
@@ -251,14 +285,21 @@ def _build(source, out, patches_dir, identity, commits) -> Result:
     for edit in EDITS:
         by_patch.setdefault(edit.patch, []).append(edit)
     for commit in commits:
-        edits = [edit for name in commit.patches for edit in by_patch.get(name, [])]
+        edits = [
+            edit
+            for name in commit.patches
+            for edit in by_patch.get(name, [])
+            if commit.carries(edit)
+        ]
         changed = apply_edits(out, edits) + add_files(out, upstream_tests(commit))
+        if commit.relocate is not None:
+            changed += relocate_slice(out, commit.relocate)
         changed += tether(out, commit)
         findings = ruff(out, [p for p in changed if p.endswith(".py")])
         if findings:
             raise ExportError(
-                f"commit {commit.slug!r}: ruff finds {len(findings)} problem(s) it cannot "
-                f"fix, first: {findings[0]}"
+                f"commit {commit.slug!r}: ruff finds {len(findings)} problem(s) it "
+                f"cannot fix, first: {findings[0]}"
             )
         if failures := run_hooks(out, changed):
             raise ExportError(f"commit {commit.slug!r}: upstream hook {failures[0]}")
@@ -278,9 +319,7 @@ def _build(source, out, patches_dir, identity, commits) -> Result:
     patches_dir.mkdir(parents=True)
     git(out, "format-patch", "--quiet", "-o", str(patches_dir), f"{base}..HEAD")
     for number, (commit, _sha, changed) in enumerate(result.commits, start=1):
-        text = description(
-            commit, [e for e in EDITS if e.patch in commit.patches], changed
-        )
+        text = description(commit, [e for e in EDITS if commit.carries(e)], changed)
         (patches_dir / f"{number:04d}-{commit.slug}.pr.md").write_text(
             text, encoding="utf-8"
         )

@@ -276,6 +276,11 @@ DROPPED_TESTS: dict[tuple[str, str], str] = {
         "test_docs_key_table_is_the_option_table",
     ): "the project's docs/p2p_connector.md is not part of the tree",
     (
+        "tests/v1/kv_connector/p2p/test_config.py",
+        "test_stock_kv_transfer_config_rejects_the_seed_json",
+    ): "in-tree KVTransferConfig accepts that JSON (export/hand_p2p.py); "
+    "test_kv_transfer_config_json.py tests that instead",
+    (
         "tests/v1/kv_connector/p2p/test_public_surface.py",
         "test_importing_the_package_or_its_options_stays_cheap",
     ): "in-tree, importing the package imports its parent package vllm, which the "

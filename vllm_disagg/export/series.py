@@ -122,7 +122,7 @@ SERIES: tuple[Commit, ...] = (
         slug="p2p-nccl-connector",
         title="[KV Connector] P2pNcclConnector: P2P xPyD disaggregation, authenticated",
         patches=("p2p-kv-transfer-json",),
-        tests=(),
+        tests=("tests/v1/kv_connector/unit/p2p/test_kv_transfer_config_json.py",),
         relocate="p2p",
         ci_job="v1-others-cpu",
         # The file, not its directory: the router-example commit adds the

@@ -130,3 +130,91 @@ def test_feature_check_follows_the_feature_switch(disabled):
     assert checks == (
         "[]" if disabled else "['check_step_sync_options', 'check_p2p_config']"
     )
+
+
+# --- the model-path check leaves what vLLM resolves without the filesystem alone
+
+# Upstream 0.32.0's tests/engine/test_arg_utils.py
+# (test_cloud_storage_uri_skips_get_model_path, ..._tokenizer_...) use these.
+OBJECT_STORE_URIS = ["s3://bucket/model", "gs://bucket/model", "az://container/model"]
+
+
+@pytest.mark.parametrize("uri", [*OBJECT_STORE_URIS, "S3://Bucket/org/model"])
+def test_object_store_uris_are_not_local_paths(uri):
+    """Decided by vLLM's own is_cloud_storage, as in upstream's __post_init__."""
+    assert not arg_utils.looks_like_local_path(uri)
+    arg_utils.check_model_path(uri)  # no ConfigError
+
+
+@pytest.fixture
+def patched_post_init(monkeypatch):
+    """The startup-validation wrapper of __post_init__, called directly with
+    upstream's __post_init__ and the features' fix-ups stubbed out: what the
+    wrapper hands upstream, without loading the plugin into this process."""
+    reached = []
+    monkeypatch.setattr(arg_utils, "_upstream_post_init", reached.append)
+    monkeypatch.setattr(arg_utils, "_feature_args_fixups", [])
+
+    def post_init(**fields):
+        args = SimpleNamespace(**{"tokenizer": None, **fields})
+        arg_utils.__post_init__(args)
+        return reached
+
+    return post_init
+
+
+@pytest.mark.parametrize("uri", OBJECT_STORE_URIS)
+def test_post_init_leaves_object_store_models_to_upstream(uri, patched_post_init):
+    reached = patched_post_init(model=uri)
+    assert [args.model for args in reached] == [uri]
+
+
+def test_post_init_leaves_object_store_tokenizers_to_upstream(patched_post_init):
+    reached = patched_post_init(
+        model="s3://bucket/model", tokenizer="s3://bucket/tokenizer"
+    )
+    assert [(a.model, a.tokenizer) for a in reached] == [
+        ("s3://bucket/model", "s3://bucket/tokenizer")
+    ]
+
+
+def test_post_init_still_refuses_a_missing_local_model(tmp_path, patched_post_init):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ConfigError) as refused:
+        patched_post_init(model=missing)
+    assert str(refused.value) == f"--model {missing!r}: no such file or directory"
+    # Refused before upstream runs; a Hub id still goes through.
+    assert [a.model for a in patched_post_init(model="org/name")] == ["org/name"]
+
+
+_UPSTREAM_CLOUD_TESTS = (
+    "from vllm_disagg.patches import apply_all, verify_applied\n"
+    "apply_all()\n"
+    "assert verify_applied()['startup-validation']\n"
+    "from vllm.engine.arg_utils import EngineArgs\n"
+    f"for uri in {OBJECT_STORE_URIS!r}:\n"
+    "    assert EngineArgs(model=uri).model == uri\n"
+    "args = EngineArgs(model='s3://bucket/model', tokenizer='s3://bucket/tokenizer')\n"
+    "assert (args.model, args.tokenizer) == "
+    "('s3://bucket/model', 's3://bucket/tokenizer')\n"
+    "print('OK')\n"
+)
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["features-on", "features-off"])
+def test_upstream_cloud_storage_tests_pass_with_the_plugin(disabled):
+    """What upstream's two tests do (HF_HUB_OFFLINE, EngineArgs with object-store
+    URIs), through the patched EngineArgs, with and without the features."""
+    env = {k: v for k, v in os.environ.items() if k != envs.VLLM_DISAGG_DISABLE}
+    env["HF_HUB_OFFLINE"] = "1"
+    if disabled:
+        env[envs.VLLM_DISAGG_DISABLE] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", _UPSTREAM_CLOUD_TESTS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "OK"

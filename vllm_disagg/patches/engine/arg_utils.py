@@ -7,6 +7,8 @@ Upstream: ``vllm.engine.arg_utils.EngineArgs.__post_init__`` and
 * A model given as a filesystem path that does not exist is passed on to the
   Hugging Face Hub client, which on an offline machine fails after retries
   with an error about repository ids, not about the missing directory.
+  Object-store URIs (``s3://``, ``gs://``, ``az://``) are not paths: they are
+  left to upstream, as are Hub ids and the tokenizer.
 * On the CPU platform, an attention head size the CPU kernel does not
   support is only rejected inside the engine process while the model loads,
   behind several tracebacks.
@@ -38,6 +40,7 @@ import os
 from collections.abc import Callable
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.transformers_utils.utils import is_cloud_storage
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
@@ -82,12 +85,21 @@ def looks_like_local_path(model: str) -> bool:
     """True for values only a filesystem path can mean.
 
     Hub ids are ``name`` or ``org/name``; anything absolute, starting with
-    ``.`` or ``~``, or with more than one ``/`` is a path.
+    ``.`` or ``~``, or with more than one ``/`` is a path, except what vLLM
+    itself resolves without the filesystem: object-store URIs (``s3://``,
+    ``gs://``, ``az://``; vLLM's own ``is_cloud_storage``, the test upstream's
+    ``__post_init__`` uses to keep them from the Hub path look-up before
+    ``ModelConfig`` pulls them through the Run:ai streamer).
     """
+    if is_cloud_storage(model):
+        return False
     return os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") > 1
 
 
 def check_model_path(model: str) -> None:
+    """Refuse, in one line, a ``--model`` that names a local path that is not
+    there (or a directory that is not a Hugging Face model); leave alone Hub
+    ids and everything vLLM resolves without the filesystem."""
     if not isinstance(model, str) or not looks_like_local_path(model):
         return
     path = os.path.expanduser(model)

@@ -37,6 +37,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     SendTransfer,
     SlotState,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.placement import (
+    placed,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
@@ -105,19 +108,22 @@ class P2pWorkerConnector:
         layout = KVLayout(kv_caches, self.block_size)
         self.layer_index = {name: i for i, name in enumerate(layout.layer_names)}
         config = self.config
-        transport = create_transport(config.transport, layout.device, config.host)
-        self.engine = P2pEngine(
-            layout=layout,
-            host=config.host,
-            port=self.port,
-            transport=transport,
-            send_type=config.send_type.value,
-            kv_buffer_size=config.kv_buffer_size,
-            mem_pool_size_bytes=config.mem_pool_size_bytes,
-            hold_timeout_s=config.kv_hold_timeout_s,
-            secret=config.secret,
-            stats=self.stats,
-        )
+        # Every thread started here (the engine's, ZMQ's, the transport's)
+        # runs off the core vLLM pinned this model thread to (placement.py).
+        with placed():
+            transport = create_transport(config.transport, layout.device, config.host)
+            self.engine = P2pEngine(
+                layout=layout,
+                host=config.host,
+                port=self.port,
+                transport=transport,
+                send_type=config.send_type.value,
+                kv_buffer_size=config.kv_buffer_size,
+                mem_pool_size_bytes=config.mem_pool_size_bytes,
+                hold_timeout_s=config.kv_hold_timeout_s,
+                secret=config.secret,
+                stats=self.stats,
+            )
         logger.info(
             "P2P engine listening on %s: role %s, send_type %s, transport %s, %d "
             "layers x %d blocks of %d bytes",

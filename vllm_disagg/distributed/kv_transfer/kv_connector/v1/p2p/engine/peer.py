@@ -22,11 +22,17 @@ import zmq
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.placement import (
+    place_current_thread,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender import (
     GetJob,
     SendTransfer,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    MAX_ABORT_KEYS,
+    MAX_REASON_CHARS,
+    Abort,
     Get,
     Hello,
     Offer,
@@ -71,6 +77,10 @@ class Peer:
         self.silent_until = (
             0.0  # the peer left a request unanswered: fail fast until then
         )
+        # Sends this side gave up on, to tell the receiver (Abort): key ->
+        # (the transfer's deadline, why); re-sent until answered or past it.
+        self._aborts: dict[str, tuple[float, str]] = {}
+        self._abort_retry_at = 0.0
         self.thread = threading.Thread(
             target=self._run, name=f"p2p-peer-{addr}", daemon=True
         )
@@ -132,6 +142,8 @@ class Peer:
     # the thread
 
     def _run(self) -> None:
+        # Started from the model thread, whose core vLLM may have pinned.
+        place_current_thread()
         engine = self.engine
         idle_since = time.monotonic()
         while not engine.stopped.is_set():
@@ -148,7 +160,9 @@ class Peer:
             now = time.monotonic()
             while self._later and self._later[0][0] <= now:
                 self._do(heapq.heappop(self._later)[2])
-            if job is not None or self._later:
+            if self._aborts:
+                self._flush_aborts()
+            if job is not None or self._later or self._aborts:
                 idle_since = now
             elif now - idle_since > limits.PEER_IDLE_S and engine._retire_peer(self):
                 break
@@ -166,7 +180,7 @@ class Peer:
             if isinstance(job, GetJob):
                 job.on_failure(reason)
             else:
-                self.engine._finish_send(job, ok=False, reason=reason)
+                self._give_up(job, reason)
             return
         try:
             if isinstance(job, GetJob):
@@ -178,7 +192,39 @@ class Peer:
             if isinstance(job, GetJob):
                 job.on_failure(f"internal error: {e}")
             elif not job.done.is_set():
-                self.engine._finish_send(job, ok=False, reason=f"internal error: {e}")
+                self._give_up(job, f"internal error: {e}")
+
+    # giving up on a send, and saying so
+
+    def _give_up(self, xfer: SendTransfer, reason: str) -> None:
+        """The send of ``xfer`` failed: end it, and tell the receiver, which
+        would otherwise wait for this KV until its kv_load_timeout_s."""
+        self.engine._finish_send(xfer, ok=False, reason=reason)
+        self._aborts[xfer.key] = (xfer.deadline, reason)
+        self._abort_retry_at = 0.0  # at once, even if the peer went silent
+
+    def _flush_aborts(self) -> None:
+        """Send one Abort for the oldest pending keys; on no answer, ask again
+        after PEER_RETRY_AFTER_S until their transfers' deadlines pass."""
+        now = time.monotonic()
+        for key, (until, _) in list(self._aborts.items()):
+            if now > until:
+                del self._aborts[key]
+        if not self._aborts or now < self._abort_retry_at:
+            return
+        keys = list(self._aborts)[:MAX_ABORT_KEYS]
+        reason = self._aborts[keys[0]][1][:MAX_REASON_CHARS]
+        try:
+            self.request(
+                lambda n: Abort(req_no=n, keys=keys, reason=reason),
+                now + limits.ABORT_REPLY_TIMEOUT_S,
+            )
+        except TransportError as e:
+            self._abort_retry_at = time.monotonic() + limits.PEER_RETRY_AFTER_S
+            logger.debug("P2P abort of %d keys to %s: %s", len(keys), self.addr, e)
+            return
+        for key in keys:
+            self._aborts.pop(key, None)
 
     def _get(self, job: GetJob) -> None:
         """Ask once; a "not ready" answer puts the job back with a retry time,
@@ -294,14 +340,18 @@ class Peer:
                 reply.status,
                 time.monotonic() - start,
             )
-            if reply.status != Status.OK:
+            if reply.status in (Status.NO_SPACE, Status.NOT_WANTED):
+                # The receiver knows: it failed the load itself, or gave up.
                 engine._finish_send(
                     xfer, ok=False, reason=f"{reply.status} {reply.reason}"
                 )
                 return
+            if reply.status != Status.OK:
+                self._give_up(xfer, f"{reply.status} {reply.reason}")
+                return
             skip = reply.skip_blocks
             if skip >= len(xfer.block_ids):
-                engine._finish_send(xfer, ok=False, reason=f"peer claimed skip={skip}")
+                self._give_up(xfer, f"peer claimed skip={skip}")
                 return
             blocks = xfer.block_ids[skip:]
             for layer in range(xfer.num_layers):
@@ -311,7 +361,7 @@ class Peer:
                 sent_bytes += sum(p.numel() for p in parts)
         except TransportError as e:
             self._close_channel()
-            engine._finish_send(xfer, ok=False, reason=str(e))
+            self._give_up(xfer, str(e))
             return
         engine.stats.record_send(sent_bytes, len(blocks), time.monotonic() - start)
         engine._finish_send(xfer, ok=True)

@@ -35,7 +35,8 @@ from vllm_disagg.wire.peers import MAX_KEY_CHARS
 #   1: first version (kv_transfer_params p2p_* keys, the seed's request-id
 #      format, Hello/Offer/Get/Reply).
 #   2: Offer carries the prompt's digest; peers need a grant (p2p_grant).
-PROTOCOL_VERSION = 2
+#   3: Abort: a sender that gives up tells the receiver, which recomputes at once.
+PROTOCOL_VERSION = 3
 DIGEST_BYTES = 16
 
 
@@ -113,6 +114,20 @@ class Get(_Msg, tag="get"):
     skip_blocks: int
 
 
+class Abort(_Msg, tag="abort"):
+    """The sender gave up on the KV of ``keys`` (no reply, refused, a broken
+    channel): the receiver fails those loads now, not at kv_load_timeout_s.
+    Answered with an ok Reply, re-sent until answered or the keys' deadline;
+    acted on only from the host of the prefill each request named."""
+
+    req_no: int
+    keys: list[str]
+    reason: str = ""
+
+
+MAX_ABORT_KEYS = 64
+
+
 class Reply(_Msg, tag="reply"):
     """The answer to any request: ``status`` is one of the ``Status`` values."""
 
@@ -132,7 +147,7 @@ class Status:
     NOT_WANTED = "not_wanted"  # Offer for a request the receiver gave up on
 
 
-Message = Hello | Offer | Get | Reply
+Message = Hello | Offer | Get | Abort | Reply
 
 _codec = FrameCodec(b"p2p-kv", msgspec.msgpack.Decoder(Message), MAX_FRAME_BYTES)
 
@@ -168,6 +183,10 @@ def _check_bounds(msg: Message) -> None:
         need(0 < len(msg.key) <= MAX_KEY_CHARS, "key length")
         need(len(msg.sender_addr) <= MAX_ADDR_CHARS, "sender_addr too long")
         need(msg.skip_blocks >= 0, "negative skip_blocks")
+    elif isinstance(msg, Abort):
+        need(0 < len(msg.keys) <= MAX_ABORT_KEYS, "abort key count")
+        need(all(0 < len(k) <= MAX_KEY_CHARS for k in msg.keys), "key length")
+        need(len(msg.reason) <= MAX_REASON_CHARS, "reason too long")
     elif isinstance(msg, Reply):
         need(len(msg.reason) <= MAX_REASON_CHARS, "reason too long")
         need(msg.skip_blocks >= 0, "negative skip_blocks")

@@ -36,6 +36,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender impor
     SendTransfer,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    Abort,
     Get,
     Hello,
     Offer,
@@ -120,6 +121,7 @@ class P2pEngine(ReceiverMixin, SenderMixin):
         self._seen_channels: dict[
             str, float
         ] = {}  # channel id -> forget after (replays)
+        self._early_aborts: dict[str, tuple[str, str, float]] = {}
         # Receive side: one explicit state per key (recv_state.py).
         self._recv = RecvTable(
             Timeouts(hold_s=hold_timeout_s, closed_s=limits.TOMBSTONE_TTL_S)
@@ -257,6 +259,8 @@ class P2pEngine(ReceiverMixin, SenderMixin):
             return self._on_offer(msg, route)
         if isinstance(msg, Get):
             return self._on_get(msg)
+        if isinstance(msg, Abort):
+            return self._on_abort(msg, source)
         self._reject("unexpected", f"{type(msg).__name__} on the listener")
         return None
 
@@ -274,6 +278,9 @@ class P2pEngine(ReceiverMixin, SenderMixin):
             for cid, until in list(self._seen_channels.items()):
                 if now > until:
                     del self._seen_channels[cid]
+            for key, (_, _, until) in list(self._early_aborts.items()):
+                if now > until:
+                    del self._early_aborts[key]
             for key, hold in list(self._holds.items()):
                 if now <= hold.until:
                     continue

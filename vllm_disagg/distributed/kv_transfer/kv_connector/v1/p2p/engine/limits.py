@@ -37,3 +37,10 @@ MAX_RECV_KEYS = 65536
 # How long a GET answered "released" is remembered, so a late Get gets "gone".
 TOMBSTONE_TTL_S = 300.0
 LOG_INTERVAL_S = 10.0
+# Aborts of keys a decode does not know yet, remembered at most (a flood
+# cannot grow the table; a forgotten one costs a kv_load_timeout_s wait).
+MAX_EARLY_ABORTS = 4096
+# A sender that gave up on a transfer tells the receiver (Abort); it waits
+# this long for the answer and asks again after PEER_RETRY_AFTER_S, until
+# the transfer's own deadline.
+ABORT_REPLY_TIMEOUT_S = 2.0

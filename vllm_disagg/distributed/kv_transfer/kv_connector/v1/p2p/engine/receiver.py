@@ -27,6 +27,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout impor
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender import GetJob
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    Abort,
     Hello,
     Offer,
     Reply,
@@ -45,6 +46,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
     Channel,
     Transport,
     TransportError,
+    addresses_of,
 )
 from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.peers import PeerInfoError, canonical_host, split_addr
@@ -59,6 +61,16 @@ if TYPE_CHECKING:
 
 # One logger for the engine package, named as the module it was split from.
 logger = init_logger(__package__)
+
+
+def _is_host(source: str | None, host: str) -> bool:
+    """Whether the address ``source`` a message came from is ``host``'s."""
+    if not source or not host:
+        return False
+    try:
+        return source in addresses_of(host)
+    except TransportError:
+        return False
 
 
 class ReceiverMixin:
@@ -79,6 +91,9 @@ class ReceiverMixin:
     _seen_channels: dict[str, float]  # channel id -> forget after (replays)
     _buffer_used: int
     _pool: TensorMemoryPool | None
+    # Aborts of keys the decode did not know yet: key -> (sender host,
+    # reason, forget after); applied by expect() when the hosts match.
+    _early_aborts: dict[str, tuple[str, str, float]]
 
     # --- model-thread API ---
 
@@ -104,7 +119,12 @@ class ReceiverMixin:
             entry.load_deadline = deadline
             if prefill_addr:
                 entry.prefill_host = canonical_host(split_addr(prefill_addr)[0])
+            early = self._early_aborts.pop(key, None)
             ask = get_from is not None and entry.state is RecvState.EXPECTED
+        if early is not None and _is_host(early[0], entry.prefill_host):
+            # The prefill gave up on this key before the decode knew it.
+            self._fail_expected(key, f"the prefill gave up sending it: {early[1]}")
+            return
         if ask:
             self._submit(
                 get_from,
@@ -273,7 +293,50 @@ class ReceiverMixin:
                     return alloc.tensor, alloc
         return None
 
-    # --- the listener's handlers of Hello and Offer ---
+    # --- the listener's handlers of Hello, Offer and Abort ---
+
+    def _on_abort(self, msg: Abort, source: str | None) -> Reply:
+        """The sender of ``msg.keys`` gave up on them: fail the loads now.
+
+        Only the host of the prefill a request named may end its load (the
+        grant vouched for that host, and the source address is the socket's,
+        not what the message says); from anyone else the abort changes
+        nothing. Always answered ok, so a sender stops re-sending."""
+        now = time.monotonic()
+        fail = []
+        with self._lock:
+            named = {}
+            for key in msg.keys:
+                entry = self._recv.get(key)
+                if entry is not None and entry.state is RecvState.EXPECTED:
+                    named[key] = entry.prefill_host
+        # Outside the lock: a host name may take a lookup (cached).
+        ours = {k for k, host in named.items() if _is_host(source, host)}
+        with self._lock:
+            for key in msg.keys:
+                entry = self._recv.get(key)
+                if entry is None:
+                    if source is not None and (
+                        key in self._early_aborts
+                        or len(self._early_aborts) < limits.MAX_EARLY_ABORTS
+                    ):
+                        self._early_aborts[key] = (
+                            source,
+                            msg.reason,
+                            now + self.hold_timeout_s,
+                        )
+                elif entry.state is RecvState.EXPECTED and key in ours:
+                    fail.append(key)
+        for key in fail:
+            logger.info(
+                "P2P: the prefill at %s gave up sending the KV of %s (%s); "
+                "recomputing it now",
+                source,
+                key,
+                msg.reason,
+            )
+            self._fail_expected(key, f"the prefill gave up sending it: {msg.reason}")
+        return Reply(req_no=msg.req_no, status=Status.OK)
 
     def _on_hello(self, msg: Hello, route: bytes = b"") -> Reply:
         if msg.version != proto.PROTOCOL_VERSION:

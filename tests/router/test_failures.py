@@ -192,6 +192,52 @@ async def test_prefill_legs_on_an_instance_whose_heartbeats_stop_are_retried_at_
         await p.disconnected.wait()  # the router closed the stopped prefill's leg
 
 
+async def test_a_prefill_whose_engine_stopped_stepping_is_out_of_rotation(pd, fakes):
+    """A hung engine behind a live API server keeps heartbeating: its
+    heartbeats' stalled_s takes it out of rotation and ends its prefill legs
+    (each retried on another prefill) instead of --prefill-timeout-s; once it
+    steps again it is routed to again."""
+    router, p, d = await pd(prefill_timeout_s=30.0, request_timeout_s=40.0)
+    timeout = router.registry.stall_timeout_s
+    p.hang = True
+    request = asyncio.create_task(router.post("/v1/completions", BODY))
+    async with asyncio.timeout(WAIT_S):
+        while not p.requests:
+            await asyncio.sleep(0.01)
+    p2 = await fakes("p2")
+    router.add(p2, Role.PREFILL)
+    started = time.monotonic()
+    router.add(p, Role.PREFILL, seq=1, stalled_s=timeout + 1)
+    status, body, _ = await request
+    assert status == 200 and body == d.answer()
+    assert time.monotonic() - started < 5.0  # at once; a bound for slow hosts
+    assert len(p2.requests) == 1
+    assert (
+        router.metric(
+            "vllm_disagg_router_prefill_failures_total", reason="instance_stalled"
+        )
+        == 1
+    )
+    assert router.metric("vllm_disagg_router_instances_stalled", role="prefill") == 1
+    listing = json.loads((await router.get("/instances"))[1])
+    [listed] = [i for i in listing if i["instance_id"] == "p-id"]
+    assert listed["state"] == "stalled" and listed["stalled_s"] == timeout + 1
+    # Out of rotation: the next requests all go to p2.
+    p.hang = False
+    for _ in range(3):
+        status, _, _ = await router.post("/v1/completions", BODY)
+        assert status == 200
+    assert len(p.requests) == 1 and len(p2.requests) == 4
+    # It steps again: back in rotation.
+    router.add(p, Role.PREFILL, seq=2, stalled_s=0.0)
+    for _ in range(2):
+        status, _, _ = await router.post("/v1/completions", BODY)
+        assert status == 200
+    assert len(p.requests) == 2
+    assert router.metric("vllm_disagg_router_instances_stalled", role="prefill") == 0
+    assert router.metric("vllm_disagg_router_instance_stalls_total") == 1
+
+
 async def test_a_deregistered_prefill_finishes_its_legs(pd):
     """An instance that says goodbye (a graceful shutdown) still answers
     what it holds: its legs are not ended."""

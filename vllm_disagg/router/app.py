@@ -74,6 +74,7 @@ def build_registry(
     """A registry with the config's timeouts and its static instances."""
     registry = InstanceRegistry(
         heartbeat_timeout_s=config.heartbeat_timeout_s,
+        stall_timeout_s=config.stall_timeout_s,
         breaker_failures=config.breaker_failures,
         breaker_cooldown_s=config.breaker_cooldown_s,
         clock=clock,

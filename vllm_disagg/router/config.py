@@ -72,6 +72,7 @@ class RouterConfig:
     policy_decode: str = "round_robin"
     handoff: str = "sequential"
     heartbeat_timeout_s: float = 10.0
+    stall_timeout_s: float = 20.0
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0
     first_token_timeout_s: float = 300.0
@@ -238,6 +239,13 @@ class RouterConfig:
                 "heartbeat_timeout_s",
                 "remove an instance silent this long (at least 3 of its heartbeat "
                 "intervals)",
+            ),
+            (
+                "stall_timeout_s",
+                "no new requests (and its prefill legs ended, retried elsewhere) "
+                "for an instance whose heartbeats say its engine has held "
+                "requests this long without a step; it is routed to again once "
+                "it steps",
             ),
             ("connect_timeout_s", "TCP connect to an instance"),
             ("prefill_timeout_s", "the whole prefill request"),

@@ -118,6 +118,20 @@ class _StateCollector(Collector):
         for role, count in self._registry.counts().items():
             instances.add_metric([role], count)
         yield instances
+        stalled = GaugeMetricFamily(
+            f"{PREFIX}_instances_stalled",
+            "Registered instances out of rotation because their heartbeats say "
+            "their engine holds requests without stepping (--stall-timeout-s).",
+            labels=["role"],
+        )
+        for role, count in sorted(self._registry.stalled_counts().items()):
+            stalled.add_metric([role], count)
+        yield stalled
+        yield CounterMetricFamily(
+            f"{PREFIX}_instance_stalls",
+            "Times an instance was taken out of rotation for not stepping.",
+            value=self._registry.stalls,
+        )
         removals = CounterMetricFamily(
             f"{PREFIX}_instance_removals",
             "Instances removed (expired, deregistered, unreachable, replaced).",

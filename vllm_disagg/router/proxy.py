@@ -303,7 +303,7 @@ class _PrefillLeg:
     """A prefill request in flight, which ``_instance_removed`` can end."""
 
     timeout: asyncio.Timeout
-    lost: bool = False  # ended because its instance was removed
+    lost: str = ""  # why its instance's legs were ended (removed, stalled)
 
 
 class RequestProxy:
@@ -333,6 +333,7 @@ class RequestProxy:
         """One client session for every upstream call, pooled connections;
         heartbeat expiry checked every second even while no request comes."""
         self.registry.on_removed.append(self._instance_removed)
+        self.registry.on_stalled.append(self._instance_stalled)
         self._sweeper = asyncio.create_task(self._sweep_expired())
         self._session = aiohttp.ClientSession(
             # An idle connection is dropped before vLLM's (uvicorn's 5 s) keep-alive
@@ -348,6 +349,8 @@ class RequestProxy:
     async def close(self) -> None:
         if self._instance_removed in self.registry.on_removed:
             self.registry.on_removed.remove(self._instance_removed)
+        if self._instance_stalled in self.registry.on_stalled:
+            self.registry.on_stalled.remove(self._instance_stalled)
         for task in [*self._probes, *([self._sweeper] if self._sweeper else [])]:
             task.cancel()
         if self._session is not None:
@@ -805,8 +808,17 @@ class RequestProxy:
         instance finishes what it has, a refused connection fails by itself."""
         if reason != "expired":
             return
+        self._end_prefill_legs(instance, "instance_removed")
+
+    def _instance_stalled(self, instance: Instance) -> None:
+        """An instance whose engine stopped stepping (a hung worker behind a
+        live API server) will not finish its prefill legs either: end them
+        now, each retried elsewhere, not at ``--prefill-timeout-s``."""
+        self._end_prefill_legs(instance, "instance_stalled")
+
+    def _end_prefill_legs(self, instance: Instance, why: str) -> None:
         for leg in self._prefill_legs.pop(instance.instance_id, ()):
-            leg.lost = True
+            leg.lost = why
             leg.timeout.reschedule(asyncio.get_running_loop().time())
 
     async def _prefill(
@@ -829,7 +841,7 @@ class RequestProxy:
             ok = resp.status < 500
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             if leg is not None and leg.lost:
-                reason, ok = "instance_removed", None  # already out of the registry
+                reason, ok = leg.lost, None  # already out of rotation
             else:
                 reason, ok = self._failed(prefill, e)
             self.metrics.prefill_failures.labels(reason).inc()

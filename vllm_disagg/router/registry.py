@@ -9,6 +9,9 @@ An instance is usable while
 * it heartbeats (``Register`` every few seconds; silent for longer than the
   heartbeat timeout: removed), or it was named on the command line (static:
   never expires);
+* its engine makes progress: a heartbeat whose ``stalled_s`` (seconds its
+  engine held requests without a step) reached ``stall_timeout_s`` takes it
+  out of rotation (and ends its prefill legs) until one says it steps again;
 * its circuit breaker is closed, or half-open with no trial in flight:
   ``breaker_failures`` consecutive failures open it for ``breaker_cooldown_s``,
   then one request may try it; success closes it, failure opens it again.
@@ -66,6 +69,8 @@ class Instance:
     aliases: tuple[str, ...] = ()  # other names of its model
     seq: int = 0  # the last accepted heartbeat's counter (replays are older)
     sent_at: float = 0.0  # the last accepted heartbeat's sender clock
+    stalled_s: float = 0.0  # the last heartbeat's: engine held requests, no step
+    stalled: bool = False  # stalled_s reached the registry's stall_timeout_s
 
     @property
     def static(self) -> bool:
@@ -108,6 +113,7 @@ MAX_RETIRED = 4096
 @dataclass
 class InstanceRegistry:
     heartbeat_timeout_s: float = 10.0
+    stall_timeout_s: float = 20.0
     breaker_failures: int = 3
     breaker_cooldown_s: float = 10.0
     clock: Callable[[], float] = time.monotonic
@@ -128,6 +134,11 @@ class InstanceRegistry:
     on_removed: list[Callable[[Instance, str], None]] = field(
         default_factory=list, init=False
     )
+    # Called with the instance when its heartbeats say it stopped stepping.
+    on_stalled: list[Callable[[Instance], None]] = field(
+        default_factory=list, init=False
+    )
+    stalls: int = field(default=0, init=False)
 
     # --- membership ------------------------------------------------------
 
@@ -201,6 +212,7 @@ class InstanceRegistry:
             known.seq, known.sent_at = msg.seq, msg.sent_at
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.last_seen, known.expires_after_s = now, expires_after_s
+            self._progress(known, msg.stalled_s)
             return False
         instance = self._instances[msg.instance_id] = Instance(
             msg.instance_id,
@@ -218,6 +230,7 @@ class InstanceRegistry:
             sent_at=msg.sent_at,
         )
         self._index(instance)
+        self._progress(instance, msg.stalled_s)
         logger.info(
             "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d",
             msg.instance_id,
@@ -229,6 +242,31 @@ class InstanceRegistry:
             msg.dp_size,
         )
         return True
+
+    def _progress(self, instance: Instance, stalled_s: float) -> None:
+        """Take ``instance`` out of rotation while its engine does not step."""
+        instance.stalled_s = stalled_s
+        stalled = stalled_s >= self.stall_timeout_s
+        if stalled == instance.stalled:
+            return
+        instance.stalled = stalled
+        if stalled:
+            self.stalls += 1
+            logger.warning(
+                "instance %s (%s): its engine has held requests for %.0f s without "
+                "a step; no new requests until it steps again",
+                instance.instance_id,
+                instance.http_addr,
+                stalled_s,
+            )
+            for callback in self.on_stalled:
+                callback(instance)
+        else:
+            logger.info(
+                "instance %s (%s) steps again: back in rotation",
+                instance.instance_id,
+                instance.http_addr,
+            )
 
     def add_static(
         self, role: Role, http_addr: str, kv_addr: str, model: str | None
@@ -331,7 +369,10 @@ class InstanceRegistry:
         return [
             i
             for i in self._instances.values()
-            if i.serves(side) and i.answers_to(model) and self._admits(i, now)
+            if i.serves(side)
+            and i.answers_to(model)
+            and not i.stalled
+            and self._admits(i, now)
         ]
 
     def serves_model(self, model: str) -> bool:
@@ -416,6 +457,15 @@ class InstanceRegistry:
         self.expire()
         return sorted(self._by_name)
 
+    def stalled_counts(self) -> dict[str, int]:
+        """Instances out of rotation because they stopped stepping, by role."""
+        self.expire()
+        counts = dict.fromkeys((r.value for r in Role), 0)
+        for instance in self._instances.values():
+            if instance.stalled:
+                counts[instance.role.value] += 1
+        return counts
+
     def counts(self) -> dict[str, int]:
         """Registered instances by role (``prefill``, ``decode``, ``both``)."""
         self.expire()
@@ -444,6 +494,9 @@ class InstanceRegistry:
                 "outstanding": i.outstanding,
                 "breaker": self.breaker_state(i, now).value,
                 "consecutive_failures": i.consecutive_failures,
+                # "stalled": its engine held requests stalled_s without a step.
+                "state": "stalled" if i.stalled else "ready",
+                "stalled_s": i.stalled_s,
             }
             for i in self._instances.values()
         ]

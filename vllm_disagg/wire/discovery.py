@@ -33,7 +33,8 @@ from vllm_disagg.wire.frames import FrameCodec, FrameError
 # History:
 #   1: first version (Register / Deregister / Ack).
 #   2: Register.aliases (vllm serve --served-model-name's other names).
-DISCOVERY_VERSION = 2
+#   3: Register.stalled_s (seconds the engine held requests without a step).
+DISCOVERY_VERSION = 3
 
 DEFAULT_DISCOVERY_PORT = 30001
 DEFAULT_HTTP_PORT = 10001
@@ -85,6 +86,9 @@ class Register(_Msg, tag="register"):
     seq: int = 0  # heartbeat counter of this incarnation
     interval_s: float = HEARTBEAT_INTERVAL_S
     sent_at: float = 0.0  # sender's time.time()
+    # Seconds its engine has held requests without scheduling a step (0:
+    # stepping, or idle): the router stops sending work past its limit.
+    stalled_s: float = 0.0
 
 
 class Deregister(_Msg, tag="deregister"):
@@ -182,5 +186,9 @@ def validate(msg: Message) -> None:
         )
         need(0 <= msg.seq <= MAX_SEQ, f"seq out of [0, {MAX_SEQ}]")
         need(0.05 <= msg.interval_s <= 600, "interval_s out of [0.05, 600]")
+        need(
+            math.isfinite(msg.stalled_s) and 0 <= msg.stalled_s <= 1e9,
+            "stalled_s out of [0, 1e9]",
+        )
     elif isinstance(msg, Ack):
         need(len(msg.reason) <= MAX_REASON_CHARS, "reason too long")

@@ -15,6 +15,9 @@ import zmq
 from vllm_disagg import envs
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import registration
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.progress import (
+    EngineProgress,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import (
     DEREGISTER_TIMEOUT_S,
     RegistrationClient,
@@ -422,3 +425,59 @@ def test_peer_worker_addresses_keep_ipv6_brackets():
 
     assert shift_port("10.0.0.1:21001", 2) == "10.0.0.1:21003"
     assert shift_port("[::1]:21001", 1) == "[::1]:21002"
+
+
+# --- health: progress and a live API server (issue 27) ------------------------
+
+
+def test_heartbeats_carry_how_long_the_engine_has_not_stepped(routers, clients):
+    router = routers()
+    now = [100.0]
+    progress = EngineProgress(clock=lambda: now[0])
+    clients([router.addr], progress=progress)
+    assert router.receive(1, kind=Register)[0].stalled_s == 0.0
+    progress.request_added("r1")
+    now[0] += 7.5  # requests held, no step since
+    assert router.receive(1, kind=Register)[0].stalled_s == 7.5
+    progress.step_scheduled()
+    assert router.receive(1, kind=Register)[0].stalled_s == 0.0
+
+
+def test_no_heartbeats_while_the_api_server_refuses_connections(routers, clients, logs):
+    """The engine core outlives a killed API server (seen: it kept its
+    instance listed and routers flapped between "unreachable" and "joined")."""
+    router = routers()
+    api = socket.socket()
+    api.bind(("127.0.0.1", 0))
+    api.listen(8)
+    http_addr = f"127.0.0.1:{api.getsockname()[1]}"
+    clients([router.addr], http_addr=http_addr, wait_for_http=True)
+    assert router.receive(2, kind=Register)
+    api.close()  # the API server is gone
+    # At most the heartbeats already due before the check noticed.
+    router.receive(5, kind=Register, timeout_s=5 * INTERVAL)
+    assert router.receive(1, kind=Register, timeout_s=10 * INTERVAL) == []
+    assert any("refuses connections" in line for line in logs["warning"])
+    again = socket.socket()
+    again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    again.bind(("127.0.0.1", int(http_addr.rsplit(":", 1)[1])))
+    again.listen(8)
+    try:
+        assert router.receive(1, kind=Register, timeout_s=20 * INTERVAL)
+    finally:
+        again.close()
+
+
+def test_engine_progress_counts_only_while_requests_wait():
+    now = [0.0]
+    progress = EngineProgress(clock=lambda: now[0])
+    now[0] = 50.0
+    assert progress.stalled_s() == 0.0  # idle for ages: not stalled
+    progress.request_added("a")
+    now[0] = 53.0
+    assert progress.stalled_s() == 3.0  # counted from the request's arrival
+    progress.step_scheduled()
+    now[0] = 54.0
+    assert progress.stalled_s() == 1.0
+    progress.request_finished("a")
+    assert progress.stalled_s() == 0.0

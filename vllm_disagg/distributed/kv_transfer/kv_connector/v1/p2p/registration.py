@@ -62,6 +62,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.progress import (
+        EngineProgress,
+    )
 
 logger = init_logger(__name__)
 
@@ -114,6 +117,7 @@ class RegistrationClient:
         token: bytes | None = None,
         interval_s: float = HEARTBEAT_INTERVAL_S,
         wait_for_http: bool = True,
+        progress: EngineProgress | None = None,
     ):
         if not routers:
             raise ValueError("no router to register with")
@@ -140,6 +144,13 @@ class RegistrationClient:
         # The router forwards requests to http_addr as soon as it knows us, so
         # the first Register waits until the API server accepts connections.
         self._http_probe = split_addr(http_addr, "http_addr") if wait_for_http else None
+        # Once the API server answered, it is asked again before each round
+        # of heartbeats: an engine core whose API server died (killed; the
+        # engine core outlives it) must not keep the instance listed.
+        self._api_probe: tuple[str, int] | None = None
+        self._api_gone = False
+        self._api_checked_at = -float("inf")
+        self._progress = progress
         self._stop = threading.Event()
         self._closed = False
         self._log = RateLimitedLog(logger, WARN_INTERVAL_S)
@@ -181,11 +192,13 @@ class RegistrationClient:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_due:
-                    if self._http_ready(now - started):
+                    if self._http_ready(now - started) and self._api_alive():
                         for router in routers:
                             if now >= router.due:
                                 self._heartbeat(router, now)
                         next_due = min(router.due for router in routers)
+                    elif self._api_gone:
+                        next_due = now + self.interval_s
                     else:
                         next_due = now + HTTP_RETRY_S
                 timeout_s = min(max(next_due - time.monotonic(), 0.0), POLL_S)
@@ -224,12 +237,41 @@ class RegistrationClient:
         sock.connect(f"tcp://{addr}")
         return sock
 
+    def _api_alive(self) -> bool:
+        """False while connections to the API server are refused (nothing
+        listens: it is gone); a slow answer is a busy server, alive."""
+        if self._api_probe is None:
+            return True
+        now = time.monotonic()
+        if now - self._api_checked_at < self.interval_s / 2:
+            return not self._api_gone
+        self._api_checked_at = now
+        try:
+            with socket.create_connection(self._api_probe, timeout=0.5):
+                pass
+        except ConnectionRefusedError:
+            if not self._api_gone:
+                logger.warning(
+                    "this instance's API server %s refuses connections: no more "
+                    "heartbeats until it listens again (routers drop the instance)",
+                    self._template.http_addr,
+                )
+            self._api_gone = True
+            return False
+        except OSError:
+            pass
+        if self._api_gone:
+            logger.info("API server %s listens again", self._template.http_addr)
+        self._api_gone = False
+        return True
+
     def _http_ready(self, waited_s: float) -> bool:
         if self._http_probe is None:
             return True
         try:
             with socket.create_connection(self._http_probe, timeout=0.2):
                 pass
+            self._api_probe = self._http_probe
         except OSError as e:
             if waited_s < HTTP_WAIT_S:
                 return False
@@ -245,8 +287,12 @@ class RegistrationClient:
         return True
 
     def _heartbeat(self, router: _Router, now: float) -> None:
+        stalled = self._progress.stalled_s() if self._progress is not None else 0.0
         msg = msgspec.structs.replace(
-            self._template, seq=router.seq, sent_at=time.time()
+            self._template,
+            seq=router.seq,
+            sent_at=time.time(),
+            stalled_s=round(min(stalled, 1e9), 1),
         )
         try:
             router.sock.send_multipart(seal(self.token, msg), flags=zmq.NOBLOCK)
@@ -407,7 +453,10 @@ def registers_for_its_api_server(parallel_config) -> bool:
 
 
 def start_registration(
-    vllm_config: VllmConfig, config: P2pConfig, kv_addr: str
+    vllm_config: VllmConfig,
+    config: P2pConfig,
+    kv_addr: str,
+    progress: EngineProgress | None = None,
 ) -> RegistrationClient | None:
     """Start registering this DP rank (its control address ``kv_addr``) with
     the routers named in ``proxy_ip``; None when none is, or when another
@@ -440,4 +489,5 @@ def start_registration(
         dp_rank=dp_rank_of(parallel),
         dp_size=parallel.data_parallel_size,
         token=envs.router_token(),
+        progress=progress,
     ).start()

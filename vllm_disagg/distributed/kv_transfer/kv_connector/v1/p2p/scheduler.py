@@ -40,6 +40,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     P2pConnectorMetadata,
     SaveSpec,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.progress import (
+    EngineProgress,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     embeds_digest,
     prompt_digest,
@@ -195,7 +198,10 @@ class P2pSchedulerConnector:
         self._last_bad_peer_log = -BAD_PEER_LOG_INTERVAL_S
         # One registration per engine core, i.e. per DP rank, named by the
         # rank's own control address (proxy_ip set; else None).
-        self._registration = start_registration(vllm_config, config, self.addr)
+        self.progress = EngineProgress()
+        self._registration = start_registration(
+            vllm_config, config, self.addr, progress=self.progress
+        )
 
     def shutdown(self) -> None:
         """Deregister from the routers (EngineCore.shutdown -> Scheduler.shutdown
@@ -207,6 +213,7 @@ class P2pSchedulerConnector:
     # --- which side of the transfer a request is on ---
 
     def on_new_request(self, request: Request) -> None:
+        self.progress.request_added(request.request_id)
         try:
             peer = parse_peer_info(request.request_id, request.kv_transfer_params)
         except PeerInfoError as e:
@@ -313,6 +320,7 @@ class P2pSchedulerConnector:
     def build_connector_meta(
         self, scheduler_output: SchedulerOutput
     ) -> P2pConnectorMetadata:
+        self.progress.step_scheduled()
         meta = P2pConnectorMetadata(
             loads=list(self._pending_loads.values()), unwanted=self._unwanted
         )
@@ -375,6 +383,7 @@ class P2pSchedulerConnector:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self.progress.request_finished(req_id)
         self._peers.pop(req_id, None)
         self._prefills.pop(req_id, None)
         self._loaded.discard(req_id)

@@ -61,23 +61,88 @@ def register() -> None:
 
 def load_patch_set(vllm_config, dp_rank: int, process: str = "engine core") -> None:
     """Apply the patch set in a fresh engine process (spawned or a Ray actor)
-    and verify it, before anything picks an engine class."""
+    and verify the patches this engine core uses, before anything picks an
+    engine class.
+
+    Only what the configuration uses is verified (``Patch.used_fn``): step
+    sync's DP engine class, say, only where upstream would run
+    ``DPEngineCoreProc`` (an MoE model with DP), so an engine core that never
+    looks at it starts whatever replaced it (a test's stub, another plugin's
+    class). A patch it does use that is not in place is refused in one line
+    naming what is there instead: running it would mix upstream's behaviour
+    with this package's (for step sync: DP waves in the engines, wave-free
+    clients in the front end, which hangs at the first request).
+    """
     from vllm.logger import configure_logging_if_needed
 
-    from vllm_disagg.patches import verify_applied
+    from vllm_disagg.patches import used_in_engine_core, verify_applied
 
     # Upstream configures logging first thing too; do it before our own line.
     if logging_config := getattr(vllm_config, "logging_config", None):
         configure_logging_if_needed(logging_config)
     register()
     status = verify_applied()
-    missing = [name for name, ok in status.items() if not ok]
+    used = used_in_engine_core(vllm_config, dp_rank)
+    missing = [name for name in used if not status[name]]
     if missing:
-        raise RuntimeError(f"vllm_disagg patches not in place in {process}: {missing}")
+        raise RuntimeError(_not_in_place(process, dp_rank, missing))
+    unused = [name for name in status if name not in used]
     logger.info(
         "vllm_disagg: %s dp_rank=%d pid=%d verified patches: %s",
         process,
         dp_rank,
         os.getpid(),
-        ", ".join(status),
+        ", ".join(used),
     )
+    if unused:
+        replaced = [name for name in unused if not status[name]]
+        logger.info(
+            "vllm_disagg: %s dp_rank=%d: not used by this configuration, not "
+            "verified: %s%s",
+            process,
+            dp_rank,
+            ", ".join(unused),
+            f" (not in place, replaced after the patch set: {', '.join(replaced)})"
+            if replaced
+            else "",
+        )
+
+
+def _now_at(upstream: str) -> str | None:
+    """What a plain dotted ``module.attr`` upstream symbol is now, by name."""
+    import importlib
+
+    module, _, attr = upstream.rpartition(".")
+    if not module or not attr.isidentifier() or " " in upstream:
+        return None
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        return None
+    name = getattr(found, "__qualname__", type(found).__qualname__)
+    return f"{getattr(found, '__module__', '?')}.{name}"
+
+
+def _not_in_place(process: str, dp_rank: int, missing: list[str]) -> str:
+    from vllm_disagg.patches import PATCHES
+
+    patches = [p for p in PATCHES if p.name in missing]
+    what = []
+    for patch in patches:
+        found = _now_at(patch.upstream)
+        what.append(
+            f"{patch.name} ({patch.upstream} is {found}, not this package's)"
+            if found
+            else patch.name
+        )
+    message = (
+        f"vllm_disagg: {process} dp_rank={dp_rank} needs patches that are not "
+        f"in place: {'; '.join(what)}; something changed them after the patch "
+        "set was applied"
+    )
+    if all(p.kind == "feature" for p in patches):
+        message += (
+            "; set VLLM_DISAGG_DISABLE=1 to run upstream vLLM's behaviour "
+            "instead of this package's features"
+        )
+    return message

@@ -66,6 +66,10 @@ class Patch:
     # Entry points in `module`; several patches of one upstream module share it.
     apply_fn: str = "apply"
     check_fn: str = "is_applied"
+    # Whether an engine core with a given configuration uses the patch,
+    # ``fn(vllm_config, dp_rank) -> bool`` in `module` (a config of None: True).
+    # Empty: every engine core does. load_patch_set verifies only what it uses.
+    used_fn: str = ""
 
     def load(self):
         return importlib.import_module(self.module)
@@ -75,6 +79,11 @@ class Patch:
 
     def is_applied(self) -> bool:
         return bool(getattr(self.load(), self.check_fn)())
+
+    def is_used(self, vllm_config, dp_rank: int) -> bool:
+        if not self.used_fn or vllm_config is None:
+            return True
+        return bool(getattr(self.load(), self.used_fn)(vllm_config, dp_rank))
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -341,6 +350,7 @@ PATCHES: tuple[Patch, ...] = (
         module="vllm_disagg.patches.v1.engine.core",
         apply_fn="apply_step_sync",
         check_fn="is_step_sync_applied",
+        used_fn="is_step_sync_used",
         upstream="vllm.v1.engine.core.DPEngineCoreProc",
         kind="feature",
         why=(
@@ -382,6 +392,7 @@ PATCHES: tuple[Patch, ...] = (
         module="vllm_disagg.patches.v1.engine.core",
         apply_fn="apply_ray_actor",
         check_fn="is_ray_actor_applied",
+        used_fn="is_step_sync_used",
         upstream="vllm.v1.engine.core.DPMoEEngineCoreActor (CoreEngineActorManager)",
         kind="feature",
         why=(
@@ -660,4 +671,20 @@ def verify_applied() -> dict[str, bool]:
     return {p.name: p.is_applied() for p in PATCHES if p.name in names}
 
 
-__all__ = ["PATCHES", "InTree", "Patch", "apply_all", "verify_applied"]
+def used_in_engine_core(vllm_config, dp_rank: int) -> list[str]:
+    """The applied patches an engine core with this configuration uses (all of
+    them when the configuration is unknown): what load_patch_set verifies."""
+    names = set(_applied or ())
+    return [
+        p.name for p in PATCHES if p.name in names and p.is_used(vllm_config, dp_rank)
+    ]
+
+
+__all__ = [
+    "PATCHES",
+    "InTree",
+    "Patch",
+    "apply_all",
+    "used_in_engine_core",
+    "verify_applied",
+]

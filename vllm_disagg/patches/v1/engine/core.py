@@ -60,11 +60,25 @@ def apply_step_sync() -> None:
 
 
 def is_step_sync_applied() -> bool:
+    """Step sync's class, or a subclass of it someone put there after us."""
     import vllm.v1.engine.core as upstream_core
 
     from vllm_disagg.v1.engine.core import StepSyncDPEngineCoreProc
 
-    return upstream_core.DPEngineCoreProc is StepSyncDPEngineCoreProc
+    found = upstream_core.DPEngineCoreProc
+    return isinstance(found, type) and issubclass(found, StepSyncDPEngineCoreProc)
+
+
+def is_step_sync_used(vllm_config, dp_rank: int) -> bool:
+    """Whether an engine core with this configuration runs step sync's engine
+    class: upstream's run_engine_core picks ``DPEngineCoreProc`` only for an
+    MoE model with data parallelism (DP size > 1 or a DP rank > 0); every other
+    engine core (DP size 1, or a dense model, whose DP ranks are independent)
+    is an ``EngineCoreProc`` and never looks at step sync's classes. Shared by
+    ``step-sync-ray-actor``, the same engine as a Ray actor."""
+    parallel_config = vllm_config.parallel_config
+    data_parallel = parallel_config.data_parallel_size > 1 or dp_rank > 0
+    return data_parallel and bool(getattr(vllm_config.model_config, "is_moe", False))
 
 
 # --- step-sync-ray-actor (feature) ---

@@ -75,7 +75,11 @@ def run_one(
     if log_dir.exists():
         for old in log_dir.glob("*.log"):
             old.unlink()
-    config = FleetConfig(model=str(models["tiny-mixtral"]), log_dir=log_dir)
+    config = FleetConfig(
+        model=str(models["tiny-mixtral"]),
+        log_dir=log_dir,
+        vllm_omp_defaults=args.vllm_omp_defaults,
+    )
     if args.prefill_timeout_s is not None:
         router_args = list(config.router_args)
         router_args[router_args.index("--prefill-timeout-s") + 1] = str(
@@ -465,6 +469,12 @@ def main() -> int:
         default=None,
         help="the router's --prefill-timeout-s (default: the fleet's 10 s; "
         "the router's own default is 300 s)",
+    )
+    parser.add_argument(
+        "--vllm-omp-defaults",
+        action="store_true",
+        help="start every server with vLLM's own OpenMP defaults (a pinned team "
+        "per worker) instead of one unpinned thread each",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(

@@ -87,6 +87,9 @@ class FleetConfig:
     # The P2P plane's shared secret, as a production fleet sets it: frames
     # from strangers (the hostile scenario) fail authentication.
     p2p_secret: str = "chaos-fleet-p2p-secret"
+    # OpenMP as vLLM sets it by default (a pinned team per worker, all on the
+    # same cores), not the harness's one unpinned thread per server.
+    vllm_omp_defaults: bool = False
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -99,6 +102,9 @@ class FleetConfig:
             "server_args": list(self.server_args),
             "transport": "tcp",
             "send_type": "PUT_ASYNC",
+            "openmp": "vLLM defaults"
+            if self.vllm_omp_defaults
+            else "1 unpinned thread",
         }
 
 
@@ -225,7 +231,10 @@ class Fleet:
         self.log_dir = Path(config.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.model = str(config.model)
-        self.env = cpu_test_env(**{envs.VLLM_DISAGG_P2P_SECRET: config.p2p_secret})
+        self.env = cpu_test_env(
+            vllm_omp_defaults=config.vllm_omp_defaults,
+            **{envs.VLLM_DISAGG_P2P_SECRET: config.p2p_secret},
+        )
         self.router: RouterProcess | None = None
         self.old_routers: list[RouterProcess] = []
         self.members: dict[str, Member] = {}

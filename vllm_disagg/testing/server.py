@@ -80,9 +80,13 @@ def fleet_router_token() -> bytes:
     return envs.router_token() or TEST_ROUTER_TOKEN.encode()
 
 
-def cpu_test_env(**extra: str) -> dict[str, str]:
+def cpu_test_env(*, vllm_omp_defaults: bool = False, **extra: str) -> dict[str, str]:
     """Environment for small CPU servers: little KV memory, offline, quiet,
     and one unpinned OpenMP thread per worker.
+
+    ``vllm_omp_defaults=True`` leaves OpenMP as users run it (vLLM's own
+    ``VLLM_CPU_OMP_THREADS_BIND=auto``: a team pinned to every core in each
+    worker): the tests that must see what users see start their servers so.
 
     By default vLLM's CPU workers pin an OpenMP team of one thread per core
     (``OMP_PROC_BIND``) and those threads spin in barriers. With several
@@ -95,8 +99,12 @@ def cpu_test_env(**extra: str) -> dict[str, str]:
     # Loopback test fleets share one router token: routers sign the peers
     # they name with it and P2P instances check the grants.
     env.setdefault(envs.VLLM_DISAGG_ROUTER_TOKEN, TEST_ROUTER_TOKEN)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("OMP_NUM_THREADS", "1")
+    if vllm_omp_defaults:
+        for name in ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS"):
+            env.pop(name, None)
+    else:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")

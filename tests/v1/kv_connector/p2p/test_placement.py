@@ -92,3 +92,23 @@ def test_threads_started_inside_placed_run_on_the_control_plane_cpus(monkeypatch
 def test_control_plane_cpus_never_narrower_than_a_free_core():
     cpus = placement.control_plane_cpus()
     assert cpus and cpus <= placement.process_cpus()
+
+
+def _proc(root, pid: int, comm: str, threads: dict[int, str]) -> None:
+    d = root / str(pid)
+    (d / "task").mkdir(parents=True)
+    (d / "comm").write_text(comm + "\n")
+    (d / "status").write_text("Cpus_allowed_list:\t0-3\n")
+    for tid, cpus in threads.items():
+        _task(d / "task", str(tid), cpus)
+
+
+def test_other_vllm_workers_pinned_to_our_cores_are_found(tmp_path):
+    _proc(tmp_path, 10, "VLLM::Worker", {10: "0", 11: "1", 12: "0-3"})
+    _proc(tmp_path, 20, "VLLM::Worker_DP1", {20: "2", 21: "3"})
+    _proc(tmp_path, 30, "python", {30: "0"})  # not a vLLM worker
+    _proc(tmp_path, 40, "VLLM::Worker", {40: "0", 41: "1"})  # this process
+    (tmp_path / "self").mkdir()  # not a pid
+    found = placement.shared_pinned_cores({0, 1}, tmp_path, self_pid=40)
+    assert found == {10: {0, 1}}
+    assert placement.shared_pinned_cores({2}, tmp_path, self_pid=40) == {20: {2}}

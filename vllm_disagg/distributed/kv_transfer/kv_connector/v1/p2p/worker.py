@@ -39,6 +39,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.placement import (
     placed,
+    warn_if_cores_are_shared,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
@@ -110,6 +111,7 @@ class P2pWorkerConnector:
         config = self.config
         # Every thread started here (the engine's, ZMQ's, the transport's)
         # runs off the core vLLM pinned this model thread to (placement.py).
+        warn_if_cores_are_shared()
         with placed():
             transport = create_transport(config.transport, layout.device, config.host)
             self.engine = P2pEngine(

@@ -131,5 +131,64 @@ def placed() -> Iterator[None]:
             os.sched_setaffinity(0, before)
 
 
+def shared_pinned_cores(
+    own: set[int], proc: Path = Path("/proc"), self_pid: int | None = None
+) -> dict[int, set[int]]:
+    """Other vLLM workers on this host (``VLLM::Worker`` processes) whose
+    threads are pinned to some of the cores in ``own``: pid -> those cores."""
+    self_pid = os.getpid() if self_pid is None else self_pid
+    found: dict[int, set[int]] = {}
+    try:
+        entries = list(proc.iterdir())
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.name.isdigit() or int(entry.name) == self_pid:
+            continue
+        try:
+            if not (entry / "comm").read_text().startswith("VLLM::Worker"):
+                continue
+        except OSError:
+            continue
+        for task in _tasks(entry):
+            cpus = _thread_affinity(task / "status")
+            # OpenMP team members are pinned one core each.
+            if cpus and len(cpus) == 1 and cpus & own:
+                found.setdefault(int(entry.name), set()).update(cpus)
+    return found
+
+
+def _tasks(entry: Path) -> list[Path]:
+    try:
+        return list((entry / "task").iterdir())
+    except OSError:
+        return []
+
+
+def warn_if_cores_are_shared() -> None:
+    """Once per process: say so when this worker's OpenMP team is pinned to
+    cores another vLLM worker on the host pinned its team to as well. Both
+    teams spin on those cores and every forward pass of both waits."""
+    allowed = process_cpus()
+    own = pinned_cpus(allowed)
+    if not own:
+        return  # unpinned (nobind): nothing to collide
+    others = shared_pinned_cores(own)
+    if others:
+        cores = set().union(*others.values())
+        logger.warning(
+            "this worker's OpenMP threads are pinned to CPUs %s, and %d other vLLM "
+            "worker(s) on this host (pids %s) pin theirs to %s too: their threads "
+            "spin against each other and every forward pass slows down. Give each "
+            "server its own cores (VLLM_CPU_OMP_THREADS_BIND=0-3 for one, 4-7 for "
+            "the next) or unpinned single threads (VLLM_CPU_OMP_THREADS_BIND=nobind "
+            "OMP_NUM_THREADS=1); see docs/operations.md",
+            _format(own),
+            len(others),
+            ",".join(str(p) for p in sorted(others)),
+            _format(cores),
+        )
+
+
 def _format(cpus) -> str:
     return ",".join(str(c) for c in sorted(cpus))

@@ -178,8 +178,18 @@ def checkpoint_shapes(
     return shapes
 
 
-def build_model(kind: str, outdir: Path, head_dim: int = HEAD_DIM, **dims: int) -> Path:
-    """Write one tiny model (``kind`` in MODEL_NAMES) into ``outdir/kind``.
+def build_model(
+    kind: str,
+    outdir: Path,
+    head_dim: int = HEAD_DIM,
+    *,
+    seed: int = SEED,
+    name: str | None = None,
+    **dims: int,
+) -> Path:
+    """Write one tiny model (``kind`` in MODEL_NAMES) into ``outdir/kind``
+    (``outdir/name`` with ``name``). Another ``seed`` gives the same
+    architecture and tokenizer with other weights (a "fine-tune").
 
     ``dims`` (``layers``, ``heads``, ``kv_heads``, ``hidden``,
     ``intermediate``) override the module's constants, for larger models
@@ -189,7 +199,7 @@ def build_model(kind: str, outdir: Path, head_dim: int = HEAD_DIM, **dims: int) 
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
 
-    target = outdir / kind
+    target = outdir / (name or kind)
     target.mkdir(parents=True, exist_ok=True)
     _build_tokenizer(target)
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
@@ -202,7 +212,7 @@ def build_model(kind: str, outdir: Path, head_dim: int = HEAD_DIM, **dims: int) 
     )
     config.head_dim = head_dim
 
-    generator = torch.Generator().manual_seed(SEED)
+    generator = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in checkpoint_shapes(kind, config.vocab_size, head_dim, **dims):
         if name.endswith("norm.weight"):

@@ -888,12 +888,18 @@ def test_load_and_save_carry_the_prompt_digest(harness):
     h = harness("kv_consumer")
     h.add(h.request(wrapped_id(PREFILL, OWN, "d1"), prompt, max_tokens=1))
     (load,) = metas(h.step()).loads
-    assert load.prompt_digest == prompt_digest(prompt)
+    model = h.connector.fingerprint.digest
+    assert len(model) == 16
+    assert load.prompt_digest == prompt_digest(prompt, model)
     p = harness("kv_producer")
     p.add(p.request(wrapped_id(OWN, DECODE, "d2"), prompt, max_tokens=1))
     (save,) = metas(p.step()).saves
-    assert save.prompt_digest == prompt_digest(prompt)
-    assert prompt_digest(prompt) != prompt_digest(prompt[:-1] + [prompt[-1] + 1])
+    assert save.prompt_digest == prompt_digest(prompt, model)
+    assert prompt_digest(prompt, model) != prompt_digest(
+        prompt[:-1] + [prompt[-1] + 1], model
+    )
+    # Another model's KV of the same prompt has another digest: refused.
+    assert prompt_digest(prompt, model) != prompt_digest(prompt, bytes(16))
 
 
 def test_decode_with_prompt_logprobs_does_not_wait_and_refuses_the_kv(harness):

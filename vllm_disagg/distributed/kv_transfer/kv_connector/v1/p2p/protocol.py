@@ -35,25 +35,30 @@ from vllm_disagg.wire.peers import MAX_KEY_CHARS
 #   1: first version (kv_transfer_params p2p_* keys, the seed's request-id
 #      format, Hello/Offer/Get/Reply).
 #   2: Offer carries the prompt's digest; peers need a grant (p2p_grant).
-#   3: Abort: a sender that gives up tells the receiver, which recomputes at once.
+#   3: Abort: a sender that gives up tells the receiver, which recomputes at once;
+#      Hello.model (the model fingerprint), which prompt digests cover too.
 PROTOCOL_VERSION = 3
 DIGEST_BYTES = 16
 
 
-def prompt_digest(token_ids) -> bytes:
+def prompt_digest(token_ids, context: bytes = b"") -> bytes:
     """What both sides of a transfer compute from the request's prompt: KV is
     copied into a decode's cache only when the sender's digest equals the
-    decode's own, so KV of one prompt is never filed under another's prefix."""
+    decode's own, so KV of one prompt is never filed under another's prefix.
+    ``context`` is what else the KV depends on: the model fingerprint
+    (fingerprint.py) and the request's LoRA adapter."""
     h = hashlib.sha256(b"p2p-prompt-v1")
+    h.update(len(context).to_bytes(8, "little") + context)
     h.update(len(token_ids).to_bytes(8, "little"))
     h.update(array.array("q", token_ids).tobytes())
     return h.digest()[:DIGEST_BYTES]
 
 
-def embeds_digest(embeds) -> bytes:
+def embeds_digest(embeds, context: bytes = b"") -> bytes:
     """:func:`prompt_digest` of a prompt given as embeddings (a CPU tensor)."""
     t = embeds.detach().contiguous().cpu()
     h = hashlib.sha256(b"p2p-embeds-v1")
+    h.update(len(context).to_bytes(8, "little") + context)
     h.update(f"{tuple(t.shape)}|{t.dtype}".encode())
     h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
     return h.digest()[:DIGEST_BYTES]
@@ -91,6 +96,7 @@ class Hello(_Msg, tag="hello"):
     layout: LayoutSpec
     send_type: str
     sent_at: float  # the sender's wall clock: old Hellos (replays) are refused
+    model: bytes = b""  # the sender's model fingerprint (fingerprint.py)
 
 
 class Offer(_Msg, tag="offer"):
@@ -173,6 +179,7 @@ def _check_bounds(msg: Message) -> None:
         need(len(msg.channel_id) <= 64, "channel_id too long")
         need(len(msg.transport) <= 16, "transport name too long")
         need(len(msg.send_type) <= 16, "send_type too long")
+        need(len(msg.model) <= 64, "model fingerprint too long")
     elif isinstance(msg, Offer):
         need(0 < len(msg.key) <= MAX_KEY_CHARS, "key length")
         need(len(msg.channel_id) <= 64, "channel_id too long")

@@ -35,6 +35,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
     P2pConfig,
     dp_rank_of,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.fingerprint import (
+    model_fingerprint,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
@@ -165,9 +168,22 @@ class _Prefill:
     block_ids: list[int] = field(default_factory=list)
 
 
+def digest_context(model: bytes, request: Request) -> bytes:
+    """What the KV of ``request`` depends on besides its prompt: the model's
+    fingerprint and the request's LoRA adapter (name and path; the adapter's
+    bytes are not hashed)."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return model
+    return model + f"|lora:{lora.lora_name}|{lora.lora_path}".encode()
+
+
 class P2pSchedulerConnector:
     def __init__(self, vllm_config: VllmConfig, config: P2pConfig):
         self.config = config
+        # KV computed under another fingerprint is never filed here: every
+        # prompt digest covers it (fingerprint.py).
+        self.fingerprint = model_fingerprint(vllm_config)
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         self.addr = format_addr(
@@ -225,10 +241,11 @@ class P2pSchedulerConnector:
         if refusal is not None:
             self._refuse(request, f"nothing vouches for its P2P peers: {refusal}")
             return
+        context = digest_context(self.fingerprint.digest, request)
         if request.prompt_token_ids is not None:
-            digest = prompt_digest(request.prompt_token_ids)
+            digest = prompt_digest(request.prompt_token_ids, context)
         elif request.prompt_embeds is not None:
-            digest = embeds_digest(request.prompt_embeds)
+            digest = embeds_digest(request.prompt_embeds, context)
         else:
             self._refuse(
                 request, "neither prompt token ids nor embeddings to check KV against"

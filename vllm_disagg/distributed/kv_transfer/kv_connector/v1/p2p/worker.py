@@ -41,6 +41,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.placement im
     placed,
     warn_if_cores_are_shared,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.fingerprint import (
+    model_fingerprint,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
@@ -89,6 +92,7 @@ class P2pWorkerConnector:
             pp_rank=pp_rank,
         )
         self.stats = P2pStatsRecorder()
+        self.fingerprint = model_fingerprint(vllm_config)
         self.engine: P2pEngine | None = None
         self.layer_index: dict[str, int] = {}
 
@@ -125,6 +129,7 @@ class P2pWorkerConnector:
                 hold_timeout_s=config.kv_hold_timeout_s,
                 secret=config.secret,
                 stats=self.stats,
+                model_fingerprint=self.fingerprint.digest,
             )
         logger.info(
             "P2P engine listening on %s: role %s, send_type %s, transport %s, %d "

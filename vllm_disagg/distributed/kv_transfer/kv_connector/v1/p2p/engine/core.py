@@ -98,6 +98,7 @@ class P2pEngine(ReceiverMixin, SenderMixin):
         hold_timeout_s: float,
         secret: bytes | None = None,
         stats: P2pStatsRecorder | None = None,
+        model_fingerprint: bytes = b"",
     ):
         self.layout = layout
         self.addr = format_addr(host, port)
@@ -107,6 +108,7 @@ class P2pEngine(ReceiverMixin, SenderMixin):
         self.mem_pool_size_bytes = mem_pool_size_bytes
         self.hold_timeout_s = hold_timeout_s
         self.secret = secret or None
+        self.model_fingerprint = model_fingerprint
         self.stats = stats or P2pStatsRecorder()
         transport.on_rejected = (
             self.stats.record_rejected

@@ -285,6 +285,7 @@ class Peer:
                 layout=engine.layout.spec,
                 send_type=engine.send_type,
                 sent_at=time.time(),
+                model=engine.model_fingerprint,
             ),
             deadline,
         )

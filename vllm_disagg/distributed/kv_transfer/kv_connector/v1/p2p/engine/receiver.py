@@ -83,6 +83,7 @@ class ReceiverMixin:
     kv_buffer_size: int
     mem_pool_size_bytes: int
     hold_timeout_s: float
+    model_fingerprint: bytes
     stats: P2pStatsRecorder
     _lock: threading.Lock
     _recv: RecvTable  # one explicit state per key (recv_state.py)
@@ -355,6 +356,18 @@ class ReceiverMixin:
         mismatch = check_compatible(self.layout.spec, msg.layout)
         if mismatch:
             return self._refuse(msg.req_no, "layout", mismatch)
+        if msg.model != self.model_fingerprint:
+            # Same shapes, other weights or settings: its KV would give wrong
+            # answers here. Both values in one line (each instance logs what
+            # its fingerprint covers at start).
+            return self._refuse(
+                msg.req_no,
+                "model",
+                f"peer {msg.sender_addr} serves model fingerprint "
+                f"{msg.model.hex()[:12] or 'none'}, this worker "
+                f"{self.model_fingerprint.hex()[:12] or 'none'}: other weights, "
+                "config, tokenizer, dtype or parallel layout",
+            )
         if msg.send_type != self.send_type:
             return self._refuse(
                 msg.req_no,

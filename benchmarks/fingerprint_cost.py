@@ -93,7 +93,8 @@ page cache, as right after vLLM loaded them), one core, SHA-256:
 
 | case | time |
 | --- | --- |
-| first start (every file hashed, the hashes cached) | {first:.2f} s ({rate / 1e9:.2f} GB/s) |
+| first start (every file hashed, the hashes cached) | {first:.2f} s \
+({rate / 1e9:.2f} GB/s) |
 | restart (cached hashes; size and modification time checked) | {restart * 1e3:.1f} ms |
 | Hugging Face hub snapshot (blob names are the hashes) | {hub * 1e3:.1f} ms |
 

@@ -9,6 +9,8 @@ nothing of the router.
 * :mod:`.grants`: the router's signature over the peers it names, which
   instances check before they connect anywhere a request says.
 * :mod:`.discovery`: registration and heartbeat messages (instance -> router).
+* :mod:`.cookie`: this user's local cookie, the credentials of a fleet on
+  one host that nobody configured.
 """
 
-__all__ = ["discovery", "frames", "grants", "logs", "peers"]
+__all__ = ["cookie", "discovery", "frames", "grants", "logs", "peers"]

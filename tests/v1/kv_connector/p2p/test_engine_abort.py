@@ -164,3 +164,57 @@ def test_aborts_of_unknown_keys_are_bounded(make_engine, monkeypatch):
     finally:
         sock.close()
         ctx.term()
+
+
+def test_a_slow_moment_costs_one_load_and_the_next_transfer_runs_at_once(
+    make_engine, monkeypatch
+):
+    """Issue 27's pair: the decode's listener stalls (its messages queue up,
+    nothing is lost), the prefill gives up on its Hello, and everything the
+    decode handles late (the Hello, then the Abort) must be harmless: the
+    load fails as soon as the decode answers again, nothing stays allocated,
+    and the next transfer is served at normal speed on a new channel."""
+    monkeypatch.setattr(limits, "CONTROL_REPLY_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(limits, "PEER_RETRY_AFTER_S", 0.3)
+    monkeypatch.setattr(limits, "CHANNEL_SETUP_TIMEOUT_S", 1.0)
+    prefill = make_engine("tcp", "PUT")
+    decode = make_engine("tcp", "PUT")
+    handle = decode.engine._handle
+    stall = {"until": time.monotonic() + 1.5}
+
+    def slow_handle(msg, route=b"", source=None):
+        left = stall["until"] - time.monotonic()
+        if left > 0:
+            time.sleep(left)  # the listener is late, the message still handled
+        return handle(msg, route, source)
+
+    monkeypatch.setattr(decode.engine, "_handle", slow_handle)
+    for key in ("slow", "next"):
+        decode.expect(
+            key,
+            0,
+            time.monotonic() + LOAD_TIMEOUT_S,
+            get_from=None,
+            prompt_digest=DIGEST,
+            prefill_addr=prefill.addr,
+        )
+    xfer = wait_done(_start(prefill, decode, "slow"))
+    assert not xfer.ok and "no reply to Hello" in xfer.reason, xfer.reason
+    slot, _ = _wait_failed(decode, "slow", PROMPT_S)
+    assert "the prefill gave up sending it" in slot.reason
+    decode.release(slot)
+    # The slow moment is over: the next transfer goes through at once.
+    time.sleep(limits.PEER_RETRY_AFTER_S)
+    started = time.monotonic()
+    nxt = wait_done(_start(prefill, decode, "next"))
+    assert nxt.ok, nxt.reason
+    slot, _ = _wait_failed(decode, "next", PROMPT_S)
+    assert slot.state is SlotState.COMPLETE
+    assert time.monotonic() - started < PROMPT_S
+    decode.release(slot)
+    # The late Hello's channel never connected and was dropped; nothing held.
+    deadline = time.monotonic() + WAIT_S
+    while decode.engine._recv_threads > 1:
+        assert time.monotonic() < deadline, "the late Hello's thread never ended"
+        time.sleep(0.05)
+    assert decode.occupancy() == (0, 0)

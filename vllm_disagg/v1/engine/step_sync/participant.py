@@ -117,7 +117,12 @@ class Participant(NetworkThread):
 
     @property
     def steps_owed(self) -> int:
-        """Forward passes this rank still owes the group (dummy if no work)."""
+        """Forward passes this rank still owes the group (dummy if no work).
+
+        Engine thread only: it asks after every pass (or begins the next one),
+        so asking also says the last pass ended (the progress watch gives a
+        rank inside a pass longer than one that runs none)."""
+        self.core.in_pass = False
         return self.core.steps_owed
 
     # --- engine thread ---

@@ -71,6 +71,9 @@ class ParticipantCore:
         # Set by the engine once its busy loop runs: before that (loading the
         # model) it cannot run the passes it owes, and that is no failure.
         self.watch_progress = False
+        # Between begin_forward and the engine thread's next question (it
+        # asks steps_owed after every pass): inside a forward pass.
+        self.in_pass = False
         self.counters = Counters(
             "requests_sent",
             "grants_received",
@@ -113,6 +116,7 @@ class ParticipantCore:
         renewal margin.
         """
         self.local_step += 1
+        self.in_pass = True
         if dummy:
             self.dummy_steps += 1
             return self.local_step
@@ -247,7 +251,7 @@ class ParticipantCore:
                 f"(step_sync_peer_timeout_s={cfg.peer_timeout_s})"
             )
         elif stalled := self._watch.check(
-            self.local_step, self.delivered, self.watch_progress, now
+            self.local_step, self.delivered, self.watch_progress, now, self.in_pass
         ):
             self.stalled = stalled
             self._fail(stalled)
@@ -276,10 +280,19 @@ class ParticipantCore:
             self.failed = reason
 
 
+# A rank inside one forward pass is slow, not gone: it owes the next passes
+# only once this one ends. A pass may take this many step_sync_peer_timeout_s
+# before the group reports it stuck (a hung kernel or collective): on a CPU
+# host whose pinned OpenMP teams contend, a healthy pass of the tiny MoE took
+# more than 10 s, and the group used to fail "owes passes but ran none".
+PASS_TIMEOUT_FACTOR = 10
+
+
 class ProgressWatch:
     """Notices a rank that cannot make progress: it owes passes and runs
     none, or it ran a pass nobody granted and the grant never comes. Either
     means a collective is (or soon will be) stuck; report it rather than hang.
+    A rank still inside a pass gets ``PASS_TIMEOUT_FACTOR`` times as long.
     """
 
     def __init__(self, config: StepSyncConfig, dp_rank: int):
@@ -288,16 +301,32 @@ class ProgressWatch:
         self._since: float | None = None
         self._mark: tuple[int, int] | None = None
 
-    def check(self, local: int, granted: int, watching: bool, now: float) -> str | None:
+    def check(
+        self,
+        local: int,
+        granted: int,
+        watching: bool,
+        now: float,
+        in_pass: bool = False,
+    ) -> str | None:
         stuck = watching and local != granted
         mark = (local, granted)
         if not stuck or mark != self._mark:
             self._mark, self._since = mark, (now if stuck else None)
             return None
-        if now - self._since <= self.config.peer_timeout_s:
+        timeout = self.config.peer_timeout_s
+        slow_pass = in_pass and local < granted
+        limit = timeout * PASS_TIMEOUT_FACTOR if slow_pass else timeout
+        if now - self._since <= limit:
             return None
         waited = now - self._since
-        timeout = self.config.peer_timeout_s
+        if slow_pass:
+            return (
+                f"DP rank {self.dp_rank} has been in forward pass {local} for "
+                f"{waited:.1f}s and owes passes up to {granted} (a kernel or "
+                f"collective is stuck; limit {PASS_TIMEOUT_FACTOR} x "
+                f"step_sync_peer_timeout_s={timeout})"
+            )
         if local > granted:
             return (
                 f"DP rank {self.dp_rank} ran pass {local} but the group granted only "

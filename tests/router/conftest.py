@@ -12,10 +12,11 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 
 from vllm_disagg.router.app import (
@@ -80,13 +81,23 @@ class RunningRouter:
     url: str
     client: aiohttp.ClientSession
     clock: FakeClock
+    # instance id -> the seq of its last add(): each heartbeat must be newer
+    seqs: dict[str, int] = field(default_factory=dict)
 
     @property
     def registry(self):
         return self.state.registry
 
     def add(self, fake: FakeInstance, role: Role, **fields: Any) -> None:
-        self.registry.register(registration(fake, role, **fields))
+        """Register ``fake``, or heartbeat it again: like a real instance,
+        each call carries a newer ``seq`` unless one is given."""
+        msg = registration(fake, role, **fields)
+        if "seq" not in fields:
+            msg = msgspec.structs.replace(
+                msg, seq=self.seqs.get(msg.instance_id, -1) + 1
+            )
+        self.seqs[msg.instance_id] = msg.seq
+        self.registry.register(msg)
 
     async def post(
         self, path: str, body: Any, **kwargs: Any

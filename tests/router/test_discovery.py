@@ -114,7 +114,9 @@ async def test_register_heartbeat_deregister(discovery):
     router.clock.advance(3.0)
     assert router.registry.snapshot() == []  # silent 11 s > 10 s: expired
 
-    assert (await instance.message(register())).accepted
+    # Its last heartbeat, replayed, does not bring it back; its next one does.
+    assert not (await instance.message(register(seq=1))).accepted
+    assert (await instance.message(register(seq=2))).accepted
     assert (
         await instance.message(Deregister(DISCOVERY_VERSION, "i-1", time.time()))
     ).accepted
@@ -253,7 +255,9 @@ def test_replays_and_stale_incarnations_are_refused_even_with_a_token():
     # Another instance may not take the kv_addr with an older registration.
     thief = register("thief", http_addr="127.0.0.1:29999", sent_at=now - 30)
     assert not ack(thief).accepted and registry.get("new").kv_addr == "127.0.0.1:22001"
-    assert server.rejected["replayed"] == 1 and server.rejected["stale"] == 2
+    # The old incarnation's replay is refused twice over: replaced (retired)
+    # and removed after heartbeat 7; its seq says "replayed" first.
+    assert server.rejected["replayed"] == 2 and server.rejected["stale"] == 1
 
 
 def test_unsigned_registrations_only_from_loopback_unless_told_otherwise():
@@ -269,3 +273,232 @@ def test_unsigned_registrations_only_from_loopback_unless_told_otherwise():
     assert open_frame(
         None, server.handle(seal(None, register("i-2", seq=1)), "10.1.2.3")
     ).accepted
+
+
+# --- timing and replay edges (issue 28) ---------------------------------------
+
+
+def _server(token: bytes | None = TOKEN):
+    """(server, registry clock, wall clock, ack): a DiscoveryServer on
+    injected clocks; ack(frames) opens the Ack it answers with."""
+    from vllm_disagg.router.discovery import DiscoveryServer
+    from vllm_disagg.router.registry import InstanceRegistry
+
+    from .conftest import FakeClock
+
+    clock, wall = FakeClock(), [time.time()]
+    registry = InstanceRegistry(clock=clock)
+    server = DiscoveryServer(
+        registry, host="127.0.0.1", port=0, token=token, wall_clock=lambda: wall[0]
+    )
+
+    def ack(frames: list[bytes]) -> Ack:
+        return open_frame(token, server.handle(frames, "127.0.0.1"))
+
+    return server, clock, wall, ack
+
+
+def test_a_heartbeat_replayed_unchanged_keeps_no_dead_instance_listed():
+    """An equal seq was accepted: one captured heartbeat, replayed every few
+    seconds, kept a dead instance listed (and paired) until its sent_at
+    left the clock window."""
+    server, clock, wall, ack = _server()
+    assert ack(seal(TOKEN, register(seq=0, sent_at=wall[0]))).accepted
+    beat = seal(TOKEN, register(seq=1, sent_at=wall[0]))
+    assert ack(beat).accepted
+    for _ in range(4):  # the instance died; its last heartbeat is replayed
+        clock.advance(3.0)
+        wall[0] += 3.0
+        refused = ack(beat)
+        assert not refused.accepted and refused.reason.startswith("replayed")
+        assert "each must be newer" in refused.reason
+    assert server.registry.expire() and server.registry.get("i-1") is None
+    assert server.rejected["replayed"] == 4
+
+
+@pytest.mark.parametrize("removal", ["deregistered", "expired", "unreachable"])
+def test_a_removed_instance_is_not_revived_by_its_old_frames(removal):
+    server, clock, wall, ack = _server()
+    registry = server.registry
+    frames = [seal(TOKEN, register(seq=seq, sent_at=wall[0])) for seq in range(3)]
+    assert all(ack(f).accepted for f in frames)
+    if removal == "deregistered":
+        assert ack(seal(TOKEN, Deregister(DISCOVERY_VERSION, "i-1", wall[0]))).accepted
+    elif removal == "expired":
+        clock.advance(11.0)
+        wall[0] += 11.0
+        assert registry.expire()
+    else:
+        registry.mark_unreachable("127.0.0.1:20002")
+    assert registry.get("i-1") is None and registry.removals[removal] == 1
+
+    for old in frames:  # the last one and older ones, within the clock window
+        refused = ack(old)
+        assert not refused.accepted and refused.reason.startswith("replayed")
+        assert "removed after heartbeat 2" in refused.reason
+    assert registry.get("i-1") is None
+    # Still remembered just before REMOVED_TTL_S; after it, the frame's
+    # sent_at is far outside the clock window: refused by the other rule.
+    from vllm_disagg.router.registry import REMOVED_TTL_S
+    from vllm_disagg.wire.clocks import MAX_CLOCK_SKEW_S
+
+    assert REMOVED_TTL_S >= 2 * MAX_CLOCK_SKEW_S
+    clock.advance(REMOVED_TTL_S - 12.0)
+    with pytest.raises(Exception, match="removed after heartbeat 2"):
+        registry.register(register(seq=2))
+    clock.advance(2.0)
+    wall[0] += REMOVED_TTL_S
+    assert ack(frames[-1]).reason.startswith("stale")
+    # A live instance (an unreachable one, a partition that healed) comes
+    # back with its next heartbeat.
+    assert ack(seal(TOKEN, register(seq=3, sent_at=wall[0]))).accepted
+    assert registry.get("i-1") is not None
+
+
+def test_forgetting_removed_instances_when_full_refuses_rather_than_revives(
+    monkeypatch,
+):
+    """The memory of removed instances is bounded; one forgotten early is
+    still refused (its frames are no newer than the newest forgotten)."""
+    from vllm_disagg.router import registry as registry_module
+
+    monkeypatch.setattr(registry_module, "MAX_REMOVED", 2)
+    server, _, wall, ack = _server()
+    captured = {}
+    for n, name in enumerate(("a", "b", "c")):
+        msg = register(
+            name,
+            http_addr=f"127.0.0.1:{20010 + n}",
+            kv_addr=f"127.0.0.1:{22010 + n}",
+            sent_at=wall[0] - 10 + n,
+        )
+        captured[name] = seal(TOKEN, msg)
+        assert ack(captured[name]).accepted
+        assert ack(seal(TOKEN, Deregister(DISCOVERY_VERSION, name, wall[0]))).accepted
+    assert "a" not in server.registry._removed  # forgotten: the memory is full
+    refused = ack(captured["a"])
+    assert not refused.accepted and "could not remember" in refused.reason
+    assert not ack(captured["c"]).accepted  # still remembered
+    # A new instance (a fresh sent_at) is not held up.
+    fresh = register("fresh", http_addr="127.0.0.1:20020", kv_addr="127.0.0.1:22020")
+    assert ack(seal(TOKEN, fresh)).accepted
+
+
+@pytest.mark.parametrize("token", [None, TOKEN], ids=["unsigned", "signed"])
+def test_one_clock_rule_for_discovery_and_the_p2p_handshake(token):
+    """The router accepted clocks 300 s off its own while a decode refused
+    Hellos 300 s off its own: a prefill and a decode 600 s apart were
+    paired and every transfer refused. Now the router accepts at most half
+    what a Hello may be off (less slack), both ways, with or without token."""
+    from vllm_disagg.wire import clocks, discovery
+
+    assert discovery.MAX_CLOCK_SKEW_S is clocks.MAX_CLOCK_SKEW_S
+    skew = clocks.MAX_CLOCK_SKEW_S
+    hello_age, slack = clocks.MAX_HELLO_AGE_S, clocks.CLOCK_SLACK_S
+    assert hello_age == 2 * skew + slack and slack > 0
+    now = time.time()
+    for offset in (-skew + 1, skew - 1):
+        msg = open_frame(token, seal(token, register(sent_at=now + offset)), now=now)
+        assert msg.sent_at == now + offset
+    for offset, direction in ((-skew - 1, "behind"), (skew + 1, "ahead of")):
+        with pytest.raises(discovery.DiscoveryError) as e:
+            open_frame(token, seal(token, register(sent_at=now + offset)), now=now)
+        assert e.value.kind == "stale"
+        assert f"{skew + 1:.0f} s {direction} the router's" in str(e.value)
+        assert f"at most {skew:.0f} s" in str(e.value) and "NTP" in str(e.value)
+
+
+def test_a_prefill_and_a_decode_too_far_apart_are_refused_at_registration():
+    """The issue's pair: 300 s ahead and 300 s behind the router (each was
+    accepted, they could not talk). Both are refused now, each told why;
+    nothing is paired."""
+    server, _, wall, ack = _server()
+    for name, role, offset in (
+        ("p", Role.PREFILL, 299.0),
+        ("d", Role.DECODE, -299.0),
+    ):
+        msg = register(
+            name,
+            role=role,
+            http_addr=f"127.0.0.1:{20030 + len(name)}",
+            kv_addr=f"127.0.0.1:{22030 + (role is Role.DECODE)}",
+            sent_at=wall[0] + offset,
+        )
+        refused = ack(seal(TOKEN, msg))
+        assert not refused.accepted and refused.reason.startswith("stale")
+        assert "clock is 299 s" in refused.reason
+    assert len(server.registry) == 0
+
+
+# Addresses the rest of the project refuses, which discovery used to accept.
+BAD_ADDRS = [
+    "999.1.1.1:80",  # not an IPv4 address, not a host name either
+    "10.0.0:80",
+    "127.0.0.1:80\n",  # "$" matched before a trailing newline
+    "127.0.0.1:0",
+    "127.0.0.1:65536",
+    "-leading-dash.example:80",
+    "::1:80",  # IPv6 unbracketed: ambiguous
+    "[::g]:80",
+    "under_score:80",
+]
+GOOD_ADDRS = [
+    "[::1]:80",
+    "[0:0:0:0:0:0:0:1]:80",
+    "decode-1.example:65535",
+    "Decode-1.Example.internal:1",
+    "localhost:8000",
+    "10.0.0.1:22001",
+]
+
+
+@pytest.mark.parametrize("addr", BAD_ADDRS)
+@pytest.mark.parametrize("field", ["http_addr", "kv_addr"])
+def test_discovery_refuses_addresses_the_router_could_not_name(field, addr):
+    """A registered kv_addr the router's request naming refuses turned every
+    request paired with that instance into a 500."""
+    _, _, wall, ack = _server()
+    refused = ack(seal(TOKEN, register(**{field: addr, "sent_at": wall[0]})))
+    assert not refused.accepted and refused.reason.startswith("malformed")
+    assert field in refused.reason
+
+
+async def test_every_address_discovery_accepts_is_paired_without_a_500(
+    start_router, fakes
+):
+    """What discovery accepts, the router names in kv_transfer_params and
+    grants (the same grammar): a pairing never becomes a 500. The bad
+    instance is refused at registration, so requests go to the good ones."""
+    token = "fleet-token"
+    router = await start_router(registration_token=token)
+    discovery = router.state.discovery
+    p, d, bad = await fakes("p"), await fakes("d"), await fakes("bad")
+    registrations = [
+        (p, Role.PREFILL, "[0:0:0:0:0:0:0:1]:23001", True),
+        (d, Role.DECODE, "Decode-1.Example:24001", True),
+        (bad, Role.PREFILL, "999.1.1.1:80", False),
+    ]
+    replies = []
+    for fake, role, kv_addr, _ in registrations:
+        msg = register(fake.name, role=role, http_addr=fake.http_addr, kv_addr=kv_addr)
+        replies.append(
+            open_frame(
+                token.encode(),
+                discovery.handle(seal(token.encode(), msg), "127.0.0.1"),
+            )
+        )
+    statuses = []
+    for _ in range(4):
+        status, _, _ = await router.post(
+            "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}
+        )
+        statuses.append(status)
+    assert statuses == [200] * 4
+    assert [r.accepted for r in replies] == [a for *_, a in registrations]
+    assert replies[-1].reason.startswith("malformed") and "999.1.1.1" in (
+        replies[-1].reason
+    )
+    assert len(p.requests) == 4 and not bad.requests
+    params = d.requests[0].body["kv_transfer_params"]
+    assert params["p2p_prefill_addr"] == "[0:0:0:0:0:0:0:1]:23001"
+    assert params["p2p_decode_addr"] == "Decode-1.Example:24001"

@@ -159,7 +159,7 @@ def test_half_open_allows_one_trial_that_closes_or_reopens():
     registry.begin(instance)
     registry.finish(instance, False)
     clock.advance(9.0)
-    registry.register(reg("p"))
+    registry.register(reg("p", seq=1))
     assert registry.healthy(Role.PREFILL) == []
     clock.advance(1.0)
     assert registry.healthy(Role.PREFILL) == [instance]
@@ -168,7 +168,7 @@ def test_half_open_allows_one_trial_that_closes_or_reopens():
     registry.finish(instance, False)  # failed: open for another cool-down
     assert registry.breaker_state(instance) is BreakerState.OPEN
     clock.advance(10.0)
-    registry.register(reg("p"))
+    registry.register(reg("p", seq=2))
     registry.begin(instance)
     registry.finish(instance, None)  # the client left: no verdict, trial slot freed
     assert registry.healthy(Role.PREFILL) == [instance]
@@ -192,7 +192,7 @@ def test_snapshot_shows_role_age_load_and_breaker():
     registry.register(reg("p", dp_rank=1, dp_size=2))
     registry.begin(registry.get("p"))
     clock.advance(4.0)
-    registry.register(reg("p", dp_rank=1, dp_size=2))
+    registry.register(reg("p", dp_rank=1, dp_size=2, seq=1))
     clock.advance(1.0)
     [entry] = registry.snapshot()
     assert entry == {
@@ -210,6 +210,8 @@ def test_snapshot_shows_role_age_load_and_breaker():
         "outstanding": 1,
         "breaker": "closed",
         "consecutive_failures": 0,
+        "state": "ready",
+        "stalled_s": 0.0,
     }
 
 
@@ -241,7 +243,7 @@ def test_registration_is_constant_time_and_the_registry_bounded():
     assert len(registry) == 20_000
     with pytest.raises(RegistryFull):
         registry.register(reg("one-more", port=30_000))
-    registry.register(reg("i7", port=8))  # a known instance still refreshes
+    registry.register(reg("i7", port=8, seq=1))  # a known instance still refreshes
     # A new incarnation at a known address still replaces the old one.
     registry.register(reg("i7-again", port=8))
     assert registry.get("i7") is None and registry.get("i7-again") is not None

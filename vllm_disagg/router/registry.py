@@ -19,6 +19,14 @@ An instance is usable while
 A refused connection proves nothing listens there: a registered instance is
 removed at once (a live one comes back with its next heartbeat), a static one
 gets its breaker opened (it has no heartbeat to come back with).
+
+Replays: each heartbeat of an instance must carry a larger ``seq`` than the
+last one accepted (its counter for this router, see the connector's
+``registration.py``), and an instance removed (deregistered, expired,
+unreachable) is remembered with its last ``seq`` for ``REMOVED_TTL_S``: only
+a newer heartbeat of it brings it back, never an old frame. Beyond that
+time, an old frame's ``sent_at`` is outside discovery's clock window
+(``wire/clocks.py``) and refused there.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_disagg.wire.clocks import CLOCK_SLACK_S, MAX_CLOCK_SKEW_S
 from vllm_disagg.wire.discovery import Register, Role
 
 logger = logging.getLogger(__name__)
@@ -108,6 +117,12 @@ class RegistryFull(RegistryRefused):
 # (a captured frame of it replayed must not evict its successor).
 RETIRED_TTL_S = 600.0
 MAX_RETIRED = 4096
+# A removed instance's last seq is remembered this long: longer than a frame
+# stays within discovery's clock window (sent by a clock MAX_CLOCK_SKEW_S
+# ahead, opened until MAX_CLOCK_SKEW_S after that), so an old frame of it is
+# refused by one rule or the other.
+REMOVED_TTL_S = max(RETIRED_TTL_S, 2 * MAX_CLOCK_SKEW_S + CLOCK_SLACK_S)
+MAX_REMOVED = 4096
 
 
 @dataclass
@@ -126,6 +141,15 @@ class InstanceRegistry:
     _by_name: dict[str, Counter[str]] = field(default_factory=dict, init=False)
     # instance id -> until: incarnations a newer one replaced
     _retired: dict[str, float] = field(default_factory=dict, init=False)
+    # instance id -> (until, its last seq, its last sent_at): removed instances
+    _removed: dict[str, tuple[float, int, float]] = field(
+        default_factory=dict, init=False
+    )
+    # Removed instances forgotten early (more than MAX_REMOVED within
+    # REMOVED_TTL_S): until then, a new instance id whose frame is no newer
+    # than the newest of theirs may be one of them, and is refused.
+    _forgotten_sent_at: float = field(default=-1.0, init=False)
+    _forgotten_until: float = field(default=-1.0, init=False)
     # What happened to instances, for /metrics: removals by reason, breaker opens.
     removals: Counter[str] = field(default_factory=Counter, init=False)
     breaker_opens: int = field(default=0, init=False)
@@ -164,10 +188,16 @@ class InstanceRegistry:
                 "conflict",
                 f"{msg.instance_id}: the name {name!r} already names another model",
             )
-        if known is not None and msg.seq < known.seq:
+        if known is not None and msg.seq <= known.seq:
+            # Strictly increasing: a heartbeat replayed unchanged must not
+            # keep a dead instance listed.
             raise RegistryRefused(
-                "replayed", f"{msg.instance_id}: heartbeat {msg.seq} after {known.seq}"
+                "replayed",
+                f"{msg.instance_id}: heartbeat {msg.seq} after {known.seq} "
+                "(each must be newer)",
             )
+        if known is None:
+            self._refuse_removed(msg, now)
         until = self._retired.get(msg.instance_id)
         if known is None and until is not None and now < until:
             raise RegistryRefused(
@@ -229,6 +259,7 @@ class InstanceRegistry:
             seq=msg.seq,
             sent_at=msg.sent_at,
         )
+        self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
         self._index(instance)
         self._progress(instance, msg.stalled_s)
         logger.info(
@@ -242,6 +273,36 @@ class InstanceRegistry:
             msg.dp_size,
         )
         return True
+
+    def _refuse_removed(self, msg: Register, now: float) -> None:
+        """Refuse an old frame of an instance that was removed."""
+        gone = self._removed.get(msg.instance_id)
+        if gone is not None:
+            until, seq, _ = gone
+            if now < until and msg.seq <= seq:
+                raise RegistryRefused(
+                    "replayed",
+                    f"{msg.instance_id} was removed after heartbeat {seq}: "
+                    f"heartbeat {msg.seq} is an old frame",
+                )
+        elif now < self._forgotten_until and msg.sent_at <= self._forgotten_sent_at:
+            raise RegistryRefused(
+                "replayed",
+                f"{msg.instance_id}: a frame no newer than those of removed "
+                "instances this router could not remember (more than "
+                f"{MAX_REMOVED} removals within {REMOVED_TTL_S:.0f} s); "
+                "a live instance is accepted once its clock passes them",
+            )
+
+    def _remember_removed(self, instance: Instance, now: float) -> None:
+        until = now + REMOVED_TTL_S
+        self._removed[instance.instance_id] = (until, instance.seq, instance.sent_at)
+        while len(self._removed) > MAX_REMOVED:
+            oldest = next(iter(self._removed))
+            old_until, _, old_sent_at = self._removed.pop(oldest)
+            if old_until > now:  # forgotten early: refuse what it could replay
+                self._forgotten_until = max(self._forgotten_until, old_until)
+                self._forgotten_sent_at = max(self._forgotten_sent_at, old_sent_at)
 
     def _progress(self, instance: Instance, stalled_s: float) -> None:
         """Take ``instance`` out of rotation while its engine does not step."""
@@ -348,6 +409,8 @@ class InstanceRegistry:
     def _remove(self, instance: Instance, reason: str) -> None:
         del self._instances[instance.instance_id]
         self._unindex(instance)
+        if not instance.static:
+            self._remember_removed(instance, self.clock())
         self.removals[reason] += 1
         logger.info(
             "instance %s (%s %s) removed: %s",

@@ -11,9 +11,15 @@ shutdown the instance sends ``Deregister``.
 
 A frame is ``[payload, mac]``: the MAC is HMAC-SHA256 (16 bytes) over the
 payload under the shared registration token (``VLLM_DISAGG_ROUTER_TOKEN``),
-empty when no token is set. ``sent_at`` (wall clock) bounds replays of a
-captured, signed frame to ``MAX_CLOCK_SKEW_S``. Never pickle: msgspec structs,
-tagged, unknown fields forbidden, every string bounded.
+empty when no token is set. ``sent_at`` (wall clock) must be within
+``MAX_CLOCK_SKEW_S`` of the router's clock, ahead or behind: that bounds
+replays of a captured, signed frame, and it is the fleet's one clock rule
+(``wire/clocks.py``), so any two instances a router accepts can open a P2P
+channel to each other. A ``Register``'s ``seq`` must grow with every frame
+(``router/registry.py``). Addresses follow the one ``host:port`` grammar of
+``wire/peers.py``: what discovery accepts, the router and the P2P plane
+accept too. Never pickle: msgspec structs, tagged, unknown fields forbidden,
+every string bounded.
 
 This module imports neither vLLM nor quart: the router and the connector both
 use it.
@@ -28,7 +34,9 @@ import time
 
 import msgspec
 
+from vllm_disagg.wire.clocks import MAX_CLOCK_SKEW_S, clock_offset_problem
 from vllm_disagg.wire.frames import FrameCodec, FrameError
+from vllm_disagg.wire.peers import PeerInfoError, split_addr
 
 # History:
 #   1: first version (Register / Deregister / Ack).
@@ -41,15 +49,12 @@ DEFAULT_HTTP_PORT = 10001
 HEARTBEAT_INTERVAL_S = 3.0
 
 MAX_FRAME_BYTES = 4096
-MAX_ADDR_CHARS = 261  # a host name (253) + brackets + ":" + port
 MAX_ID_CHARS = 128
 MAX_MODEL_CHARS = 256
 MAX_ALIASES = 8
 MAX_REASON_CHARS = 300
-MAX_CLOCK_SKEW_S = 300.0
 MAX_SEQ = 2**53  # heartbeats every 50 ms for longer than the universe has existed
 
-_ADDR_RE = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$")
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]{1,128}$")
 
 
@@ -83,7 +88,7 @@ class Register(_Msg, tag="register"):
     aliases: tuple[str, ...] = ()  # its other names, also accepted in requests
     dp_rank: int = 0
     dp_size: int = 1
-    seq: int = 0  # heartbeat counter of this incarnation
+    seq: int = 0  # heartbeat counter of this incarnation, grows every frame
     interval_s: float = HEARTBEAT_INTERVAL_S
     sent_at: float = 0.0  # sender's time.time()
     # Seconds its engine has held requests without scheduling a step (0:
@@ -138,14 +143,14 @@ def open_frame(
         )
     validate(msg)
     if not isinstance(msg, Ack):
-        # A sender clock decides which incarnation holds an address, so one
-        # from the future would lock it: bounded with or without a token.
-        # With one, the past is bounded too (replays of captured frames);
-        # without, an old clock only loses every contest.
+        # Both ways, with or without a token: a clock from the future would
+        # lock an address (a sender clock decides which incarnation holds
+        # it), an old frame is a replay, and an instance too far off either
+        # way could not open a P2P channel to the others (wire/clocks.py).
         now = time.time() if now is None else now
-        ahead = msg.sent_at - now
-        if ahead > MAX_CLOCK_SKEW_S or (token and -ahead > MAX_CLOCK_SKEW_S):
-            raise FrameError("stale", f"sent_at is {-ahead:.0f}s off")
+        problem = clock_offset_problem(msg.sent_at - now, MAX_CLOCK_SKEW_S, "router")
+        if problem is not None:
+            raise FrameError("stale", problem)
     return msg
 
 
@@ -167,12 +172,12 @@ def validate(msg: Message) -> None:
         )
     if isinstance(msg, Register):
         for name in ("http_addr", "kv_addr"):
-            value = getattr(msg, name)
-            need(
-                len(value) <= MAX_ADDR_CHARS and bool(_ADDR_RE.match(value)),
-                f"{name} must be host:port",
-            )
-            need(0 < int(value.rsplit(":", 1)[1]) < 65536, f"{name} port out of range")
+            # The project's one grammar: an address the router names in a
+            # request (kv_transfer_params, grants) must parse there too.
+            try:
+                split_addr(getattr(msg, name), name)
+            except PeerInfoError as e:
+                raise FrameError("malformed", str(e)) from None
         need(len(msg.aliases) <= MAX_ALIASES, f"more than {MAX_ALIASES} aliases")
         for name in (msg.model, *msg.aliases):
             need(0 < len(name) <= MAX_MODEL_CHARS, "model name length")

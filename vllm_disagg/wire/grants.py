@@ -14,7 +14,10 @@ the peers (or accept peers an operator lists in ``allowed_peers``).
 A grant is ``v1.<expires, unix seconds>.<32 hex digits>``; the MAC is
 HMAC-SHA256 over the canonical spelling of both addresses, so any spelling
 the codec accepts verifies. A grant is bound to its key: reusing one for
-another transfer, or with peers swapped, fails. Standard library only.
+another transfer, or with peers swapped, fails. A grant is good until it
+expires, not for one use: an instance remembers each key it used until its
+grant expires (the connector's ``UsedKeys``), so a grant replayed from a log
+moves no KV a second time. Standard library only.
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ def make_grant(
 
 def check_grant(
     token: bytes, grant: object, peer: PeerInfo, *, now: float | None = None
-) -> None:
-    """Raise :class:`GrantError` unless ``grant`` vouches for ``peer`` now."""
+) -> int:
+    """When ``grant`` expires (unix seconds, at most :data:`MAX_GRANT_TTL_S`
+    from ``now``); :class:`GrantError` unless it vouches for ``peer`` now."""
     if grant is None:
         raise GrantError("missing", "the request names peers without a grant")
     if not isinstance(grant, str) or len(grant) > MAX_GRANT_CHARS:
@@ -99,3 +103,4 @@ def check_grant(
         raise GrantError("expired", f"the grant expired {now - expires:.0f} s ago")
     if expires - now > MAX_GRANT_TTL_S:
         raise GrantError("malformed", "the grant is valid for too long")
+    return expires

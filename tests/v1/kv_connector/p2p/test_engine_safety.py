@@ -293,6 +293,59 @@ def test_a_replayed_or_stale_hello_is_refused(make_engine):
         stranger.close()
 
 
+@pytest.mark.parametrize("prefill_ahead", [True, False])
+def test_any_pair_the_router_accepts_can_open_a_channel(make_engine, prefill_ahead):
+    """One clock rule (issue 28): the router accepted clocks 300 s off its
+    own, a decode refused Hellos 300 s off its own, so a prefill and a
+    decode at opposite ends of the router's window were paired and every
+    send refused. Both at the very ends now (and a few seconds in flight):
+    the Hello is accepted; one further off is refused by the router."""
+    from vllm_disagg.wire.discovery import (
+        DISCOVERY_VERSION,
+        MAX_CLOCK_SKEW_S,
+        DiscoveryError,
+        Register,
+        Role,
+        open_frame,
+        seal,
+    )
+
+    router_now = time.time()
+    sign = 1 if prefill_ahead else -1
+    prefill_clock = router_now + sign * MAX_CLOCK_SKEW_S
+    decode_clock = router_now - sign * MAX_CLOCK_SKEW_S
+
+    def registers(sent_at: float, port: int) -> bool:
+        msg = Register(
+            DISCOVERY_VERSION,
+            f"i{port}",
+            Role.PREFILL,
+            f"127.0.0.1:{port}",
+            f"127.0.0.1:{port + 1}",
+            "m",
+            sent_at=sent_at,
+        )
+        try:
+            open_frame(b"t", seal(b"t", msg), now=router_now)
+        except DiscoveryError:
+            return False
+        return True
+
+    assert registers(prefill_clock, 20001) and registers(decode_clock, 20003)
+    assert not registers(router_now + sign * (MAX_CLOCK_SKEW_S + 1), 20005)
+
+    decode = make_engine("fake", "PUT_ASYNC")
+    stranger = Stranger(decode.addr)
+    try:
+        # The decode's clock is decode_clock - router_now off the test's.
+        in_flight_s = 5.0
+        sent_at = time.time() + (prefill_clock - decode_clock) - sign * in_flight_s
+        reply = stranger.ask(hello(decode, channel_id="skewed", sent_at=sent_at))
+        assert reply.status == Status.OK, reply
+    finally:
+        stranger.close()
+
+
 def test_an_offer_must_come_on_its_channels_own_connection(make_engine):
     """Channel ids travel in clear: an offer naming someone else's channel from
     another control connection would steal that sender's next transfer."""

@@ -19,11 +19,14 @@ otherwise the request is computed locally and counted (``refused_peers``).
 A transfer key is used once per side: the children of ``n > 1``, beam
 search's per-step requests and a retried id carry the key of a transfer that
 is already under way or done, and are computed locally at once instead of
-waiting for KV that will never come a second time.
+waiting for KV that will never come a second time. A used key is remembered
+as long as the router grant that vouched for it is valid (:class:`UsedKeys`),
+so a captured grant never moves KV a second time.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -62,7 +65,12 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
     P2pStatsRecorder,
 )
 from vllm_disagg.logger import init_logger
-from vllm_disagg.wire.grants import GRANT_KEY, GrantError, check_grant
+from vllm_disagg.wire.grants import (
+    GRANT_KEY,
+    MAX_GRANT_TTL_S,
+    GrantError,
+    check_grant,
+)
 from vllm_disagg.wire.peers import (
     PeerInfo,
     PeerInfoError,
@@ -81,7 +89,8 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 BAD_PEER_LOG_INTERVAL_S = 10.0
-# Keys used once are remembered this many at most (oldest forgotten first).
+# Keys used once are remembered this many at most (oldest forgotten first,
+# and what a forgotten one could replay refused: see UsedKeys).
 MAX_USED_KEYS = 65536
 
 
@@ -97,6 +106,13 @@ class PeerVouching:
 
     def refusal(self, peer: PeerInfo, kv_transfer_params: dict | None) -> str | None:
         """None when vouched for, else why not (for a rate-limited log line)."""
+        return self.vouch(peer, kv_transfer_params)[0]
+
+    def vouch(
+        self, peer: PeerInfo, kv_transfer_params: dict | None
+    ) -> tuple[str | None, int | None]:
+        """(:meth:`refusal`, when the grant that vouched expires: unix
+        seconds, None when no grant did)."""
         others = [
             a
             for a in (
@@ -107,7 +123,7 @@ class PeerVouching:
         ]
         if not others:
             # Both sides this instance: it would wait for KV from itself.
-            return "the request names this instance as both prefill and decode"
+            return "the request names this instance as both prefill and decode", None
         grant = (
             kv_transfer_params.get(GRANT_KEY)
             if isinstance(kv_transfer_params, dict)
@@ -116,41 +132,81 @@ class PeerVouching:
         problem = "no router token to check a grant with"
         if self._token is not None and grant is not None:
             try:
-                check_grant(self._token, grant, peer)
-                return None
+                return None, check_grant(self._token, grant, peer)
             except GrantError as e:
                 problem = f"grant refused ({e})"
         elif self._token is not None:
             problem = "no grant"
         if self._allowed is not None:
             if all(self._allowed.allows(a) for a in others):
-                return None
+                return None, None
             problem += "; a named peer is not on allowed_peers"
-        return problem
+        return problem, None
 
 
 class UsedKeys:
-    """Transfer keys this side has used, each for ``ttl_s`` (bounded)."""
+    """Transfer keys this side has used: each for ``ttl_s``, and while the
+    router grant that vouched for it is valid (until its ``expires``, unix
+    seconds, as :func:`check_grant` compares it: at most MAX_GRANT_TTL_S
+    after its use). A grant is not single-use by itself; this memory makes
+    it so, on each side.
+
+    Bounded: beyond ``max_keys`` the oldest key is forgotten, and the latest
+    expiry among forgotten grants still valid is kept: a key not remembered
+    whose grant expires no later may be a forgotten one and counts as used
+    (its request is computed locally, :attr:`refused_forgotten` counts it).
+    Refusing is the safe side; with one router, grants made later expire
+    later, so a full memory refuses no fresh request.
+    """
 
     def __init__(self, ttl_s: float, max_keys: int = MAX_USED_KEYS):
         self.ttl_s = ttl_s
         self.max_keys = max_keys
-        self._keys: OrderedDict[str, float] = OrderedDict()
+        # key -> (monotonic until, its grant's expiry or -inf)
+        self._keys: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._forgotten_until = -math.inf  # latest valid grant forgotten
+        self.refused_forgotten = 0
+        self._last_log = -math.inf
 
     def __contains__(self, key: str) -> bool:
-        until = self._keys.get(key)
-        if until is None:
-            return False
-        if time.monotonic() > until:
-            del self._keys[key]
-            return False
-        return True
+        return self.used(key)
 
-    def add(self, key: str) -> None:
-        self._keys[key] = time.monotonic() + self.ttl_s
+    def used(self, key: str, grant_expires: float | None = None) -> bool:
+        entry = self._keys.get(key)
+        if entry is not None:
+            until, expires = entry
+            if time.monotonic() <= until or time.time() <= expires:
+                return True
+            del self._keys[key]
+        if grant_expires is not None and grant_expires <= self._forgotten_until:
+            self.refused_forgotten += 1
+            now = time.monotonic()
+            if now - self._last_log >= BAD_PEER_LOG_INTERVAL_S:
+                self._last_log = now
+                logger.warning(
+                    "transfer key %s: its grant is no newer than grants of keys "
+                    "forgotten from the full used-key memory (%d keys); computed "
+                    "locally, as %d such requests so far",
+                    key,
+                    self.max_keys,
+                    self.refused_forgotten,
+                )
+            return True
+        return False
+
+    def add(self, key: str, grant_expires: float | None = None) -> None:
+        # check_grant accepts no grant valid for longer than MAX_GRANT_TTL_S.
+        expires = (
+            -math.inf
+            if grant_expires is None
+            else min(grant_expires, time.time() + MAX_GRANT_TTL_S)
+        )
+        self._keys[key] = (time.monotonic() + self.ttl_s, expires)
         self._keys.move_to_end(key)
         while len(self._keys) > self.max_keys:
-            self._keys.popitem(last=False)
+            _, (_, old_expires) = self._keys.popitem(last=False)
+            if old_expires >= time.time():  # its grant could still be replayed
+                self._forgotten_until = max(self._forgotten_until, old_expires)
 
 
 @dataclass
@@ -159,6 +215,7 @@ class _Peers:
 
     info: PeerInfo
     digest: bytes
+    grant_expires: int | None = None  # the grant that vouched (None: no grant)
 
 
 @dataclass
@@ -197,8 +254,9 @@ class P2pSchedulerConnector:
         self._canonical_addr = canonical_addr(self.addr)
         self._vouching = PeerVouching(config, self.addr)
         self.stats = P2pStatsRecorder()
-        # Long enough that a duplicate of a request arrives within it: the
-        # other side holds a key's KV at most this long.
+        # Long enough that a duplicate of a request arrives within it (the
+        # other side holds a key's KV at most this long), and a granted key
+        # until its grant expires (at most MAX_GRANT_TTL_S after its use).
         self._used_keys = UsedKeys(
             2 * max(config.kv_load_timeout_s, config.kv_hold_timeout_s) + 60.0
         )
@@ -237,7 +295,7 @@ class P2pSchedulerConnector:
             return
         if peer is None:
             return
-        refusal = self._vouching.refusal(peer, request.kv_transfer_params)
+        refusal, grant_expires = self._vouching.vouch(peer, request.kv_transfer_params)
         if refusal is not None:
             self._refuse(request, f"nothing vouches for its P2P peers: {refusal}")
             return
@@ -251,7 +309,7 @@ class P2pSchedulerConnector:
                 request, "neither prompt token ids nor embeddings to check KV against"
             )
             return
-        self._peers[request.request_id] = _Peers(peer, digest)
+        self._peers[request.request_id] = _Peers(peer, digest, grant_expires)
 
     def _refuse(self, request: Request, why: str) -> None:
         self.stats.record_refused_peers()
@@ -293,13 +351,16 @@ class P2pSchedulerConnector:
         peers = self._peers.get(request.request_id)
         if peers is None or request.request_id in self._loaded:
             return 0, False
-        if not self._is_decode(peers.info) or peers.info.key in self._used_keys:
-            # Another request (n > 1 sibling, beam step, retry) took this key.
+        if not self._is_decode(peers.info):
+            return 0, False
+        if self._used_keys.used(peers.info.key, peers.grant_expires):
+            # Another request (n > 1 sibling, beam step, retry, a replayed
+            # grant) took this key.
             return 0, False
         if request.skip_reading_prefix_cache:
             # prompt_logprobs: vLLM computes the whole prompt here whatever
             # we say; tell the workers, so the prefill's offer is refused.
-            self._used_keys.add(peers.info.key)
+            self._used_keys.add(peers.info.key, peers.grant_expires)
             self._unwanted.append(peers.info.key)
             return 0, False
         remote = request.num_prompt_tokens - num_computed_tokens
@@ -321,7 +382,7 @@ class P2pSchedulerConnector:
         first_block = num_local // self.block_size
         block_ids = list(blocks.get_block_ids()[0])
         self._loaded.add(req_id)
-        self._used_keys.add(peer.key)
+        self._used_keys.add(peer.key, peers.grant_expires)
         self._pending_loads[req_id] = LoadSpec(
             request_id=req_id,
             key=peer.key,
@@ -378,10 +439,11 @@ class P2pSchedulerConnector:
             return
         del self._prefills[req_id]
         key = prefill.peer.info.key
-        if key in self._used_keys:
-            # n > 1 siblings and retried ids share the key: one transfer per key.
+        if self._used_keys.used(key, prefill.peer.grant_expires):
+            # n > 1 siblings and retried ids share the key: one transfer per
+            # key (a replayed grant: none at all).
             return
-        self._used_keys.add(key)
+        self._used_keys.add(key, prefill.peer.grant_expires)
         num_blocks = cdiv(prefill.num_prompt_tokens, self.block_size)
         meta.saves.append(
             SaveSpec(

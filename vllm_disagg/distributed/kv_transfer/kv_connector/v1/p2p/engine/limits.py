@@ -5,6 +5,8 @@ so a test that patches one here (``monkeypatch.setattr(limits, ...)``) changes
 it for every module of the engine, the way vLLM's ``envs`` are read.
 """
 
+from vllm_disagg.wire import clocks
+
 POLL_INTERVAL_S = 0.05
 GET_RETRY_INTERVAL_S = 0.05
 # An idle receive thread checks this often whether its sender hung up.
@@ -27,8 +29,10 @@ CONTROL_REPLY_TIMEOUT_S = 10.0
 # once for this long instead of each waiting CONTROL_REPLY_TIMEOUT_S again.
 PEER_RETRY_AFTER_S = 5.0
 # A Hello is accepted only this close to its sender's clock (replays of a
-# captured one are refused: its channel id is remembered twice as long).
-MAX_HELLO_AGE_S = 300.0
+# captured one are refused: its channel id is remembered twice as long). The
+# fleet's one clock rule (wire/clocks.py): twice what a router accepts at
+# registration plus slack, so every pair a router makes can talk.
+MAX_HELLO_AGE_S = clocks.MAX_HELLO_AGE_S
 # An accepted Hello's data connection must be made this soon (the sender
 # connects right after the reply); until then its thread counts as busy.
 CHANNEL_SETUP_TIMEOUT_S = 15.0

@@ -34,6 +34,7 @@ def make_engine():
         dtype: torch.dtype = torch.float32,
         block_size: int = BLOCK_SIZE,
         seed: int = 0,
+        checksum: str = "none",
     ) -> Node:
         gen = torch.Generator().manual_seed(seed)
         kv = {
@@ -54,6 +55,7 @@ def make_engine():
                     mem_pool_size_bytes=pool,
                     hold_timeout_s=hold,
                     secret=secret,
+                    checksum=checksum,
                 )
                 break
             except OSError:  # the free port was taken in between

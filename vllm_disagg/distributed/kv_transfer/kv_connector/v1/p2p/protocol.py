@@ -12,7 +12,8 @@ another version is refused with the reason.
 
 Data itself never travels here: after an ``Offer`` is accepted, the sender
 writes ``num_layers`` messages (one per layer, the blocks from
-``skip_blocks`` on) to the data channel named in the offer.
+``skip_blocks`` on, then their checksums when the Hello named an algorithm:
+checksum.py) to the data channel named in the offer.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from vllm_disagg.wire.peers import MAX_KEY_CHARS
 #      format, Hello/Offer/Get/Reply).
 #   2: Offer carries the prompt's digest; peers need a grant (p2p_grant).
 #   3: Abort: a sender that gives up tells the receiver, which recomputes at once;
-#      Hello.model (the model fingerprint), which prompt digests cover too.
+#      Hello.model (the model fingerprint), which prompt digests cover too;
+#      Hello.checksum (kv_checksum: digests appended to every layer message).
 PROTOCOL_VERSION = 3
 DIGEST_BYTES = 16
 
@@ -97,6 +99,9 @@ class Hello(_Msg, tag="hello"):
     send_type: str
     sent_at: float  # the sender's wall clock: old Hellos (replays) are refused
     model: bytes = b""  # the sender's model fingerprint (fingerprint.py)
+    # What the sender appends to every layer message on this channel:
+    # checksum.py's algorithm name, or "none" (nothing appended).
+    checksum: str = "none"
 
 
 class Offer(_Msg, tag="offer"):
@@ -180,6 +185,7 @@ def _check_bounds(msg: Message) -> None:
         need(len(msg.transport) <= 16, "transport name too long")
         need(len(msg.send_type) <= 16, "send_type too long")
         need(len(msg.model) <= 64, "model fingerprint too long")
+        need(len(msg.checksum) <= 16, "checksum name too long")
     elif isinstance(msg, Offer):
         need(0 < len(msg.key) <= MAX_KEY_CHARS, "key length")
         need(len(msg.channel_id) <= 64, "channel_id too long")

@@ -36,6 +36,8 @@ COUNTERS = {
     "(computed locally)",
     "digest_mismatches": "offered KV whose prompt digest differed from the request's "
     "(refused; recomputed locally)",
+    "checksum_mismatches": "received KV whose block checksums (kv_checksum) differed "
+    "from the sender's (discarded; recomputed locally)",
 }
 # gauges: last value wins
 GAUGES = {
@@ -137,6 +139,9 @@ class P2pStatsRecorder:
 
     def record_digest_mismatch(self) -> None:
         self._add(digest_mismatches=1)
+
+    def record_checksum_mismatch(self) -> None:
+        self._add(checksum_mismatches=1)
 
     def set_occupancy(self, buffer_bytes: int, pool_bytes: int) -> None:
         with self._lock:

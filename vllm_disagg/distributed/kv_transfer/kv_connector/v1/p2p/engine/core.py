@@ -14,6 +14,11 @@ import time
 import zmq
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.checksum import (
+    NONE,
+    ChecksumUnavailable,
+    make_checksum,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound import (
     InboundChannel,
@@ -99,7 +104,18 @@ class P2pEngine(ReceiverMixin, SenderMixin):
         secret: bytes | None = None,
         stats: P2pStatsRecorder | None = None,
         model_fingerprint: bytes = b"",
+        checksum: str = NONE,
     ):
+        if checksum != NONE and (
+            layout.device.type != "cpu" or not transport.receives_into_host
+        ):
+            raise ChecksumUnavailable(
+                f"kv_checksum {checksum} hashes KV in host memory (the tcp and gloo "
+                f"transports); this worker's KV cache is on {layout.device} and its "
+                f"transport is {transport.name}: set kv_checksum to none"
+            )
+        self.checksum = make_checksum(checksum)
+        self.checksum_name = checksum
         self.layout = layout
         self.addr = format_addr(host, port)
         self.transport = transport

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.checksum import (
+    DIGEST_BYTES,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import (
     PoolAllocation,
@@ -51,6 +54,8 @@ class RecvSlot:
     pool_alloc: PoolAllocation | None
     deadline: float
     prompt_digest: bytes = b""  # the sender's: the worker copies only on a match
+    # kv_checksum: the sender's block digests, layer-major (checksum.py); None: off
+    digests: torch.Tensor | None = None
     state: SlotState = SlotState.RECEIVING
     reason: str = ""
 
@@ -65,6 +70,10 @@ class RecvSlot:
     def layer(self, i: int) -> torch.Tensor:
         n = self.blocks_held * self.page_bytes
         return self.tensor[i * n : (i + 1) * n]
+
+    def layer_digests(self, i: int) -> torch.Tensor:
+        n = self.blocks_held * DIGEST_BYTES
+        return self.digests[i * n : (i + 1) * n]
 
 
 class InboundChannel:
@@ -138,13 +147,24 @@ class InboundChannel:
                         return
                 continue
             start = time.monotonic()
+            corrupt = None  # why the slot was discarded (kv_checksum), once it was
             try:
                 for i in range(slot.num_layers):
+                    if corrupt is not None:
+                        engine._drain_layer(self.channel, slot)
+                        continue
                     engine._recv_layer(self.channel, slot, i)
+                    corrupt = engine._corrupt_blocks(slot, i)
+                    if corrupt is not None:
+                        # Failed now, not after the sender's last layer.
+                        engine._discard_corrupt(slot, self.peer, corrupt)
             except TransportError as e:
-                engine._finish_slot(slot, ok=False, reason=f"receive failed: {e}")
+                if corrupt is None:
+                    engine._finish_slot(slot, ok=False, reason=f"receive failed: {e}")
                 self._break(str(e))
                 return
+            if corrupt is not None:
+                continue
             engine.stats.record_recv(
                 slot.nbytes, slot.blocks_held, time.monotonic() - start
             )

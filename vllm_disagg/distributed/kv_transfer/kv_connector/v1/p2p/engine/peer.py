@@ -286,6 +286,7 @@ class Peer:
                 send_type=engine.send_type,
                 sent_at=time.time(),
                 model=engine.model_fingerprint,
+                checksum=engine.checksum_name,
             ),
             deadline,
         )
@@ -355,11 +356,16 @@ class Peer:
                 self._give_up(xfer, f"peer claimed skip={skip}")
                 return
             blocks = xfer.block_ids[skip:]
+            checksum, page_bytes = engine.checksum, engine.layout.page_bytes
             for layer in range(xfer.num_layers):
                 xfer.wait_layer(layer)
                 parts = engine.layout.read_blocks(layer, blocks)
-                self.channel.send(parts, xfer.deadline)
                 sent_bytes += sum(p.numel() for p in parts)
+                if checksum is not None:
+                    # Over the very views handed to the transport: what the
+                    # receiver checks is what left this side's KV cache.
+                    parts.append(checksum.digests(parts, page_bytes))
+                self.channel.send(parts, xfer.deadline)
         except TransportError as e:
             self._close_channel()
             self._give_up(xfer, str(e))

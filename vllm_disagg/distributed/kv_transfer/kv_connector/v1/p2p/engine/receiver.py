@@ -16,6 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol as proto
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.checksum import (
+    DIGEST_BYTES,
+    Checksum,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound import (
     InboundChannel,
@@ -84,6 +88,8 @@ class ReceiverMixin:
     mem_pool_size_bytes: int
     hold_timeout_s: float
     model_fingerprint: bytes
+    checksum: Checksum | None  # kv_checksum; None: "none"
+    checksum_name: str
     stats: P2pStatsRecorder
     _lock: threading.Lock
     _recv: RecvTable  # one explicit state per key (recv_state.py)
@@ -242,8 +248,11 @@ class ReceiverMixin:
                 reason=reason,
             )
 
-    def _finish_slot(self, slot: RecvSlot, *, ok: bool, reason: str = "") -> None:
-        """The receive of ``slot`` ended (its thread, or its channel's drain)."""
+    def _finish_slot(
+        self, slot: RecvSlot, *, ok: bool, reason: str = "", quiet: bool = False
+    ) -> None:
+        """The receive of ``slot`` ended (its thread, or its channel's drain);
+        ``quiet``: the caller logged why (rate-limited)."""
         with self._lock:
             slot.state = SlotState.COMPLETE if ok else SlotState.FAILED
             slot.reason = reason
@@ -256,21 +265,63 @@ class ReceiverMixin:
                 )
                 if before is RecvState.ABANDONING:
                     entry.slot, free = None, True
-        if not ok:
+        if not ok and not quiet:
             logger.warning("P2P receive of %s failed: %s", slot.key, reason)
         if free:
             self.release(slot)
 
     def _recv_layer(self, channel: Channel, slot: RecvSlot, layer: int) -> None:
         dst = slot.layer(layer)
+        # With kv_checksum, the layer's block digests come in the same message.
+        tail = [] if slot.digests is None else [slot.layer_digests(layer)]
         if slot.pool_alloc is not None and not self.transport.receives_into_host:
             staging = torch.empty(
                 dst.numel(), dtype=torch.uint8, device=self.layout.device
             )
-            channel.recv([staging], slot.deadline)
+            channel.recv([staging, *tail], slot.deadline)
             dst.copy_(staging)
         else:
-            channel.recv([dst], slot.deadline)
+            channel.recv([dst, *tail], slot.deadline)
+
+    def _corrupt_blocks(self, slot: RecvSlot, layer: int) -> str | None:
+        """Why layer ``layer`` of ``slot`` (just received) must not be used:
+        blocks whose checksum is not the sender's; None when all match or
+        there is no checksum."""
+        if self.checksum is None or slot.digests is None:
+            return None
+        bad = self.checksum.mismatches(
+            slot.layer(layer), slot.page_bytes, slot.layer_digests(layer)
+        )
+        if not bad:
+            return None
+        shown = ", ".join(str(slot.skip_blocks + i) for i in bad[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        return (
+            f"checksum mismatch ({self.checksum.name}): layer {layer}, block "
+            f"{shown}{more} of the prompt"
+        )
+
+    def _discard_corrupt(self, slot: RecvSlot, peer: str, reason: str) -> None:
+        """A received block is not what the sender hashed: the transfer is
+        failed now (the worker recomputes), counted and logged, rate-limited.
+        The channel stays up: the caller drains the slot's remaining layers."""
+        self.stats.record_checksum_mismatch()
+        self._log_limited(
+            "checksum",
+            f"P2P engine {self.addr} discarded the KV of {slot.key} from {peer}: "
+            f"{reason}; the request will be recomputed",
+        )
+        self._finish_slot(slot, ok=False, reason=reason, quiet=True)
+
+    def _drain_layer(self, channel: Channel, slot: RecvSlot) -> None:
+        """Receive one more layer message of a discarded transfer and drop it,
+        so the channel's next message belongs to the next offer (the slot's
+        own memory is no longer this thread's)."""
+        held = slot.blocks_held
+        scratch = torch.empty(
+            held * (slot.page_bytes + DIGEST_BYTES), dtype=torch.uint8
+        )
+        channel.recv([scratch], slot.deadline)
 
     def _allocate(
         self, nbytes: int
@@ -373,6 +424,14 @@ class ReceiverMixin:
                 msg.req_no,
                 "send_type",
                 f"peer uses send_type {msg.send_type}, this worker {self.send_type}",
+            )
+        if msg.checksum != self.checksum_name:
+            # Both ends must agree on what a layer message holds.
+            return self._refuse(
+                msg.req_no,
+                "checksum",
+                f"peer attaches kv_checksum {msg.checksum}, this worker checks "
+                f"{self.checksum_name}",
             )
         skew = time.time() - msg.sent_at
         if abs(skew) > limits.MAX_HELLO_AGE_S:
@@ -510,6 +569,12 @@ class ReceiverMixin:
             pool_alloc=alloc,
             deadline=deadline,
             prompt_digest=msg.prompt_digest,
+            digests=None
+            if self.checksum is None
+            else torch.empty(
+                self.layout.num_layers * (msg.num_blocks - skip) * DIGEST_BYTES,
+                dtype=torch.uint8,
+            ),
         )
         with self._lock:
             # The worker may have given up on the key while the room was taken,

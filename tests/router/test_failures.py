@@ -573,3 +573,31 @@ async def test_timeouts_on_an_instance_that_cannot_answer_health_open_its_breake
     )
     status, _, _ = await router.post("/v1/completions", BODY)
     assert status == 503
+
+
+async def test_prefill_and_decode_pair_only_within_one_model_fingerprint(
+    start_router, fakes
+):
+    """Other weights under one model name (a rolling upgrade half-way): the
+    router never pairs a prefill with a decode of another fingerprint; with
+    no compatible pair it answers 503 and /instances says why."""
+    router = await start_router()
+    old_p, new_d = await fakes("old-p"), await fakes("new-d")
+    router.add(old_p, Role.PREFILL, fingerprint="aa" * 16)
+    router.add(new_d, Role.DECODE, fingerprint="bb" * 16)
+    status, body, _ = await router.post("/v1/completions", BODY)
+    assert status == 503, body
+    assert "fingerprints differ" in error_of(body)["message"]
+    assert not old_p.requests and not new_d.requests
+    assert router.metric("vllm_disagg_router_instances_unpaired", role="prefill") == 1
+    listing = json.loads((await router.get("/instances"))[1])
+    assert {i["instance_id"]: i["paired"] for i in listing} == {
+        "old-p-id": False,
+        "new-d-id": False,
+    }
+    new_p = await fakes("new-p")
+    router.add(new_p, Role.PREFILL, fingerprint="bb" * 16)
+    for _ in range(4):  # round-robin over both prefills: only new-p is chosen
+        status, body, _ = await router.post("/v1/completions", BODY)
+        assert status == 200 and body == new_d.answer()
+    assert len(new_p.requests) == 4 and not old_p.requests

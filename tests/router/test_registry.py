@@ -212,7 +212,29 @@ def test_snapshot_shows_role_age_load_and_breaker():
         "consecutive_failures": 0,
         "state": "ready",
         "stalled_s": 0.0,
+        "fingerprint": "",
+        "paired": False,  # no decode registered
     }
+
+
+def test_only_instances_of_one_model_fingerprint_pair():
+    registry, _ = make()
+    registry.register(reg("p-old", port=1, fingerprint="aa" * 16))
+    registry.register(reg("d-new", role=Role.DECODE, port=2, fingerprint="bb" * 16))
+    p_old, d_new = registry.get("p-old"), registry.get("d-new")
+    assert registry.partners(d_new) == [] and registry.partners(p_old) == []
+    assert registry.unpaired_counts() == {"prefill": 1, "decode": 1, "both": 0}
+    registry.register(reg("p-new", port=3, fingerprint="bb" * 16))
+    assert registry.partners(d_new) == [registry.get("p-new")]
+    assert registry.unpaired_counts() == {"prefill": 1, "decode": 0, "both": 0}
+    listed = {e["instance_id"]: e for e in registry.snapshot()}
+    assert listed["p-old"]["paired"] is False and listed["d-new"]["paired"] is True
+    # An instance that sends no fingerprint (static, older) is taken at its word.
+    registry.register(reg("d-any", role=Role.DECODE, port=4))
+    assert registry.get("p-old") in registry.partners(registry.get("d-any"))
+    # An incarnation keeps its fingerprint: a frame that changes it is refused.
+    with pytest.raises(RegistryRefused):
+        registry.register(reg("p-new", port=3, fingerprint="cc" * 16, seq=5))
 
 
 def test_registry_and_policy_import_neither_quart_nor_vllm():

@@ -127,6 +127,15 @@ class _StateCollector(Collector):
         for role, count in sorted(self._registry.stalled_counts().items()):
             stalled.add_metric([role], count)
         yield stalled
+        unpaired = GaugeMetricFamily(
+            f"{PREFIX}_instances_unpaired",
+            "Registered instances whose model fingerprint matches no instance of "
+            "the other side (other weights or settings under one model name).",
+            labels=["role"],
+        )
+        for role, count in sorted(self._registry.unpaired_counts().items()):
+            unpaired.add_metric([role], count)
+        yield unpaired
         yield CounterMetricFamily(
             f"{PREFIX}_instance_stalls",
             "Times an instance was taken out of rotation for not stepping.",

@@ -36,7 +36,7 @@ from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.metrics import RouterMetrics
 from vllm_disagg.router.policy import Policies
-from vllm_disagg.router.registry import Instance, InstanceRegistry
+from vllm_disagg.router.registry import Instance, InstanceRegistry, compatible
 from vllm_disagg.router.validation import decode_alone_reason, streams
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.grants import GRANT_KEY, make_grant
@@ -423,18 +423,47 @@ class RequestProxy:
         ex: _Exchange,
         exclude: set[str] = frozenset(),
         model: str | None = None,
+        partner: Instance | None = None,
     ) -> Instance | None:
-        """An instance of ``side`` serving ``model`` (default: the request's)."""
+        """An instance of ``side`` serving ``model`` (default: the request's)
+        whose KV is ``partner``'s (the same model fingerprint)."""
         model = ex.model if model is None else model
         candidates = [
             i
             for i in self.registry.healthy(side, model)
             if i.instance_id not in exclude
+            and (partner is None or compatible(i, partner))
         ]
         if not candidates:
             return None
         policy = self.policies.prefill if side is Role.PREFILL else self.policies.decode
         return policy.select(candidates, ex.body)
+
+    def _pick_paired_decode(self, ex: _Exchange) -> Instance | None:
+        """A decode that some healthy prefill can serve: the same model
+        fingerprint. With no healthy prefill at all, any decode (the request
+        goes on to the no-prefill handling)."""
+        prefills = self.registry.healthy(Role.PREFILL, ex.model)
+        if not prefills:
+            return self._pick(Role.DECODE, ex)
+        fingerprints = {p.fingerprint for p in prefills}
+        candidates = [
+            d
+            for d in self.registry.healthy(Role.DECODE, ex.model)
+            if not d.fingerprint or "" in fingerprints or d.fingerprint in fingerprints
+        ]
+        if not candidates:
+            return None
+        return self.policies.decode.select(candidates, ex.body)
+
+    def _no_decode_reason(self, ex: _Exchange) -> str:
+        if self.registry.healthy(Role.DECODE, ex.model):
+            return (
+                "no prefill and decode instance of this model can form a pair: "
+                "their model fingerprints differ (other weights, config, "
+                "tokenizer, dtype or layout; see /instances)"
+            )
+        return "no healthy decode instance is registered"
 
     async def _route(self, ex: _Exchange) -> Reply:
         model = ex.model
@@ -451,15 +480,15 @@ class RequestProxy:
                 f"{', '.join(self.registry.models())}",
                 "model",
             )
-        decode = self._pick(Role.DECODE, ex)
+        alone = decode_alone_reason(ex.body)
+        decode = self._pick(Role.DECODE, ex) if alone else self._pick_paired_decode(ex)
         if decode is None:
             return self._error(
                 ex,
                 outcomes.NO_INSTANCE,
                 503,
-                "no healthy decode instance is registered",
+                self._no_decode_reason(ex),
             )
-        alone = decode_alone_reason(ex.body)
         if alone is not None:
             self.registry.begin(decode)
             self.metrics.decode_prefill_fallbacks.labels(alone).inc()
@@ -651,7 +680,9 @@ class RequestProxy:
         failures: list[str] = []
         for attempt in range(self.config.max_retries + 1):
             # The prefill computes the decode's model's KV, never another's.
-            prefill = self._pick(Role.PREFILL, ex, tried, model=decode.model)
+            prefill = self._pick(
+                Role.PREFILL, ex, tried, model=decode.model, partner=decode
+            )
             if prefill is None:
                 break
             tried.add(prefill.instance_id)
@@ -674,7 +705,9 @@ class RequestProxy:
         return await self._without_prefill(ex, decode, failures)
 
     async def _concurrent(self, ex: _Exchange, decode: Instance) -> Reply:
-        prefill = self._pick(Role.PREFILL, ex, {decode.instance_id}, model=decode.model)
+        prefill = self._pick(
+            Role.PREFILL, ex, {decode.instance_id}, model=decode.model, partner=decode
+        )
         if prefill is None:
             return await self._without_prefill(ex, decode, [])
         task = asyncio.create_task(self._concurrent_prefill(ex, prefill, decode))

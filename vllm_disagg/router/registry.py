@@ -79,6 +79,7 @@ class Instance:
     seq: int = 0  # the last accepted heartbeat's counter (replays are older)
     sent_at: float = 0.0  # the last accepted heartbeat's sender clock
     stalled_s: float = 0.0  # the last heartbeat's: engine held requests, no step
+    fingerprint: str = ""  # its model fingerprint ("": unknown, pairs with any)
     stalled: bool = False  # stalled_s reached the registry's stall_timeout_s
 
     @property
@@ -96,6 +97,12 @@ class Instance:
             or model == self.model
             or (model in self.aliases)
         )
+
+
+def compatible(a: Instance, b: Instance) -> bool:
+    """Whether KV of one is KV of the other: equal model fingerprints (an
+    instance that sent none, e.g. a static one, is taken at its word)."""
+    return not a.fingerprint or not b.fingerprint or a.fingerprint == b.fingerprint
 
 
 class RegistryRefused(RuntimeError):
@@ -139,6 +146,10 @@ class InstanceRegistry:
     _by_kv: dict[str, set[str]] = field(default_factory=dict, init=False)
     # name (a model or an alias) -> {model it names: instances registering it}
     _by_name: dict[str, Counter[str]] = field(default_factory=dict, init=False)
+    # Pairing index (role, model) and (role, model, fingerprint) -> count, so
+    # that "does anything pair with it" costs no scan.
+    _pair_model: Counter[tuple] = field(default_factory=Counter, init=False)
+    _pair_fp: Counter[tuple] = field(default_factory=Counter, init=False)
     # instance id -> until: incarnations a newer one replaced
     _retired: dict[str, float] = field(default_factory=dict, init=False)
     # instance id -> (until, its last seq, its last sent_at): removed instances
@@ -175,8 +186,20 @@ class InstanceRegistry:
         now = self.clock()
         known = self._instances.get(msg.instance_id)
         if known is not None and (
-            (msg.http_addr, msg.kv_addr, msg.model, tuple(msg.aliases))
-            != (known.http_addr, known.kv_addr, known.model, known.aliases)
+            (
+                msg.http_addr,
+                msg.kv_addr,
+                msg.model,
+                tuple(msg.aliases),
+                msg.fingerprint,
+            )
+            != (
+                known.http_addr,
+                known.kv_addr,
+                known.model,
+                known.aliases,
+                known.fingerprint,
+            )
         ):
             # An incarnation keeps its addresses and names: another frame
             # under its id that changes them is not from it.
@@ -238,7 +261,10 @@ class InstanceRegistry:
             )
         expires_after_s = max(self.heartbeat_timeout_s, 3 * msg.interval_s)
         if known is not None:
-            known.role = msg.role
+            if known.role is not msg.role:
+                self._index(known, -1)
+                known.role = msg.role
+                self._index(known)
             known.seq, known.sent_at = msg.seq, msg.sent_at
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.last_seen, known.expires_after_s = now, expires_after_s
@@ -258,6 +284,7 @@ class InstanceRegistry:
             aliases=tuple(msg.aliases),
             seq=msg.seq,
             sent_at=msg.sent_at,
+            fingerprint=msg.fingerprint,
         )
         self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
         self._index(instance)
@@ -272,6 +299,25 @@ class InstanceRegistry:
             msg.dp_rank,
             msg.dp_size,
         )
+        if not self.has_partner(instance):
+            # Distinct fingerprints of the other side, from the index keys.
+            others = {
+                fp[:12] or "none"
+                for (role, model, fp), n in self._pair_fp.items()
+                if n > 0 and model == instance.model and role is not instance.role
+            }
+            if others:
+                logger.warning(
+                    "instance %s (%s) is unpaired: its model fingerprint %s matches "
+                    "no %s of model %s (theirs: %s): other weights, config, "
+                    "tokenizer, dtype or layout under one name",
+                    instance.instance_id,
+                    instance.role.value,
+                    instance.fingerprint[:12] or "none",
+                    "decode" if instance.role is Role.PREFILL else "prefill",
+                    instance.model,
+                    ", ".join(sorted(others)),
+                )
         return True
 
     def _refuse_removed(self, msg: Register, now: float) -> None:
@@ -370,7 +416,11 @@ class InstanceRegistry:
             else:
                 self._remove(instance, "unreachable")
 
-    def _index(self, instance: Instance) -> None:
+    def _index(self, instance: Instance, sign: int = 1) -> None:
+        self._pair_model[(instance.role, instance.model)] += sign
+        self._pair_fp[(instance.role, instance.model, instance.fingerprint)] += sign
+        if sign < 0:
+            return
         self._by_http.setdefault(instance.http_addr, set()).add(instance.instance_id)
         self._by_kv.setdefault(instance.kv_addr, set()).add(instance.instance_id)
         if instance.model is not None:
@@ -387,6 +437,7 @@ class InstanceRegistry:
         return None
 
     def _unindex(self, instance: Instance) -> None:
+        self._index(instance, -1)
         for index, addr in (
             (self._by_http, instance.http_addr),
             (self._by_kv, instance.kv_addr),
@@ -520,6 +571,52 @@ class InstanceRegistry:
         self.expire()
         return sorted(self._by_name)
 
+    def partners(self, instance: Instance) -> list[Instance]:
+        """Registered instances of the other side that may form a pair with
+        ``instance``: the same model, and the same model fingerprint (an
+        unknown one, static instances', pairs with any)."""
+        other = Role.PREFILL if instance.role is Role.DECODE else Role.DECODE
+        return [
+            i
+            for i in self._instances.values()
+            if i is not instance
+            and i.serves(other)
+            and (i.model is None or instance.model is None or i.model == instance.model)
+            and compatible(i, instance)
+        ]
+
+    def has_partner(self, instance: Instance) -> bool:
+        """:meth:`partners` is not empty, from the index (no scan)."""
+        if instance.role is Role.BOTH:
+            return True
+        other = Role.DECODE if instance.role is Role.PREFILL else Role.PREFILL
+        for role in (other, Role.BOTH):
+            if instance.model is None:
+                if any(n > 0 for (r, _), n in self._pair_model.items() if r is role):
+                    return True
+                continue
+            for model in (instance.model, None):
+                if not instance.fingerprint:
+                    if self._pair_model[(role, model)] > 0:
+                        return True
+                elif (
+                    self._pair_fp[(role, model, instance.fingerprint)] > 0
+                    or self._pair_fp[(role, model, "")] > 0
+                ):
+                    return True
+        return False
+
+    def unpaired_counts(self) -> dict[str, int]:
+        """Instances no instance of the other side can pair with, by role:
+        their model fingerprints differ from every one of the other side's
+        (other weights, config or layout under one model name)."""
+        self.expire()
+        counts = dict.fromkeys((r.value for r in Role), 0)
+        for instance in self._instances.values():
+            if not self.has_partner(instance):
+                counts[instance.role.value] += 1
+        return counts
+
     def stalled_counts(self) -> dict[str, int]:
         """Instances out of rotation because they stopped stepping, by role."""
         self.expire()
@@ -560,6 +657,9 @@ class InstanceRegistry:
                 # "stalled": its engine held requests stalled_s without a step.
                 "state": "stalled" if i.stalled else "ready",
                 "stalled_s": i.stalled_s,
+                "fingerprint": i.fingerprint,
+                # False: no instance of the other side has its fingerprint.
+                "paired": self.has_partner(i),
             }
             for i in self._instances.values()
         ]

@@ -41,7 +41,8 @@ from vllm_disagg.wire.peers import PeerInfoError, split_addr
 # History:
 #   1: first version (Register / Deregister / Ack).
 #   2: Register.aliases (vllm serve --served-model-name's other names).
-#   3: Register.stalled_s (seconds the engine held requests without a step).
+#   3: Register.stalled_s (seconds the engine held requests without a step),
+#      Register.fingerprint (the model fingerprint: pairs form only within one).
 DISCOVERY_VERSION = 3
 
 DEFAULT_DISCOVERY_PORT = 30001
@@ -94,6 +95,9 @@ class Register(_Msg, tag="register"):
     # Seconds its engine has held requests without scheduling a step (0:
     # stepping, or idle): the router stops sending work past its limit.
     stalled_s: float = 0.0
+    # Its model fingerprint (hex; p2p/fingerprint.py): the router pairs a
+    # prefill and a decode only when theirs are equal ("": not known).
+    fingerprint: str = ""
 
 
 class Deregister(_Msg, tag="deregister"):
@@ -194,6 +198,11 @@ def validate(msg: Message) -> None:
         need(
             math.isfinite(msg.stalled_s) and 0 <= msg.stalled_s <= 1e9,
             "stalled_s out of [0, 1e9]",
+        )
+        need(
+            len(msg.fingerprint) <= 64
+            and all(c in "0123456789abcdef" for c in msg.fingerprint),
+            "fingerprint must be at most 64 lower-case hex digits",
         )
     elif isinstance(msg, Ack):
         need(len(msg.reason) <= MAX_REASON_CHARS, "reason too long")

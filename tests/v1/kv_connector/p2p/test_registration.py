@@ -481,3 +481,9 @@ def test_engine_progress_counts_only_while_requests_wait():
     assert progress.stalled_s() == 1.0
     progress.request_finished("a")
     assert progress.stalled_s() == 0.0
+
+
+def test_heartbeats_carry_the_model_fingerprint(routers, clients):
+    router = routers()
+    clients([router.addr], fingerprint="ab" * 16)
+    assert router.receive(1, kind=Register)[0].fingerprint == "ab" * 16

@@ -118,6 +118,7 @@ class RegistrationClient:
         interval_s: float = HEARTBEAT_INTERVAL_S,
         wait_for_http: bool = True,
         progress: EngineProgress | None = None,
+        fingerprint: str = "",
     ):
         if not routers:
             raise ValueError("no router to register with")
@@ -136,6 +137,7 @@ class RegistrationClient:
             dp_rank=dp_rank,
             dp_size=dp_size,
             interval_s=interval_s,
+            fingerprint=fingerprint,
         )
         try:
             validate(self._template)
@@ -457,6 +459,7 @@ def start_registration(
     config: P2pConfig,
     kv_addr: str,
     progress: EngineProgress | None = None,
+    fingerprint: str = "",
 ) -> RegistrationClient | None:
     """Start registering this DP rank (its control address ``kv_addr``) with
     the routers named in ``proxy_ip``; None when none is, or when another
@@ -490,4 +493,5 @@ def start_registration(
         dp_size=parallel.data_parallel_size,
         token=envs.router_token(),
         progress=progress,
+        fingerprint=fingerprint,
     ).start()

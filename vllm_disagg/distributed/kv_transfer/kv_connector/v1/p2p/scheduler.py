@@ -274,7 +274,11 @@ class P2pSchedulerConnector:
         # rank's own control address (proxy_ip set; else None).
         self.progress = EngineProgress()
         self._registration = start_registration(
-            vllm_config, config, self.addr, progress=self.progress
+            vllm_config,
+            config,
+            self.addr,
+            progress=self.progress,
+            fingerprint=self.fingerprint.digest.hex(),
         )
 
     def shutdown(self) -> None:

@@ -80,7 +80,9 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             VLLM_DISAGG_P2P_SECRET,
-            "empty: no authentication (allowed only when kv_ip is a loopback address)",
+            "empty: when kv_ip is a loopback address, a key derived from the user's "
+            "local cookie (vllm_disagg/wire/cookie.py); beyond loopback the instance "
+            "refuses to start",
             "Shared secret of the P2pNcclConnector control plane (HMAC of every "
             "message between instances); set the same value on every prefill and "
             "decode instance. An instance whose kv_ip is reachable beyond loopback "
@@ -96,7 +98,10 @@ VARIABLES: dict[str, EnvVar] = {
         ),
         EnvVar(
             VLLM_DISAGG_ROUTER_TOKEN,
-            "empty: registrations are not authenticated, no peer grants",
+            "empty: on one host (an instance's kv_ip, http_ip and routers, or the "
+            "router's registrations, all on loopback) a key derived from the user's "
+            "local cookie (vllm_disagg/wire/cookie.py); else registrations are not "
+            "authenticated and there are no peer grants",
             "Shared token of the router's service discovery: instances (the "
             "connector's registration client) sign every registration with it (HMAC) "
             "and the router (`--registration-token` or this variable) refuses unsigned "

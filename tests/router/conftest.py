@@ -132,6 +132,8 @@ FAST = RouterConfig(
     first_token_timeout_s=5.0,
     chunk_timeout_s=5.0,
     request_timeout_s=8.0,
+    # No token unless a test gives one, never this user's local cookie.
+    local_cookie=False,
 )
 
 

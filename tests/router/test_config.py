@@ -156,7 +156,8 @@ def test_token_falls_back_to_the_environment(monkeypatch):
     assert RouterConfig().token == b"from-env"
     assert RouterConfig(registration_token="flag").token == b"flag"
     monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "")
-    assert RouterConfig().token is None
+    # Nothing given and no local cookie (test_local_cookie.py): no token.
+    assert RouterConfig(local_cookie=False).token is None
 
 
 def test_add_cli_args_composes_with_another_parser():

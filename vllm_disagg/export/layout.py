@@ -164,6 +164,8 @@ P2P_E2E = (
     "test_p2p_dp_e2e.py",
     "test_p2p_get_put_e2e.py",
     "e2e_common.py",
+    # Not exported: it starts the plugin's `vllm-disagg-router` console script.
+    "test_p2p_local_cookie_e2e.py",
 )
 TESTS: tuple[TestFiles, ...] = (
     TestFiles("tests/v1/kv_connector/p2p", UNIT, "p2p", unit=True, exclude=P2P_E2E),
@@ -642,9 +644,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Shared secret of the P2pNcclConnector control plane (an HMAC on every\n"
         "message between instances); the same value on every prefill and decode\n"
         "instance. Without it (or VLLM_P2P_NCCL_SECRET_FILE) an instance whose\n"
-        "kv_ip is not a loopback address refuses to start. An environment\n"
-        "variable, not a kv_connector_extra_config key, because command lines\n"
-        "are visible to every user in `ps`.",
+        "kv_ip is not a loopback address refuses to start; one on loopback uses\n"
+        "a key derived from its user's local cookie (distributed/wire/cookie.py).\n"
+        "An environment variable, not a kv_connector_extra_config key, because\n"
+        "command lines are visible to every user in `ps`.",
         "p2p",
         accessor="p2p_secret",
         helper=_SECRET_HELPER,
@@ -667,7 +670,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         'lambda: (os.getenv("VLLM_P2P_NCCL_ROUTER_TOKEN", "").encode() or None)',
         "Shared token of the P2pNcclConnector's router discovery: instances sign\n"
         "their registrations with it and act only on peers that a router signed\n"
-        "(or kv_connector_extra_config.allowed_peers lists). Unset: registrations\n"
+        "(or kv_connector_extra_config.allowed_peers lists). Unset: on one host\n"
+        "(the instance and its routers on loopback) a key derived from its\n"
+        "user's local cookie (distributed/wire/cookie.py); else registrations\n"
         "are unsigned and no router grant is accepted.",
         "p2p",
         accessor="router_token",
@@ -706,4 +711,7 @@ TEXT: tuple[tuple[str, str], ...] = (
     ("vllm-disagg-test-fleet-token", "vllm-p2p-nccl-test-fleet-token"),
     ("vllm_disagg_router", "p2p_nccl_router"),
     ("vllm-disagg-router", "p2p_nccl_router"),
+    # The local cookie's path and the label of the keys derived from it.
+    ("vllm-disagg/cookie", "vllm-p2p-nccl/cookie"),
+    ("vllm-disagg-cookie", "vllm-p2p-nccl-cookie"),
 )

@@ -149,6 +149,7 @@ def create_app(
         port=config.discovery_port,
         token=config.token,
         allow_remote_unsigned=config.insecure_discovery,
+        loopback_only=config.credentials.local,
     )
     metrics = RouterMetrics(registry, discovery)
     proxy = RequestProxy(config, registry, policies, metrics)
@@ -177,13 +178,27 @@ def create_app(
             config.policy_prefill,
             config.policy_decode,
         )
-        if config.token is None:
+        credentials = config.credentials
+        if credentials.local:
+            logger.info(
+                "router: no token given (--registration-token or %s): using %s; "
+                "registrations are accepted from this user's processes on loopback "
+                "only",
+                envs.VLLM_DISAGG_ROUTER_TOKEN,
+                credentials.source,
+            )
+        elif credentials.token is not None:
+            logger.info("router: token from %s", credentials.source)
+        else:
             logger.warning(
-                "router: no registration token (--registration-token or %s): "
+                "router: no registration token (--registration-token or %s)%s: "
                 "registrations are not authenticated, and the router cannot sign the "
                 "peers it names, so instances without allowed_peers compute every "
                 "request locally",
                 envs.VLLM_DISAGG_ROUTER_TOKEN,
+                f" and {credentials.cookie_problem}"
+                if credentials.cookie_problem
+                else "",
             )
 
     @app.after_serving

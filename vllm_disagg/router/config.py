@@ -8,12 +8,14 @@ embedding program) is checked exactly like one parsed from the command line.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_disagg import envs
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.wire.cookie import ROUTER_TOKEN, CookieError, load_cookie
 from vllm_disagg.wire.discovery import (
     DEFAULT_DISCOVERY_PORT,
     DEFAULT_HTTP_PORT,
@@ -62,6 +64,18 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class RouterCredentials(NamedTuple):
+    token: bytes | None
+    source: str  # for the log: the flag, the variable, the cookie's path
+    # The local cookie: only this user's processes on this host have it, so
+    # discovery takes registrations from loopback only, as without a token.
+    local: bool = False
+    cookie_problem: str = ""  # why the local cookie was refused, if it was
+
+    def __repr__(self) -> str:  # never the token
+        return f"RouterCredentials(source={self.source!r}, local={self.local})"
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     host: str = "0.0.0.0"
@@ -95,6 +109,11 @@ class RouterConfig:
     registration_token: str | None = field(default=None, repr=False)
     # Without a token, accept registrations from other machines too.
     insecure_discovery: bool = False
+    # Without a token (and without insecure_discovery): use this user's local
+    # cookie (wire/cookie.py) as the token, registrations from loopback only.
+    # Not a flag: a token, given or found, is what the fleet needs; code that
+    # builds a router without any (tests) turns it off.
+    local_cookie: bool = True
     static_prefill: tuple[StaticInstance, ...] = ()
     static_decode: tuple[StaticInstance, ...] = ()
     log_level: str = "info"
@@ -163,13 +182,34 @@ class RouterConfig:
                 f"{_flag(name)}: {value!r} is not an integer in {low}..{high}"
             )
 
+    @functools.cached_property
+    def credentials(self) -> RouterCredentials:
+        """The registration token and where it came from: the flag, else the
+        environment's VLLM_DISAGG_ROUTER_TOKEN, else this user's local cookie
+        (created if there is none yet; see ``local_cookie``), else none (a
+        cookie file that is not this user's alone is refused: no token, and
+        the reason in ``cookie_problem``)."""
+        if self.registration_token:
+            return RouterCredentials(
+                self.registration_token.encode(), "--registration-token"
+            )
+        token = envs.router_token()
+        if token is not None:
+            return RouterCredentials(token, envs.VLLM_DISAGG_ROUTER_TOKEN)
+        if not self.local_cookie or self.insecure_discovery:
+            return RouterCredentials(None, "nowhere")
+        try:
+            cookie = load_cookie()
+        except CookieError as e:
+            # Refused (one line in the start-up warning); the router runs as
+            # it did without a token.
+            return RouterCredentials(None, "nowhere", cookie_problem=str(e))
+        return RouterCredentials(cookie.key(ROUTER_TOKEN), cookie.describe(), True)
+
     @property
     def token(self) -> bytes | None:
-        """The registration token as bytes: the flag, else the environment's
-        VLLM_DISAGG_ROUTER_TOKEN."""
-        if self.registration_token:
-            return self.registration_token.encode()
-        return envs.router_token()
+        """The registration token as bytes (:attr:`credentials`)."""
+        return self.credentials.token
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

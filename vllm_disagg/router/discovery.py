@@ -74,9 +74,13 @@ class DiscoveryServer:
         token: bytes | None,
         wall_clock: Callable[[], float] = time.time,
         allow_remote_unsigned: bool = False,
+        loopback_only: bool = False,
     ) -> None:
         self.registry = registry
         self.allow_remote_unsigned = allow_remote_unsigned
+        # The token is the local cookie (wire/cookie.py): nobody beyond
+        # loopback can have it, so say so instead of "bad MAC".
+        self.loopback_only = loopback_only
         self.host = host
         self.port = port  # the bound port once started (port 0: a free one)
         self._token = token
@@ -160,6 +164,13 @@ class DiscoveryServer:
                     "unauthenticated",
                     "unsigned registrations are accepted "
                     "from loopback only (set a registration token)",
+                )
+            if self.loopback_only and source is not None and not is_loopback(source):
+                raise DiscoveryError(
+                    "unauthenticated",
+                    "this router's token is its user's local cookie, for loopback "
+                    "only (give the router and the instances "
+                    f"{envs.VLLM_DISAGG_ROUTER_TOKEN})",
                 )
             msg = open_frame(self._token, frames, now=self._wall_clock())
             if not isinstance(msg, Register | Deregister):

@@ -40,8 +40,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DIR_NAME = "vllm-disagg"
-FILE_NAME = "cookie"
+# Under XDG_RUNTIME_DIR or ~/.cache: the directory (0700) and the file (0600).
+COOKIE_RELPATH = "vllm-disagg/cookie"
+DIR_NAME, FILE_NAME = COOKIE_RELPATH.split("/")
 COOKIE_HEX_CHARS = 64  # 32 random bytes, hex, then a newline
 # A reader that finds the file before its creator wrote it waits this long.
 READ_WAIT_S = 2.0
@@ -66,7 +67,9 @@ class Cookie:
     def key(self, purpose: str) -> bytes:
         """The key for one use (:data:`ROUTER_TOKEN`, :data:`P2P_SECRET`), as
         64 hex digits: HMAC-SHA256 of the purpose under the cookie."""
-        mac = hmac.new(self.value, f"vllm-disagg|{purpose}".encode(), hashlib.sha256)
+        mac = hmac.new(
+            self.value, f"vllm-disagg-cookie|{purpose}".encode(), hashlib.sha256
+        )
         return mac.hexdigest().encode()
 
     def describe(self) -> str:
@@ -96,7 +99,7 @@ def cookie_dir() -> Path:
     except (RuntimeError, KeyError):
         raise CookieError(
             "local cookie: no private XDG_RUNTIME_DIR and no home directory to "
-            f"keep ~/.cache/{DIR_NAME}/{FILE_NAME} in"
+            f"keep it in (~/.cache/{DIR_NAME}/{FILE_NAME})"
         ) from None
     return home / ".cache" / DIR_NAME
 

@@ -79,7 +79,8 @@ def wrap_kv_transfer_type(
             return upstream_type(text)
         try:
             value = upstream_type(json.dumps(normalize_kv_transfer_json(obj)))
-            P2pConfig.from_kv_transfer_config(value)
+            # Options only: the credentials (local cookie) are found at start.
+            P2pConfig.from_kv_transfer_config(value, local_cookie=False)
         except ConfigError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         return value

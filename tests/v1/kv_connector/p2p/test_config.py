@@ -39,12 +39,16 @@ SEED_PRODUCER = {
 }
 
 
-def _config(extra=None, *, role="kv_consumer", port=22001, **top) -> P2pConfig:
-    """P2pConfig from the real KVTransferConfig, the way vLLM builds it."""
+def _config(
+    extra=None, *, role="kv_consumer", port=22001, local_cookie=True, **top
+) -> P2pConfig:
+    """P2pConfig from the real KVTransferConfig, the way vLLM builds it
+    (``local_cookie=False``: the credentials from the environment only, see
+    test_local_cookie.py)."""
     obj = {"kv_connector": CONNECTOR_NAME, "kv_role": role, "kv_port": port, **top}
     obj["kv_connector_extra_config"] = {"kv_ip": "127.0.0.1", **(extra or {})}
     return P2pConfig.from_kv_transfer_config(
-        KVTransferConfig(**normalize_kv_transfer_json(obj))
+        KVTransferConfig(**normalize_kv_transfer_json(obj)), local_cookie=local_cookie
     )
 
 
@@ -162,7 +166,7 @@ def test_extra_config_must_be_an_object():
 def test_defaults(monkeypatch):
     monkeypatch.delenv(envs.VLLM_DISAGG_P2P_SECRET, raising=False)
     monkeypatch.delenv(envs.VLLM_DISAGG_ROUTER_TOKEN, raising=False)
-    config = _config()
+    config = _config(local_cookie=False)
     assert config == P2pConfig(role="kv_consumer", base_port=22001, host="127.0.0.1")
     assert config.send_type is SendType.PUT_ASYNC
     assert config.kv_buffer_size == 10**9
@@ -352,7 +356,7 @@ def test_secret_comes_from_the_environment_and_is_not_printed(monkeypatch):
     assert config.secret == b"s3cr3t"
     assert "s3cr3t" not in repr(config)
     monkeypatch.setenv(envs.VLLM_DISAGG_P2P_SECRET, "")
-    assert _config().secret is None
+    assert _config(local_cookie=False).secret is None
     assert "secret" not in EXTRA_CONFIG_KEYS
 
 

@@ -827,13 +827,19 @@ def test_allowed_peers_vouch_without_a_grant(model_dir, monkeypatch):
 
 
 def test_no_token_and_no_allowed_peers_refuses_to_start(model_dir, monkeypatch):
+    """Beyond loopback (here: the router); on loopback the local cookie
+    vouches instead (test_local_cookie.py)."""
     from vllm_disagg.testing.scheduler import make_scheduler, make_vllm_config
 
     monkeypatch.delenv(envs.VLLM_DISAGG_ROUTER_TOKEN, raising=False)
+    vllm_config = make_vllm_config(model_dir, "kv_consumer")
+    vllm_config.kv_transfer_config.kv_connector_extra_config.update(
+        proxy_ip="10.0.1.1", proxy_port=30001, http_port=20002
+    )
     with pytest.raises(
         ConfigError, match=r"nothing vouches for the peers.*allowed_peers"
     ):
-        make_scheduler(make_vllm_config(model_dir, "kv_consumer"), num_blocks=64)
+        make_scheduler(vllm_config, num_blocks=64)
 
 
 # --- one transfer per key: n > 1, beam search, retries ------------------------

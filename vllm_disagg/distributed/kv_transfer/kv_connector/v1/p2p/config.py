@@ -43,6 +43,12 @@ Decisions:
   (``VLLM_DISAGG_ROUTER_TOKEN``, see ``vllm_disagg/wire/grants.py``) or the
   operator's ``allowed_peers`` vouches for them, so an instance with
   neither refuses to start.
+* Except on one host: where the environment sets no secret or token and
+  the instance (``kv_ip``, its advertised HTTP host, its routers) is on
+  loopback, both come from this user's local cookie
+  (``vllm_disagg/wire/cookie.py``, :func:`_with_local_cookie`), which the
+  same user's router finds too: the seed's recipe starts as typed, and other
+  users of the machine, who cannot read the cookie, are refused.
 * ``kv_load_failure_policy`` defaults to ``"recompute"`` for this connector:
   a lost transfer costs time, never a failed request.
 * ``proxy_ip`` names one router or several (router replicas behind a load
@@ -74,6 +80,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.roles import (
 )
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
+from vllm_disagg.wire.cookie import P2P_SECRET, ROUTER_TOKEN, CookieError, load_cookie
 from vllm_disagg.wire.peers import canonical_host, format_addr, is_loopback
 
 logger = init_logger(__name__)
@@ -661,6 +668,81 @@ def normalize_kv_transfer_json(obj: dict) -> dict:
     return out
 
 
+# --- credentials on one host -------------------------------------------------------
+
+_logged_sources: set[tuple[str, str]] = set()
+
+
+def _log_source(what: str, source: str, key: str | None = None) -> None:
+    """Once per process and ``key`` (default: ``source``): where a credential
+    came from (never its value)."""
+    if (what, key or source) not in _logged_sources:
+        _logged_sources.add((what, key or source))
+        logger.info("%s: %s from %s", CONNECTOR_NAME, what, source)
+
+
+def _with_local_cookie(
+    secret: bytes | None,
+    grant_token: bytes | None,
+    fields: Mapping[str, Any],
+    routers: tuple[tuple[str, int], ...],
+) -> tuple[bytes | None, bytes | None]:
+    """The credentials the environment gave, completed from this user's
+    local cookie (``vllm_disagg/wire/cookie.py``) where it gave none and the
+    instance is on loopback: the P2P secret when ``kv_ip`` is loopback, the
+    router token when ``kv_ip``, the advertised HTTP host and every router
+    are. The same user's router and instances on this host find the same
+    cookie, so the seed's recipe runs on one machine with nothing exported,
+    and another user, who cannot read the file, is refused. Anything beyond
+    loopback keeps needing the variables (``check_security``).
+
+    A cookie that cannot be used (a file open to other users, no home to
+    keep it in) is refused in one line: fatal when the instance has nothing
+    else to vouch for peers with, else a warning and today's behaviour (an
+    unauthenticated P2P plane on loopback)."""
+    host, http_ip = fields["host"], fields["http_ip"]
+    p2p_local = secret is None and is_loopback(host)
+    token_local = (
+        grant_token is None
+        and is_loopback(host)
+        and (http_ip is None or is_loopback(http_ip))
+        and all(is_loopback(router_host) for router_host, _ in routers)
+    )
+    if grant_token is not None:
+        _log_source("router token", envs.VLLM_DISAGG_ROUTER_TOKEN)
+    if secret is not None:
+        _log_source("P2P secret", "the environment")
+    if not (p2p_local or token_local):
+        return secret, grant_token
+    try:
+        cookie = load_cookie()
+    except CookieError as e:
+        if token_local and fields["allowed_peers"] is None:
+            raise ConfigError(
+                f"{e} (or set {envs.VLLM_DISAGG_ROUTER_TOKEN} on the router and "
+                "every instance)"
+            ) from None
+        if "local cookie" not in _warned:
+            _warned.add("local cookie")
+            logger.warning(
+                "%s: %s; without it the P2P plane on loopback is not authenticated"
+                "%s (set %s and %s to the same values on every instance)",
+                CONNECTOR_NAME,
+                e,
+                " and only allowed_peers vouch for peers" if token_local else "",
+                envs.VLLM_DISAGG_P2P_SECRET,
+                envs.VLLM_DISAGG_ROUTER_TOKEN,
+            )
+        return secret, grant_token
+    if p2p_local:
+        secret = cookie.key(P2P_SECRET)
+        _log_source("P2P secret", cookie.describe(), str(cookie.path))
+    if token_local:
+        grant_token = cookie.key(ROUTER_TOKEN)
+        _log_source("router token", cookie.describe(), str(cookie.path))
+    return secret, grant_token
+
+
 # --- the dataclass -------------------------------------------------------------
 
 
@@ -769,9 +851,16 @@ class P2pConfig:
         return format_addr(self.http_ip or self.host, self.http_port)
 
     @classmethod
-    def from_kv_transfer_config(cls, kv_transfer_config) -> P2pConfig:
+    def from_kv_transfer_config(
+        cls, kv_transfer_config, *, local_cookie: bool = True
+    ) -> P2pConfig:
         """Parse vLLM's ``KVTransferConfig`` (after
-        :func:`normalize_kv_transfer_json`); errors name the JSON key."""
+        :func:`normalize_kv_transfer_json`); errors name the JSON key.
+
+        The credentials come from the environment; where it sets none and
+        everything is on loopback, from this user's local cookie
+        (:func:`_with_local_cookie`), unless ``local_cookie`` is False (the
+        command line's check, which must not create files)."""
         connector = getattr(kv_transfer_config, "kv_connector", None)
         if connector != CONNECTOR_NAME:
             raise ConfigError(
@@ -794,7 +883,11 @@ class P2pConfig:
         base_port = parse_port("kv_port", kv_transfer_config.kv_port)
         secret, grant_token = envs.p2p_secret(), envs.router_token()
         fields = _parse_options(extra, lambda key: f"{_EXTRA}.{key}", fields=False)
-        del fields["routers"]
+        routers = fields.pop("routers")
+        if local_cookie:
+            secret, grant_token = _with_local_cookie(
+                secret, grant_token, fields, routers
+            )
         return cls(
             role=role,
             base_port=base_port,

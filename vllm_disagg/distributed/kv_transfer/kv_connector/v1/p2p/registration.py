@@ -491,7 +491,8 @@ def start_registration(
         aliases=names[1:],
         dp_rank=dp_rank_of(parallel),
         dp_size=parallel.data_parallel_size,
-        token=envs.router_token(),
+        # The connector's token: the environment's, or the local cookie's.
+        token=config.grant_token or envs.router_token(),
         progress=progress,
         fingerprint=fingerprint,
     ).start()

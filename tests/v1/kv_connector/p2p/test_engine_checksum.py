@@ -4,7 +4,8 @@ one process (the ``make_engine`` fixture, conftest.py).
 Byte-equal transfers with a checksum in every send mode and transport; a block
 corrupted after the receive (a transport wrapper flips one byte of what came
 in) fails the load at once, is counted and logged, frees its room, and the
-next transfer on the same channel lands; both ends must name one algorithm.
+next transfer on the same channel lands; both ends must name one algorithm;
+the option refuses what it cannot run.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.checksum import (
     ChecksumUnavailable,
     make_checksum,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     KVLayout,
     P2pEngine,
@@ -36,6 +38,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake impo
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.tcp import (
     TcpChannel,
 )
+from vllm_disagg.errors import ConfigError
 
 from .test_engine import (
     DIGEST,
@@ -302,3 +305,30 @@ def test_a_hello_without_the_field_attaches_no_checksum():
 
 def test_the_mismatch_counter_is_a_metric():
     assert "checksum_mismatches" in COUNTERS  # -> vllm:p2p_checksum_mismatches
+
+
+# --- the option --------------------------------------------------------------
+
+
+def test_the_option_is_off_by_default_and_offers_what_is_installed():
+    assert P2pConfig(role="kv_consumer", base_port=21001).kv_checksum == "none"
+    config = P2pConfig(role="kv_consumer", base_port=21001, kv_checksum=" CRC32C ")
+    assert config.kv_checksum == ALGORITHM
+    assert P2pConfig(role="kv_consumer", base_port=21001, kv_checksum="crc32")
+    for measured_only in ("xxh3_64", "blake3", "md5", 1):
+        with pytest.raises(ConfigError, match="kv_checksum: .* is not one of none"):
+            P2pConfig(role="kv_consumer", base_port=21001, kv_checksum=measured_only)
+
+
+def test_the_option_names_a_missing_library(monkeypatch):
+    monkeypatch.setitem(sys.modules, "crc32c", None)
+    with pytest.raises(ConfigError, match=r"^kv_checksum: .*pip install crc32c"):
+        P2pConfig(role="kv_consumer", base_port=21001, kv_checksum="crc32c")
+
+
+def test_a_checksum_with_nccl_is_refused_at_start():
+    with pytest.raises(ConfigError, match="kv_checksum, transport: .* nccl"):
+        P2pConfig(
+            role="kv_producer", base_port=21001, kv_checksum="crc32c", transport="nccl"
+        )
+    assert P2pConfig(role="kv_producer", base_port=21001, transport="nccl")

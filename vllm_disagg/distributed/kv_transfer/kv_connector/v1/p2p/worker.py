@@ -130,14 +130,16 @@ class P2pWorkerConnector:
                 secret=config.secret,
                 stats=self.stats,
                 model_fingerprint=self.fingerprint.digest,
+                checksum=config.kv_checksum,
             )
         logger.info(
-            "P2P engine listening on %s: role %s, send_type %s, transport %s, %d "
-            "layers x %d blocks of %d bytes",
+            "P2P engine listening on %s: role %s, send_type %s, transport %s, "
+            "kv_checksum %s, %d layers x %d blocks of %d bytes",
             self.engine.addr,
             config.role,
             config.send_type.value,
             transport.name,
+            config.kv_checksum,
             layout.num_layers,
             layout.num_blocks,
             layout.page_bytes,

@@ -21,7 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from _deps import machine  # benchmarks/_deps.py: sys.path[0] when run as a script
+from _deps import (  # benchmarks/_deps.py: sys.path[0] when run as a script
+    machine,
+    require,
+)
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import fingerprint as fp
 
@@ -48,6 +51,7 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    require()  # the standard library and this package only
     total = int(args.gib * (1 << 30))
     with tempfile.TemporaryDirectory(prefix="fingerprint-") as tmp:
         local = Path(tmp) / "local"

@@ -224,3 +224,13 @@ def test_where_each_credential_came_from_is_logged_once_never_the_value(
     assert lines[-1] == (
         f"P2pNcclConnector: router token from {envs.VLLM_DISAGG_ROUTER_TOKEN}"
     )
+
+
+def test_a_proxy_of_ones_own_signs_with_what_the_instances_use(cookie_dir, monkeypatch):
+    """The README's 1P1D snippet: `router_token_on_this_host()`."""
+    from vllm_disagg.testing.p2p import router_token_on_this_host
+
+    config = _config(_seed({"kv_ip": "127.0.0.1"}, "kv_consumer"))
+    assert router_token_on_this_host() == config.grant_token
+    monkeypatch.setenv(envs.VLLM_DISAGG_ROUTER_TOKEN, "tok")
+    assert router_token_on_this_host() == b"tok" == _config(_seed({})).grant_token

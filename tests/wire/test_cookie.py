@@ -89,16 +89,28 @@ def test_an_xdg_runtime_dir_that_is_not_private_is_not_used(tmp_path, monkeypatc
     assert _mode(made.path.parent) == 0o700
 
 
-def test_a_directory_open_to_others_is_refused(tmp_path):
+def test_a_directory_others_may_write_to_is_refused(tmp_path):
+    directory = tmp_path / DIR_NAME
+    directory.mkdir()
+    for mode in (0o777, 0o720, 0o702):
+        os.chmod(directory, mode)
+        message = _error(directory)
+        assert message == (
+            f"local cookie: directory {directory} has mode {mode:04o}, writable by "
+            f"other users; it must not be (chmod go-w {directory})"
+        )
+    assert not (directory / FILE_NAME).exists()
+
+
+def test_a_directory_others_may_only_read_is_accepted(tmp_path):
+    """As ssh accepts a 0755 ~/.ssh: others cannot read the 0600 file nor
+    replace it. ~/.cache/vllm-disagg is also vllm-disagg-export's cache
+    directory, which may have made it 0755 first."""
     directory = tmp_path / DIR_NAME
     directory.mkdir()
     os.chmod(directory, 0o755)
-    message = _error(directory)
-    assert message == (
-        f"local cookie: directory {directory} has mode 0755, open to other users; "
-        f"it must be 0700 (chmod 700 {directory})"
-    )
-    assert not (directory / FILE_NAME).exists()
+    made = load_cookie(directory)
+    assert made.created and _mode(made.path) == 0o600 and _mode(directory) == 0o755
 
 
 def test_a_file_open_to_others_is_refused_not_repaired(tmp_path):

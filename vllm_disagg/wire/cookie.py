@@ -12,10 +12,15 @@ cannot produce a single valid MAC.
 Where: ``$XDG_RUNTIME_DIR/vllm-disagg/cookie`` when ``XDG_RUNTIME_DIR`` is
 set and private (an absolute path to a directory owned by this user with no
 group or other permissions, as systemd's ``/run/user/UID`` is), else
-``~/.cache/vllm-disagg/cookie``. The directory is ``0700`` and the file
-``0600``, both owned by this user; anything else (a symlink, another owner,
-group or other permission bits, a file that is not 64 hex digits) is refused
-with one line naming the path and the fix, never repaired or overwritten.
+``~/.cache/vllm-disagg/cookie``. The file is ``0600`` and the directory
+is created ``0700``, both owned by this user; anything else (a symlink,
+another owner, a file with any group or other permission bit, a directory
+that group or others may write to, a file that is not 64 hex digits) is
+refused with one line naming the path and the fix, never repaired or
+overwritten. A directory others may only read or enter is accepted, as ssh
+accepts ``~/.ssh``: they cannot read the file, nor replace it; and
+``~/.cache/vllm-disagg`` is shared with ``vllm-disagg-export``'s cache,
+which may have made it ``0755`` first.
 
 The file is created with ``O_CREAT | O_EXCL``: of processes that start at
 once exactly one creates it, the others read what it wrote (waiting up to
@@ -40,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Under XDG_RUNTIME_DIR or ~/.cache: the directory (0700) and the file (0600).
+# Under XDG_RUNTIME_DIR or ~/.cache: the directory and the file (0600).
 COOKIE_RELPATH = "vllm-disagg/cookie"
 DIR_NAME, FILE_NAME = COOKIE_RELPATH.split("/")
 COOKIE_HEX_CHARS = 64  # 32 random bytes, hex, then a newline
@@ -110,20 +115,26 @@ def cookie_path() -> Path:
 
 def _refuse_unless_private(st: os.stat_result, path: Path, kind: str) -> None:
     """One line when ``st`` (of ``path``, a ``kind``: "directory"/"file") is
-    not this user's alone."""
-    want = 0o700 if kind == "directory" else 0o600
-    is_kind = stat.S_ISDIR if kind == "directory" else stat.S_ISREG
-    if not is_kind(st.st_mode):
+    not this user's: a file only this user may read or write, a directory
+    only this user may write to."""
+    is_dir = kind == "directory"
+    if not (stat.S_ISDIR if is_dir else stat.S_ISREG)(st.st_mode):
         raise CookieError(f"local cookie: {path} is not a {kind}; remove it")
     if st.st_uid != os.geteuid():
         raise CookieError(
             f"local cookie: {kind} {path} is owned by uid {st.st_uid}, not by this "
             f"user (uid {os.geteuid()}); remove it"
         )
-    if st.st_mode & 0o077:
+    mode = stat.S_IMODE(st.st_mode)
+    if is_dir and mode & 0o022:
         raise CookieError(
-            f"local cookie: {kind} {path} has mode {stat.S_IMODE(st.st_mode):04o}, "
-            f"open to other users; it must be {want:04o} (chmod {want:o} {path})"
+            f"local cookie: directory {path} has mode {mode:04o}, writable by other "
+            f"users; it must not be (chmod go-w {path})"
+        )
+    if not is_dir and mode & 0o077:
+        raise CookieError(
+            f"local cookie: file {path} has mode {mode:04o}, open to other users; "
+            f"it must be 0600 (chmod 600 {path})"
         )
 
 
@@ -143,7 +154,7 @@ def _open_dir(directory: Path) -> int:
         # ELOOP: a symlink; ENOTDIR: a file.
         raise CookieError(
             f"local cookie: cannot open directory {directory} ({e.strerror}); it "
-            "must be a directory of this user, mode 0700, not a symlink"
+            "must be a directory of this user, not a symlink"
         ) from None
     try:
         _refuse_unless_private(os.fstat(fd), directory, "directory")

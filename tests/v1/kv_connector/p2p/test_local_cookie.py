@@ -186,7 +186,7 @@ def test_with_allowed_peers_a_refused_cookie_is_a_warning(cookie_dir, monkeypatc
     """An instance that allowed_peers vouch for starts as it did before the
     cookie: P2P on loopback unauthenticated, said once."""
     made = load_cookie()
-    os.chmod(made.path.parent, 0o755)
+    os.chmod(made.path.parent, 0o777)
     warnings: list[tuple] = []
     monkeypatch.setattr(p2p_config.logger, "warning", lambda *a: warnings.append(a))
     extra = {"kv_ip": "127.0.0.1", "allowed_peers": "127.0.0.1"}
@@ -196,7 +196,7 @@ def test_with_allowed_peers_a_refused_cookie_is_a_warning(cookie_dir, monkeypatc
         config.check_security()
     [warning] = warnings
     text = warning[0] % warning[1:]
-    assert f"directory {made.path.parent} has mode 0755" in text
+    assert f"directory {made.path.parent} has mode 0777" in text
     assert "the P2P plane on loopback is not authenticated" in text
 
 

@@ -110,7 +110,7 @@ cache are read from disk once more: add the disk's read time):
 {rows}
 
 Each instance of a fleet pays the first start once per checkpoint folder
-(the cache is written beside the files, or under ~/.cache/vllm-disagg when
+(the cache is written beside the files, or under ~/.cache/vllm when
 the folder is read-only); checkpoints downloaded from the hub cost nothing.
 """
     )

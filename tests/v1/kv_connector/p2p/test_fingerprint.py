@@ -85,7 +85,7 @@ def test_a_read_only_folder_caches_under_the_home(tmp_path, monkeypatch):
     monkeypatch.setattr(fp.os, "access", lambda path, mode: False)
     fp.weight_hashes(folder)
     assert not (folder / fp.CACHE_NAME).exists()
-    assert list((tmp_path / "home" / ".cache" / "vllm-disagg" / "weights").iterdir())
+    assert list((tmp_path / "home" / ".cache" / "vllm" / "kv_fingerprint").iterdir())
 
 
 def test_a_hello_from_another_model_is_refused_and_the_load_fails_at_once(

@@ -12,7 +12,7 @@ decides the KV's bytes:
   Hugging Face hub snapshot names each file's blob by its hash (LFS: the
   SHA-256), so those cost nothing; other files are hashed once (SHA-256, about
   1 GB/s on one core) and the hash is cached beside them, or under
-  ``~/.cache/vllm-disagg/weights`` when the folder is read-only, keyed by path,
+  ``~/.cache/vllm/kv_fingerprint`` when the folder is read-only, keyed by path,
   size and modification time;
 * the model config as vLLM resolved it (``hf_config`` with ``--hf-overrides``),
   the tokenizer's files, dtype, KV-cache dtype, quantization, block size,
@@ -56,7 +56,7 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "added_tokens.json",
 )
-CACHE_NAME = ".vllm_disagg_weights.json"
+CACHE_NAME = ".vllm_kv_fingerprint.json"
 _CHUNK = 8 << 20
 
 
@@ -97,7 +97,7 @@ def _cache_path(folder: Path) -> Path:
     if os.access(folder, os.W_OK):
         return folder / CACHE_NAME
     key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:32]
-    return Path.home() / ".cache" / "vllm-disagg" / "weights" / f"{key}.json"
+    return Path.home() / ".cache" / "vllm" / "kv_fingerprint" / f"{key}.json"
 
 
 def weight_hashes(folder: Path) -> dict[str, str]:
@@ -213,7 +213,7 @@ def describe(vllm_config: VllmConfig) -> dict[str, str]:
 
 def fingerprint_of(parts: dict[str, str]) -> ModelFingerprint:
     text = json.dumps(parts, sort_keys=True)
-    digest = hashlib.sha256(b"vllm-disagg-model-v1" + text.encode()).digest()
+    digest = hashlib.sha256(b"vllm-kv-model-v1" + text.encode()).digest()
     return ModelFingerprint(digest[:FINGERPRINT_BYTES], dict(parts))
 
 

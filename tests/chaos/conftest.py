@@ -15,9 +15,8 @@ WARMUP = 16
 _fleets: list[Fleet] = []
 
 
-@pytest.fixture(scope="module")
-def chaos_fleet(tiny_models, tmp_path_factory):
-    """(fleet, references, endless spec iterator): the fleet warmed up.
+def _start(tiny_models, tmp_path_factory, name: str, **config):
+    """Start a chaos fleet and warm it up; yields (fleet, references, specs).
 
     The colocated reference is prefill p2 asked with no peers named, before
     it takes part in any transfer (a plain ``vllm serve`` run of the same
@@ -25,12 +24,14 @@ def chaos_fleet(tiny_models, tmp_path_factory):
     would cost this 2-core machine about 15 s of start-up and 3 GiB.
     ``benchmarks/chaos.py`` starts a separate reference server.
     """
-    config = FleetConfig(
-        model=str(tiny_models["tiny-mixtral"]),
-        reference=False,
-        log_dir=tmp_path_factory.mktemp("chaos-logs"),
+    fleet = Fleet(
+        FleetConfig(
+            model=str(tiny_models["tiny-mixtral"]),
+            reference=False,
+            log_dir=tmp_path_factory.mktemp(name),
+            **config,
+        )
     )
-    fleet = Fleet(config)
     _fleets.append(fleet)
     try:
         fleet.start()
@@ -45,6 +46,22 @@ def chaos_fleet(tiny_models, tmp_path_factory):
     finally:
         fleet.stop()
         _fleets.remove(fleet)
+
+
+@pytest.fixture(scope="module")
+def chaos_fleet(tiny_models, tmp_path_factory):
+    """(fleet, references, endless spec iterator): the fleet warmed up, every
+    server with the harness's OpenMP setting (one unpinned thread)."""
+    yield from _start(tiny_models, tmp_path_factory, "chaos-logs")
+
+
+@pytest.fixture(scope="module")
+def chaos_fleet_vllm_defaults(tiny_models, tmp_path_factory):
+    """The same fleet with vLLM's own OpenMP defaults, as users start it:
+    every worker pins a team to every core of this machine."""
+    yield from _start(
+        tiny_models, tmp_path_factory, "chaos-defaults-logs", vllm_omp_defaults=True
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

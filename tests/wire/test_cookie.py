@@ -104,8 +104,8 @@ def test_a_directory_others_may_write_to_is_refused(tmp_path):
 
 def test_a_directory_others_may_only_read_is_accepted(tmp_path):
     """As ssh accepts a 0755 ~/.ssh: others cannot read the 0600 file nor
-    replace it. ~/.cache/vllm-disagg is also vllm-disagg-export's cache
-    directory, which may have made it 0755 first."""
+    replace it. The directory under ~/.cache may also be another tool's
+    cache, which may have made it 0755 first."""
     directory = tmp_path / DIR_NAME
     directory.mkdir()
     os.chmod(directory, 0o755)

@@ -18,9 +18,9 @@ another owner, a file with any group or other permission bit, a directory
 that group or others may write to, a file that is not 64 hex digits) is
 refused with one line naming the path and the fix, never repaired or
 overwritten. A directory others may only read or enter is accepted, as ssh
-accepts ``~/.ssh``: they cannot read the file, nor replace it; and
-``~/.cache/vllm-disagg`` is shared with ``vllm-disagg-export``'s cache,
-which may have made it ``0755`` first.
+accepts ``~/.ssh``: they cannot read the file, nor replace it; and the
+directory under ``~/.cache`` may be shared with another tool's cache, which
+may have made it ``0755`` first.
 
 The file is created with ``O_CREAT | O_EXCL``: of processes that start at
 once exactly one creates it, the others read what it wrote (waiting up to

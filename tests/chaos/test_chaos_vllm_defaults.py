@@ -76,5 +76,13 @@ def test_a_killed_decode_rank_takes_its_group_down_fast_with_vllm_defaults(
     slow = [r for r in _bad(result, "failed") if r["end"] - r["start"] > FAIL_FAST_S]
     assert not slow, slow[:5]
     assert not fault["still_running"], fault
+    # Both ranks exit on their own, within the fail-fast bound: with pinned
+    # OpenMP teams on a loaded 2-core host an API server took 8.5 s (not
+    # 1.8 s) to see its engine core gone, so the router's removal is bounded
+    # from the last exit (its heartbeats stop then), not from the fault.
+    exited = max(fault["exited_after_s"].values())
+    assert exited <= FAIL_FAST_S, fault
     assert fault["removed_after_s"] is not None, fault
-    assert fault["removed_after_s"] <= HEARTBEAT_TIMEOUT_S + HEARTBEAT_INTERVAL_S, fault
+    assert (
+        fault["removed_after_s"] <= exited + HEARTBEAT_TIMEOUT_S + HEARTBEAT_INTERVAL_S
+    ), fault

@@ -152,9 +152,16 @@ def _model_folder(model: str, revision: str | None) -> Path | None:
     if path.is_dir():
         return path
     try:  # a hub id: the snapshot vLLM downloaded (no network here)
-        from huggingface_hub import snapshot_download
+        from vllm.transformers_utils.repo_utils import hf_api
 
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+        return Path(
+            hf_api().snapshot_download(
+                repo_id=model,
+                revision=revision,
+                local_files_only=True,
+                ignore_patterns="*",
+            )
+        )
     except Exception:  # noqa: BLE001 - any failure: the weights stay uncovered
         return None
 

@@ -281,7 +281,7 @@ class ParticipantCore:
 
 
 # A rank inside one forward pass is slow, not gone: it owes the next passes
-# only once this one ends. A pass may take this many step_sync_peer_timeout_s
+# only once this one ends. A pass may take this many times the peer timeout
 # before the group reports it stuck (a hung kernel or collective): on a CPU
 # host whose pinned OpenMP teams contend, a healthy pass of the tiny MoE took
 # more than 10 s, and the group used to fail "owes passes but ran none".

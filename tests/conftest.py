@@ -13,6 +13,16 @@ from vllm_disagg.testing.router import RouterProcess
 from vllm_disagg.testing.server import VllmServer, cpu_test_env
 from vllm_disagg.testing.tiny_models import build_all
 
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full-overlay",
+        action="store_true",
+        help="tests/export/test_fork.py: run every relocated unit test on the "
+        "in-tree overlay (CI collects them only; about 10 min more on 2 cores)",
+    )
+
+
 # Servers and routers whose log tails a failing test's report gets.
 _live_servers: list[VllmServer | RouterProcess] = []
 

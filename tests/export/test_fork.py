@@ -11,20 +11,20 @@ downloaded with pip on first use (CI reaches PyPI). Then:
 
 from __future__ import annotations
 
+import socket
 import subprocess
+from xml.etree import ElementTree
 
 import pytest
 
-from vllm_disagg.export import layout
 from vllm_disagg.export.overlay import prepare
-from vllm_disagg.export.series import SERIES
+from vllm_disagg.export.series import SERIES, enabler_tests, overlay_tests
 from vllm_disagg.export.source import Pin, pinned_sdist, read_source, verify
 from vllm_disagg.export.tree import BRANCH, Identity, build, git
 
 pytestmark = pytest.mark.e2e
 
 AUTHOR = Identity("Export Test", "export-test@example.com")
-ROUTER_E2E = ("test_p2p_e2e.py", "test_p2p_dp_e2e.py")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_one_signed_off_commit_per_pull_request(fork):
         git(fork.out, "checkout", "--quiet", BRANCH)
 
 
-def test_exported_tests_pass_on_the_wheel_without_the_plugin(fork, tmp_path):
+def test_exported_tests_pass_on_the_wheel_without_the_plugin(fork, tmp_path, request):
     overlay = prepare(fork.out, tmp_path / "overlay")
     blocked = overlay.run("-c", "import vllm_disagg", timeout=120)
     assert blocked.returncode != 0 and "in-tree overlay" in blocked.stderr
@@ -69,20 +69,27 @@ def test_exported_tests_pass_on_the_wheel_without_the_plugin(fork, tmp_path):
     assert where.stdout.strip() == str(overlay.root / "vllm" / "__init__.py"), (
         where.stderr
     )
-    # Every test the series adds: the written ones, what each commit's CI job
-    # runs (the P2P CPU end-to-end test, the step-sync DP=2 one: about 2 min
-    # each on 2 cores) and the relocated unit tests (the router's: about 3
-    # min). Not the router's end-to-end tests, which its CI job runs (about 6
-    # and 3.5 min: four servers, then two DP=2 instances).
-    routed = {f"{layout.INTEGRATION}/{name}" for name in ROUTER_E2E}
-    written = [
-        rel for c in SERIES for rel in (*c.tests, *c.ci_tests) if rel not in routed
-    ]
-    tests = list(
-        dict.fromkeys(
-            [*written, layout.UNIT, layout.STEP_SYNC_UNIT, layout.ROUTER_TESTS]
-        )
+    # Bounded (CI): every test the series writes, what each commit's CI job
+    # runs but the router's tests (the P2P CPU end-to-end test and the
+    # step-sync DP=2 one: about 2 min each on 2 cores), and the step-sync unit
+    # tests; the relocated P2P and router unit tests and the other end-to-end
+    # tests are collected only. `--full-overlay` runs the unit tests too.
+    tests = overlay_tests(full=request.config.getoption("--full-overlay"))
+    collected = overlay.run(
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--collect-only",
+        *tests.collect,
+        timeout=600,
     )
+    assert collected.returncode == 0, (
+        collected.stdout[-6000:] + collected.stderr[-3000:]
+    )
+    assert " collected" in collected.stdout or "tests collected" in collected.stdout
+    junit = tmp_path / "junit.xml"
     try:
         done = overlay.run(
             "-m",
@@ -92,10 +99,55 @@ def test_exported_tests_pass_on_the_wheel_without_the_plugin(fork, tmp_path):
             "no:cacheprovider",
             "-m",
             "cpu_test",
-            *tests,
+            f"--junitxml={junit}",
+            *tests.run,
             timeout=1500,
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"exported tests did not finish in {exc.timeout} s")
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert " failed" not in done.stdout and " passed" in done.stdout
+    # Upstream has no CPU test of what the enablers do: each one's exported
+    # test is that test, so each must have run here, none deselected or
+    # skipped (the IPv6 case only where this machine has no IPv6 loopback).
+    ran = _junit_outcomes(junit)
+    for name, files in enabler_tests().items():
+        assert files, f"enabler {name}: no exported commit writes a test for it"
+        for rel in files:
+            mine = {k: v for k, v in ran.items() if k.startswith(rel + "::")}
+            assert mine, f"enabler {name}: {rel} did not run"
+            skipped = [k for k, v in mine.items() if v != "passed" and not _no_ipv6(k)]
+            assert not skipped, f"enabler {name}: not run: {skipped}"
+
+
+def _junit_outcomes(path) -> dict[str, str]:
+    """The JUnit XML of pytest as {"tests/a/test_b.py::test_c[x]": outcome}."""
+    outcomes = {}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        module = case.get("classname", "").split(".")
+        # classname: "tests.a.test_b" or "tests.a.test_b.TestClass"
+        while module and not module[-1].startswith("test_"):
+            module.pop()
+        if not module or module == ["tests"]:
+            continue
+        klass = case.get("classname").split(".")[len(module) :]
+        nodeid = "/".join(module) + ".py::" + "::".join([*klass, case.get("name")])
+        kinds = {child.tag for child in case}
+        outcome = "passed"
+        for tag in ("skipped", "failure", "error"):
+            if tag in kinds:
+                outcome = tag
+        outcomes[nodeid] = outcome
+    return outcomes
+
+
+def _no_ipv6(nodeid: str) -> bool:
+    """A test of the IPv6 loopback on a machine that has none."""
+    if "ipv6" not in nodeid:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return True
+    return False

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -213,6 +214,21 @@ _OTHER_USER = textwrap.dedent(
 )
 
 
+def _code_root() -> Path:
+    """The directory the cookie's package is imported from (this checkout, or
+    an in-tree copy of vLLM), for the other user's PYTHONPATH."""
+    top = sys.modules[load_cookie.__module__.split(".")[0]]
+    return Path(top.__file__).resolve().parents[1]
+
+
+def _others_can_read(path: Path) -> bool:
+    """Whether a user outside this one's groups can reach ``path``."""
+    for part in (path, *path.parents):
+        if not part.stat().st_mode & stat.S_IXOTH:
+            return False
+    return bool(path.stat().st_mode & stat.S_IROTH)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as nobody")
 async def test_another_user_cannot_read_the_cookie_nor_register(
     request, cookie_dir, start_router
@@ -220,6 +236,9 @@ async def test_another_user_cannot_read_the_cookie_nor_register(
     """The router runs as this user (root) with its cookie; a process of
     another user (nobody) on the same host, with its own cookie or none,
     cannot read this one and every registration it sends is refused."""
+    code_root = _code_root()
+    if not _others_can_read(code_root):
+        pytest.skip(f"{code_root} is not readable by another user (a private tmp)")
     router = await start_router(local_cookie=True)
     theirs = load_cookie().path
     # Its own runtime directory, where it can reach it (not under ours).
@@ -230,7 +249,7 @@ async def test_another_user_cannot_read_the_cookie_nor_register(
         "PATH": os.environ.get("PATH", ""),
         "HOME": str(own_run),
         "XDG_RUNTIME_DIR": str(own_run),
-        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "PYTHONPATH": str(code_root),
     }
     proc = await asyncio.create_subprocess_exec(
         "setpriv",

@@ -163,6 +163,9 @@ P2P_E2E = (
     "test_p2p_e2e.py",
     "test_p2p_dp_e2e.py",
     "test_p2p_get_put_e2e.py",
+    "test_p2p_checksum_e2e.py",
+    "test_p2p_model_mismatch_e2e.py",
+    "test_p2p_cpu_defaults_e2e.py",
     "e2e_common.py",
     # Not exported: it starts the plugin's `vllm-disagg-router` console script.
     "test_p2p_local_cookie_e2e.py",
@@ -179,7 +182,12 @@ TESTS: tuple[TestFiles, ...] = (
         INTEGRATION,
         "p2p",
         unit=True,
-        files=("test_p2p_get_put_e2e.py", "e2e_common.py"),
+        files=(
+            "test_p2p_get_put_e2e.py",
+            "test_p2p_checksum_e2e.py",
+            "test_p2p_model_mismatch_e2e.py",
+            "e2e_common.py",
+        ),
     ),
     # These two need a router, which the router-example commit brings. On CPU
     # too (cpu_test), like the one above.
@@ -188,7 +196,11 @@ TESTS: tuple[TestFiles, ...] = (
         INTEGRATION,
         "router-example",
         unit=True,
-        files=("test_p2p_e2e.py", "test_p2p_dp_e2e.py"),
+        files=(
+            "test_p2p_e2e.py",
+            "test_p2p_dp_e2e.py",
+            "test_p2p_cpu_defaults_e2e.py",
+        ),
     ),
     # Marked cpu_test too, although upstream's CPU job does not run
     # tests/distributed yet: the pull request adds that line or moves them.

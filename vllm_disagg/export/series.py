@@ -9,7 +9,7 @@ what the registry already holds (why, in-tree form, related work).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from vllm_disagg.export import hand_cpu
 from vllm_disagg.export.commit import Commit
@@ -275,3 +275,70 @@ def by_slug(slug: str) -> Commit:
         if commit.slug == slug:
             return commit
     raise KeyError(slug)
+
+
+# The router's end-to-end tests: its own CI job runs them (about 6 and 3.5
+# min on 2 cores: four servers, then two DP=2 instances), the overlay check
+# does not.
+ROUTER_E2E = (
+    "tests/v1/kv_connector/p2p_integration/test_p2p_e2e.py",
+    "tests/v1/kv_connector/p2p_integration/test_p2p_dp_e2e.py",
+)
+
+
+@dataclass(frozen=True)
+class OverlayTests:
+    """What the overlay check (tests/export/test_fork.py) does with the
+    exported tests on the wheel with the series' Python files laid over it:
+    ``run`` with ``pytest -m cpu_test``; ``collect`` only collected (every
+    module imports in-tree and its tests are found)."""
+
+    run: tuple[str, ...]
+    collect: tuple[str, ...]
+
+
+def overlay_tests(*, full: bool = False) -> OverlayTests:
+    """The bounded check (CI): every test a commit writes, what each commit's
+    CI job runs (the P2P CPU end-to-end test, the step-sync DP=2 one, the wire
+    and step-sync unit tests) but the router's end-to-end tests; the relocated
+    P2P and router unit tests (about 10 min on 2 cores, run against the plugin
+    form by the project's own suite) and the other exported end-to-end tests
+    are collected. ``full``: run all of them but the router's end-to-end
+    tests (``pytest tests/export/test_fork.py --full-overlay``)."""
+    from vllm_disagg.export import layout
+
+    collected = [layout.UNIT, layout.ROUTER_TESTS, layout.INTEGRATION]
+    if full:
+        collected = [layout.INTEGRATION]
+    written = [
+        rel
+        for commit in SERIES
+        for rel in (*commit.tests, *commit.ci_tests)
+        if rel not in ROUTER_E2E and rel not in collected
+    ]
+    run = [*written, layout.STEP_SYNC_UNIT]
+    if full:
+        run += [layout.UNIT, layout.ROUTER_TESTS]
+    run = list(dict.fromkeys(run))
+    # Collected: what is not run (INTEGRATION holds the two e2e files run).
+    rest = [rel for rel in collected if rel not in run]
+    return OverlayTests(tuple(run), tuple(rest))
+
+
+def enabler_tests(patches=None) -> dict[str, tuple[str, ...]]:
+    """Each enabler registry entry with an in-tree form: the tests its commits
+    write (empty where none does). Upstream has no CPU test of these
+    behaviours, so the exported test is the one that shows each works."""
+    if patches is None:
+        from vllm_disagg.patches import PATCHES as patches
+    result: dict[str, tuple[str, ...]] = {}
+    for patch in patches:
+        if patch.kind != "enabler" or patch.in_tree.form == "dropped":
+            continue
+        result[patch.name] = tuple(
+            rel
+            for commit in SERIES
+            if patch.name in commit.patches
+            for rel in commit.tests
+        )
+    return result

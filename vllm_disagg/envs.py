@@ -28,6 +28,9 @@ VLLM_DISAGG_TARGET = "VLLM_DISAGG_TARGET"
 VLLM_DISAGG_P2P_SECRET = "VLLM_DISAGG_P2P_SECRET"
 VLLM_DISAGG_P2P_SECRET_FILE = "VLLM_DISAGG_P2P_SECRET_FILE"
 VLLM_DISAGG_ROUTER_TOKEN = "VLLM_DISAGG_ROUTER_TOKEN"
+VLLM_DISAGG_DP_SECRET = "VLLM_DISAGG_DP_SECRET"
+VLLM_DISAGG_DP_SECRET_FILE = "VLLM_DISAGG_DP_SECRET_FILE"
+VLLM_DISAGG_DP_LAUNCH_SECRET = "VLLM_DISAGG_DP_LAUNCH_SECRET"
 VLLM_DISAGG_SERVE_HOST = "VLLM_DISAGG_SERVE_HOST"
 VLLM_DISAGG_SERVE_PORT = "VLLM_DISAGG_SERVE_PORT"
 VLLM_DISAGG_CACHE = "VLLM_DISAGG_CACHE"
@@ -111,6 +114,37 @@ VARIABLES: dict[str, EnvVar] = {
             "variable so the token never shows in `ps`.",
         ),
         EnvVar(
+            VLLM_DISAGG_DP_SECRET,
+            "empty: a DP group launched by one process needs none; ranks started "
+            "separately use the local cookie on loopback and refuse to start beyond it",
+            "Shared secret of step sync (the DP engine cores' coordination) when the "
+            "ranks of one DP group are started separately (external LB, "
+            "--data-parallel-rank; hybrid LB or --headless nodes, "
+            "--data-parallel-start-rank; one offline LLM per rank): set the same "
+            "value on every rank. A rank whose --data-parallel-address is not a "
+            "loopback address refuses to start without it (or "
+            "VLLM_DISAGG_DP_SECRET_FILE); on loopback the same user's local cookie "
+            "stands in. One `vllm serve --data-parallel-size N` (internal LB) draws a "
+            "fresh secret for its own engine cores and ignores it. An environment "
+            "variable so it never shows in `ps`.",
+        ),
+        EnvVar(
+            VLLM_DISAGG_DP_SECRET_FILE,
+            "unset",
+            "Path of a file holding the step-sync DP secret (surrounding whitespace "
+            "ignored), for secrets mounted as files; used when VLLM_DISAGG_DP_SECRET "
+            "is unset.",
+        ),
+        EnvVar(
+            VLLM_DISAGG_DP_LAUNCH_SECRET,
+            "unset",
+            "Set by this package, never by hand: the fresh step-sync secret (hex) a "
+            "process that launches every engine core of a DP group itself (`vllm "
+            "serve --data-parallel-size N`, the Ray backend) hands to them in their "
+            "environment; each engine core removes it from its own environment at "
+            "start. Not used by ranks started separately.",
+        ),
+        EnvVar(
             VLLM_DISAGG_SERVE_HOST,
             "set by the `vllm` command from `vllm serve --host` (not a wildcard)",
             "The address the API server listens on, inherited by the engine cores: the "
@@ -177,6 +211,36 @@ def p2p_secret() -> bytes | None:
     if not secret:
         raise ConfigError(f"{VLLM_DISAGG_P2P_SECRET_FILE}: {path!r} is empty")
     return secret
+
+
+def dp_secret() -> bytes | None:
+    """The step-sync DP secret as UTF-8 bytes, or None when unset or empty:
+    ``VLLM_DISAGG_DP_SECRET``, else the file ``VLLM_DISAGG_DP_SECRET_FILE``
+    names (ConfigError when that file cannot be read or is empty)."""
+    value = os.environ.get(VLLM_DISAGG_DP_SECRET)
+    if value:
+        return value.encode()
+    path = os.environ.get(VLLM_DISAGG_DP_SECRET_FILE)
+    if not path:
+        return None
+    from vllm_disagg.errors import ConfigError
+
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(1 << 16).strip()
+    except OSError as e:
+        raise ConfigError(
+            f"{VLLM_DISAGG_DP_SECRET_FILE}: cannot read {path!r} ({e.strerror})"
+        ) from None
+    if not secret:
+        raise ConfigError(f"{VLLM_DISAGG_DP_SECRET_FILE}: {path!r} is empty")
+    return secret
+
+
+def dp_launch_secret() -> bytes | None:
+    """The secret a launching process handed to its engine cores, or None."""
+    value = os.environ.get(VLLM_DISAGG_DP_LAUNCH_SECRET)
+    return value.encode() if value else None
 
 
 def serve_host() -> str | None:

@@ -26,10 +26,24 @@ def _config(additional_config, dp_size=2, *, moe=True, fault_tolerance=False):
     return SimpleNamespace(
         model_config=SimpleNamespace(is_moe=moe),
         parallel_config=SimpleNamespace(
-            data_parallel_size=dp_size, enable_fault_tolerance=fault_tolerance
+            data_parallel_size=dp_size,
+            enable_fault_tolerance=fault_tolerance,
+            # One `vllm serve --data-parallel-size N` on loopback.
+            data_parallel_size_local=dp_size,
+            data_parallel_backend="mp",
+            local_engines_only=False,
+            data_parallel_master_ip="127.0.0.1",
         ),
         additional_config=additional_config,
     )
+
+
+@pytest.fixture(autouse=True)
+def _no_launch_secret_left(monkeypatch):
+    """The step-sync check hands engine cores a secret in this process's
+    environment; it is gone after each test."""
+    monkeypatch.setenv(envs.VLLM_DISAGG_DP_LAUNCH_SECRET, "")
+    monkeypatch.delenv(envs.VLLM_DISAGG_DP_LAUNCH_SECRET)
 
 
 def test_step_sync_options_are_a_feature_next_to_the_enabler():

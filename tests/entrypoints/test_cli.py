@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_disagg import envs
 from vllm_disagg.testing.server import cpu_test_env, vllm_executable
 from vllm_disagg.testing.tiny_models import build_model
 
@@ -36,8 +37,11 @@ BAD_STEP_SYNC_OPTIONS = {
 
 
 def _run(args) -> subprocess.CompletedProcess:
+    env = cpu_test_env()
+    for name in (envs.VLLM_DISAGG_DP_SECRET, envs.VLLM_DISAGG_DP_SECRET_FILE):
+        env.pop(name, None)
     return subprocess.run(
-        args, capture_output=True, text=True, timeout=TIMEOUT_S, env=cpu_test_env()
+        args, capture_output=True, text=True, timeout=TIMEOUT_S, env=env
     )
 
 
@@ -70,6 +74,18 @@ def cli(tiny_models, tmp_path_factory):
             "ray",
         ],
         "other-version": [sys.executable, "-c", other_version],
+        # One rank of an external-LB group spanning hosts, without a DP secret.
+        "dp-secret-missing": [
+            vllm,
+            "serve",
+            mixtral,
+            "--data-parallel-size",
+            "2",
+            "--data-parallel-rank",
+            "1",
+            "--data-parallel-address",
+            "192.0.2.1",
+        ],
         **{
             f"step-sync-{name}": [
                 vllm,
@@ -146,3 +162,13 @@ def test_bad_step_sync_option(cli, name):
 
 def test_refuses_other_vllm_version(cli):
     _assert_clean_error(cli["other-version"], "supports vLLM 0.32.0 only", "0.31.0")
+
+
+def test_separate_dp_ranks_beyond_loopback_need_a_dp_secret(cli):
+    """Step sync's group secret: ranks started separately, with a DP address
+    beyond loopback, are refused before any engine starts, naming the variable."""
+    _assert_clean_error(
+        cli["dp-secret-missing"],
+        f"set {envs.VLLM_DISAGG_DP_SECRET} (or {envs.VLLM_DISAGG_DP_SECRET_FILE})",
+        "--data-parallel-address 192.0.2.1 is not a loopback address",
+    )

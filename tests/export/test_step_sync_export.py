@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("libcst")
 
 from vllm_disagg.export import cst as anchors  # noqa: E402
+from vllm_disagg.export import layout as L  # noqa: E402
 from vllm_disagg.export import step_sync as ss  # noqa: E402
 from vllm_disagg.export.edits import EDITS  # noqa: E402
 from vllm_disagg.export.source import ExportError  # noqa: E402
@@ -127,6 +128,12 @@ def test_rewritten_modules_refer_to_no_dropped_module(module, path):
     ast.parse(text)
     for dropped in (*ss.DROPPED, "vllm_disagg.plugin", "vllm_disagg.diagnostics"):
         assert f"{dropped} import" not in text and f"import {dropped}" not in text
+    # Only the slice's own variables, which have an in-tree name
+    # (layout.ENV_VARS: the relocation renames them).
+    own = [v.project for v in L.ENV_VARS if v.slice == ss.SLICE]
+    assert own
+    for name in sorted(own, key=len, reverse=True):
+        text = text.replace(name, "")
     assert "VLLM_DISAGG_" not in text
     assert "step_sync_lookahead" not in text.replace(ss.LOOKAHEAD_FIELD, "")
     assert "additional_config" not in text

@@ -646,6 +646,29 @@ def get_p2p_nccl_secret() -> bytes | None:
     return secret
 '''
 
+_DP_SECRET_HELPER = '''\
+def get_dp_sync_secret() -> bytes | None:
+    """The step-sync DP secret as bytes, or None when unset: VLLM_DP_SYNC_SECRET,
+    else the contents of the file VLLM_DP_SYNC_SECRET_FILE names (surrounding
+    whitespace ignored)."""
+    value = os.getenv("VLLM_DP_SYNC_SECRET")
+    if value:
+        return value.encode()
+    path = os.getenv("VLLM_DP_SYNC_SECRET_FILE")
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(1 << 16).strip()
+    except OSError as e:
+        raise ValueError(
+            f"VLLM_DP_SYNC_SECRET_FILE: cannot read {path!r} ({e.strerror})"
+        ) from None
+    if not secret:
+        raise ValueError(f"VLLM_DP_SYNC_SECRET_FILE: {path!r} is empty")
+    return secret
+'''
+
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         project_envs.VLLM_DISAGG_P2P_SECRET,
@@ -688,6 +711,43 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "are unsigned and no router grant is accepted.",
         "p2p",
         accessor="router_token",
+    ),
+    EnvVar(
+        project_envs.VLLM_DISAGG_DP_SECRET,
+        "VLLM_DP_SYNC_SECRET",
+        "bytes | None",
+        "None",
+        "get_dp_sync_secret",
+        "Shared secret of step-synchronized DP (--data-parallel-sync step) when\n"
+        "the ranks of a DP group are started separately (external or hybrid LB,\n"
+        "headless nodes); the same value on every rank. Without it (or\n"
+        "VLLM_DP_SYNC_SECRET_FILE) such a rank whose --data-parallel-address is\n"
+        "not a loopback address refuses to start. A process that starts every\n"
+        "rank itself draws a fresh secret instead.",
+        "step-sync",
+        accessor="dp_secret",
+        helper=_DP_SECRET_HELPER,
+    ),
+    EnvVar(
+        project_envs.VLLM_DISAGG_DP_SECRET_FILE,
+        "VLLM_DP_SYNC_SECRET_FILE",
+        "str | None",
+        "None",
+        'lambda: os.getenv("VLLM_DP_SYNC_SECRET_FILE") or None',
+        "Path of a file holding the step-sync DP secret; used when\n"
+        "VLLM_DP_SYNC_SECRET is unset.",
+        "step-sync",
+    ),
+    EnvVar(
+        project_envs.VLLM_DISAGG_DP_LAUNCH_SECRET,
+        "VLLM_DP_SYNC_LAUNCH_SECRET",
+        "bytes | None",
+        "None",
+        'lambda: os.getenv("VLLM_DP_SYNC_LAUNCH_SECRET", "").encode() or None',
+        "Set by vLLM, never by hand: the fresh step-sync secret (hex) that a\n"
+        "process starting every engine core of a DP group hands to them.",
+        "step-sync",
+        accessor="dp_launch_secret",
     ),
     EnvVar(
         project_envs.VLLM_DISAGG_SERVE_HOST,

@@ -5,7 +5,8 @@ Four parts, each data or code the tree driver runs:
 * :data:`EDITS`: edits of upstream files (:class:`~vllm_disagg.export.edits.Edit`,
   anchored on qualified scopes, each matching once). ``ParallelConfig`` gets
   ``data_parallel_sync`` (``"wave"`` by default), the look-ahead and the peer
-  timeout as fields; ``EngineArgs`` the matching fields and flags; the four
+  timeout as fields; ``EngineArgs`` the matching fields and flags, and its
+  ``create_engine_config`` prepares the group's secret; the four
   places 0.32 picks a DP class (``run_engine_core``, ``CoreEngineActorManager``,
   ``make_client``, ``make_async_mp_client``) pick the step-sync class for
   ``"step"``; ``launch_core_engines`` runs the DP coordinator without wave
@@ -52,6 +53,7 @@ OPTION_FIELDS = {
 ENGINE_CORE = "vllm.v1.engine.step_sync.engine_core"
 CLIENTS = "vllm.v1.engine.step_sync.clients"
 ACTOR = "vllm.v1.engine.step_sync.actor"
+CREDENTIALS = "vllm.v1.engine.step_sync.credentials"
 METRICS = "vllm.v1.metrics.step_sync"
 METRICS_PATH = "vllm/v1/metrics/step_sync.py"
 
@@ -370,7 +372,7 @@ def _engine_args(module: cst.Module, where: str) -> cst.Module:
         args[index + 1 : index + 1] = new
         return node.with_changes(args=args)
 
-    return anchors.replace_once(
+    module = anchors.replace_once(
         module,
         "EngineArgs.create_engine_config",
         m.Call(
@@ -384,6 +386,28 @@ def _engine_args(module: cst.Module, where: str) -> cst.Module:
         pass_fields,
         "ParallelConfig(..., dp_sync_interval=...)",
         where,
+    )
+    # The process that built the config starts the engine cores: it hands
+    # them the step-sync group's secret (credentials.prepare_launch), as the
+    # plugin's create_engine_config hook does.
+    prepare = anchors.statements(
+        "if (\n"
+        f'    config.parallel_config.{FIELD} == "step"\n'
+        "    and config.model_config.is_moe\n"
+        "    and config.parallel_config.data_parallel_size > 1\n"
+        "):\n"
+        f"    from {CREDENTIALS} import prepare_launch\n"
+        "\n"
+        "    prepare_launch(config.parallel_config)\n"
+    )
+    return insert_after(
+        module,
+        "EngineArgs.create_engine_config",
+        m.SimpleStatementLine(body=[m.Return(value=m.Name("config"))]),
+        prepare,
+        "return config",
+        where,
+        before=True,
     )
 
 
@@ -719,7 +743,8 @@ EDITS: tuple[Edit, ...] = (
     Edit(
         "step-sync-options",
         "vllm/engine/arg_utils.py",
-        "EngineArgs fields and --data-parallel-sync[-lookahead|-peer-timeout-seconds]",
+        "EngineArgs fields and --data-parallel-sync[-lookahead|-peer-timeout-seconds]; "
+        "create_engine_config prepares the step-sync group's secret",
         _engine_args,
     ),
     Edit(

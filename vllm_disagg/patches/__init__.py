@@ -532,14 +532,20 @@ PATCHES: tuple[Patch, ...] = (
             "for an MoE model with DP > 1 a refusal of "
             "--enable-fault-tolerance, so `vllm serve` exits 2 with a message "
             "naming the key or flag (and VLLM_DISAGG_DISABLE=1 for upstream "
-            "waves). Off with the other features under VLLM_DISAGG_DISABLE=1."
+            "waves). The same hook prepares the group's secret "
+            "(step_sync.credentials.prepare_launch): a fresh one, in the "
+            "environment of the engine cores this process starts, when it starts "
+            "every rank; otherwise separately started ranks beyond loopback "
+            "without VLLM_DISAGG_DP_SECRET exit 2 here. Off with the other "
+            "features under VLLM_DISAGG_DISABLE=1."
         ),
         drop_when="Step sync is upstream and vLLM validates its options itself.",
         in_tree=InTree(
             "hand",
             'data_parallel_sync ("wave" by default, or "step"), the look-ahead and the '
             "peer timeout become ParallelConfig fields with EngineArgs flags, and "
-            "their checks move into ParallelConfig.",
+            "their checks move into ParallelConfig; EngineArgs.create_engine_config "
+            "calls prepare_launch for the group's secret.",
         ),
         related="none known.",
         also_changes=("vllm/config/parallel.py",),

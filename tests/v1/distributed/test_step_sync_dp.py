@@ -10,6 +10,7 @@
   a decode instance waiting for a prefill) neither stalls its busy peer nor
   spins dummy passes once the peer is idle; SIGTERM then stops every process
   of the server by itself, with no rank reporting a failed group;
+* what the DP group's TCP store serves lets no local process stop the group;
 * external LB (one server per rank): requests sent only to rank 1 complete
   while rank 0 runs the matching dummy passes; killing rank 1 makes rank 0
   fail within a bounded time instead of hanging.
@@ -43,8 +44,14 @@ from vllm_disagg.testing.openai_client import (
     token_ids as chunk_token_ids,
 )
 from vllm_disagg.testing.server import VllmServer, get_free_port
-from vllm_disagg.testing.step_sync import step_sync_metric
-from vllm_disagg.v1.engine.step_sync import PROTOCOL_VERSION, RankState
+from vllm_disagg.testing.step_sync import keys_from, read_store, step_sync_metric
+from vllm_disagg.v1.engine.step_sync import (
+    PROTOCOL_VERSION,
+    TO_COORDINATOR,
+    RankState,
+    seal,
+)
+from vllm_disagg.v1.engine.step_sync.rendezvous import STORE_KEY
 
 pytestmark = pytest.mark.e2e
 
@@ -377,6 +384,63 @@ def test_foreign_frames_flooding_the_coordinator_change_no_output(
     assert steps[0] == steps[1]
     after = step_sync_metric(dp2_server, "coordinator_unauthenticated_messages_total")
     assert after.get(0, 0.0) - before.get(0, 0.0) > 100, (before, after)
+    assert requests.get(f"{dp2_server.url}/health", timeout=10).status_code == 200
+
+
+def _dp_store(server: VllmServer) -> tuple[str, int]:
+    match = re.search(
+        r"step sync DP engine core dp_rank=0/\d+ .*dp_store=(\S+):(\d+) ",
+        server.log_text(),
+    )
+    assert match, "rank 0 did not log its DP store"
+    return match.group(1), int(match.group(2))
+
+
+def test_a_local_process_reading_the_dp_store_cannot_stop_the_group(
+    dp1_reference, dp2_server
+):
+    """Everything the DP group's TCP store serves to anyone who connects gives no
+    one the key to speak for a rank: a new incarnation of each rank, forged under
+    every value read and every key derived from them (one such frame, under the
+    secret the store used to serve, aborted the group), changes nothing."""
+    served = read_store(*_dp_store(dp2_server))
+    published = json.loads(served[STORE_KEY])
+    address = _coordinator_address(dp2_server)
+    assert published["address"] == address
+    keys = sorted(keys_from(served))
+    before = step_sync_metric(dp2_server, "coordinator_unauthenticated_messages_total")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDTIMEO, 1000)
+    sock.connect(address)
+    try:
+        for seq, key in enumerate(keys, start=2**40):
+            for rank in (0, 1):
+                state = RankState(
+                    PROTOCOL_VERSION,
+                    rank,
+                    2,
+                    2,
+                    "a stranger",
+                    seq,
+                    0,
+                    0,
+                    0,
+                    False,
+                    False,
+                    False,
+                    rank == 1,
+                )
+                sock.send_multipart(seal(key, TO_COORDINATOR, state))
+    finally:
+        sock.close(linger=5000)
+    jobs = [j for j in _workload() if j.mode == "plain"][:8]
+    got = run_all(dp2_server, jobs)
+    for job in jobs:
+        assert got[job.index] == dp1_reference[job.index], f"request {job.index}"
+    after = step_sync_metric(dp2_server, "coordinator_unauthenticated_messages_total")
+    assert after[0] - before.get(0, 0.0) >= 2 * len(keys), (len(keys), after)
+    log = dp2_server.log_text()
+    assert "re-registered" not in log and "aborted the DP group" not in log
     assert requests.get(f"{dp2_server.url}/health", timeout=10).status_code == 200
 
 

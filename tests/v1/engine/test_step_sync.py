@@ -11,6 +11,7 @@ from step_sync_helpers import wait_until
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.v1.engine.step_sync import (
+    PROTOCOL_VERSION,
     TO_COORDINATOR,
     Coordinator,
     GroupPhase,
@@ -66,7 +67,7 @@ def _seal(secret, msg):
 
 def _rank_state(rank, seq, requested=0, local_step=0, **overrides):
     fields = dict(
-        version=2,
+        version=PROTOCOL_VERSION,
         dp_rank=rank,
         dp_size=2,
         lookahead=2,

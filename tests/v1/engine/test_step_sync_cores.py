@@ -30,6 +30,7 @@ from vllm_disagg.v1.engine.step_sync import (
     StepSyncConfig,
     seal,
 )
+from vllm_disagg.v1.engine.step_sync.credentials import group_key
 
 SECRET = b"k" * 32
 CONFIG = StepSyncConfig(dp_size=3, lookahead=2, peer_timeout_s=1.0)  # heartbeat 0.2 s
@@ -613,7 +614,9 @@ def test_a_participant_fails_when_the_coordinator_is_silent_or_aborts():
     assert part.failed.startswith("step sync coordinator silent for 1.0s")
     aborted = _participant()
     aborted.start(0.0)
-    assert aborted.on_frames(seal(SECRET, TO_PARTICIPANT, Abort(2, 1, "why")), 0.1) == (
+    assert aborted.on_frames(
+        seal(SECRET, TO_PARTICIPANT, Abort(PROTOCOL_VERSION, 1, "why")), 0.1
+    ) == (
         None,
         None,
     )
@@ -746,3 +749,124 @@ def test_random_groups_run_the_same_passes():
             )
         # Passes wasted after the last real pass are bounded by the lease.
         assert last_real <= coord.step <= last_real + coord.config.lookahead
+
+
+# --- strangers: only frames under the group's key count -------------------------------
+
+OPERATOR_SECRET = b"the operator's VLLM_DISAGG_DP_SECRET, the same on every rank"
+GROUP_ID = "a" * 32
+GROUP_KEY = group_key(OPERATOR_SECRET, GROUP_ID)
+# Keys a stranger can try: nothing it reads in the DP store (the coordinator's
+# address, the group id) or a recording of another group gives it this group's key.
+STRANGER_KEYS = {
+    "none (no MAC)": b"",
+    "random": bytes(range(32)),
+    "the group id": GROUP_ID.encode(),
+    "the coordinator address": b"tcp://127.0.0.1:5555",
+    "an earlier group of the same secret (a recording)": group_key(
+        OPERATOR_SECRET, "b" * 32
+    ),
+    "this group's id under another secret": group_key(b"another secret", GROUP_ID),
+    "the secret itself, underived": OPERATOR_SECRET,
+}
+
+
+def _keyed_group(joining=(0, 1, 2)) -> tuple[CoordinatorCore, list[Rank]]:
+    core = CoordinatorCore(CONFIG, GROUP_KEY)
+    core.start(0.0)
+    ranks = [Rank(r) for r in range(CONFIG.dp_size)]
+    for r in joining:
+        msg = ranks[r].state()
+        core.on_frames([ranks[r].route, *seal(GROUP_KEY, TO_COORDINATOR, msg)], 0.0)
+    return core, ranks
+
+
+def _attempts(ranks: list[Rank]) -> list[RankState]:
+    """What would fail the group, or move it, if it were authenticated."""
+    other_options = Rank(2, StepSyncConfig(dp_size=3, lookahead=5))
+    return [
+        Rank(1, incarnation="a new process").state(),  # a new incarnation of rank 1
+        ranks[1].forged(left=True),  # rank 1 leaving outside an agreed exit
+        other_options.state(),  # rank 2 with other options
+        ranks[0].forged(requested=3),  # a step request for a real rank
+        ranks[2].forged(leaving=True, pause_ready=True, want_pause=True),
+    ]
+
+
+@pytest.mark.parametrize("what", sorted(STRANGER_KEYS))
+def test_a_stranger_cannot_fail_or_move_a_formed_group(what):
+    core, ranks = _keyed_group()
+    routes = {r: m.route for r, m in core.members.items()}
+    states = {r: m.state for r, m in core.members.items()}
+    attempts = _attempts(ranks)
+    for msg in attempts:
+        frames = [b"stranger", *seal(STRANGER_KEYS[what], TO_COORDINATOR, msg)]
+        assert core.on_frames(frames, 0.1) == []
+    assert core.failed is None and core.step == 0
+    assert core.counters.snapshot()["unauthenticated_messages"] == len(attempts)
+    assert {r: m.route for r, m in core.members.items()} == routes
+    assert {r: m.state for r, m in core.members.items()} == states
+    # The members go on as if nothing happened.
+    msg = ranks[1].state(requested=2)
+    out = core.on_frames([ranks[1].route, *seal(GROUP_KEY, TO_COORDINATOR, msg)], 0.2)
+    assert core.step == 2
+    assert sorted(route for route, _ in out) == sorted(routes.values())
+
+
+@pytest.mark.parametrize("what", sorted(STRANGER_KEYS))
+def test_a_stranger_cannot_join_or_fail_a_forming_group(what):
+    core, ranks = _keyed_group(joining=(0, 1))
+    for msg in _attempts(ranks):
+        frames = [b"stranger", *seal(STRANGER_KEYS[what], TO_COORDINATOR, msg)]
+        assert core.on_frames(frames, 0.1) == []
+    assert core.failed is None and core.registered == (0, 1)
+    msg = ranks[2].state()
+    core.on_frames([ranks[2].route, *seal(GROUP_KEY, TO_COORDINATOR, msg)], 0.2)
+    assert core.registered == (0, 1, 2) and core.failed is None
+
+
+def test_an_authenticated_new_incarnation_fails_the_group_and_hears_why():
+    """The one thing a new process for a rank may do, and only with the group's key
+    (the launcher's or operator's secret and this group's id): end the group at
+    once, since its peers cannot go on without the process it replaces."""
+    core, ranks = _keyed_group()
+    newcomer = Rank(1, incarnation="restarted")
+    newcomer.route = b"another connection"
+    out = core.on_frames(
+        [newcomer.route, *seal(GROUP_KEY, TO_COORDINATOR, newcomer.state())], 0.1
+    )
+    reason = "DP rank 1 re-registered as a new process (restarted)"
+    assert core.failed == reason
+    told = {route for route, msg in out if isinstance(msg, Abort)}
+    assert told == {r.route for r in ranks} | {newcomer.route}
+    assert all(msg.reason == reason for _, msg in out)
+
+
+def test_a_missing_rank_whose_frames_fail_authentication_is_named_so():
+    """A rank started with another secret is dropped like a stranger; the reason
+    the group did not form says so."""
+    core, ranks = _keyed_group(joining=(0, 1))
+    other = group_key(b"another secret", GROUP_ID)
+    for now in (0.1, 0.2):
+        core.on_frames([b"r2", *seal(other, TO_COORDINATOR, ranks[2].state())], now)
+    core.on_tick(CONFIG.peer_timeout_s + 0.5)
+    assert "DP rank(s) 2 did not join" in core.failed
+    assert core.failed.endswith(
+        ", and the same step-sync secret (2 frames failed authentication)"
+    )
+
+
+def test_a_participant_ignores_frames_under_another_groups_key():
+    part = ParticipantCore(CONFIG, 1, "inc1", GROUP_KEY)
+    part.start(0.0)
+    earlier = group_key(OPERATOR_SECRET, "b" * 32)
+    assert (
+        part.on_frames(
+            seal(earlier, TO_PARTICIPANT, Abort(PROTOCOL_VERSION, 1, "x")), 0.1
+        )
+        is None
+    )
+    state = GroupState(PROTOCOL_VERSION, 1, 5, GroupPhase.RUNNING, 0, 3, 0, 0)
+    assert part.on_frames(seal(earlier, TO_PARTICIPANT, state), 0.2) is None
+    assert part.failed is None and part.delivered == 0
+    assert part.on_frames(seal(GROUP_KEY, TO_PARTICIPANT, state), 0.3).grant == 5

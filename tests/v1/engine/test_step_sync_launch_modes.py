@@ -22,6 +22,7 @@ import pytest
 import vllm.v1.engine.core as upstream_core
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreActorMixin
 
+from vllm_disagg import envs
 from vllm_disagg.patches import PATCHES
 from vllm_disagg.patches.v1.engine import core as core_patches
 from vllm_disagg.v1.engine import core_actor
@@ -82,6 +83,10 @@ def _vllm_config(dp_size: int = 2):
     parallel = SimpleNamespace(
         enable_elastic_ep=False,
         data_parallel_size=dp_size,
+        data_parallel_size_local=dp_size,
+        data_parallel_backend="ray",
+        local_engines_only=False,
+        data_parallel_master_ip="127.0.0.1",
         data_parallel_rank=0,
     )
     return SimpleNamespace(parallel_config=parallel, additional_config={})
@@ -98,6 +103,8 @@ def test_actor_init_runs_step_sync_init_on_itself(monkeypatch, ray_actor_patch):
         calls.append(("patches", dp_rank))
 
     monkeypatch.setattr(core_actor, "load_patch_set", load_patch_set)
+    # What the launcher hands every actor (with the other VLLM_* variables).
+    monkeypatch.setenv(envs.VLLM_DISAGG_DP_LAUNCH_SECRET, "ab" * 32)
 
     def mixin_init(self, vllm_config, addresses, dp_rank, local_dp_rank):
         calls.append(("mixin", addresses, dp_rank, local_dp_rank))

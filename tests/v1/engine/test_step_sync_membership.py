@@ -12,6 +12,7 @@ import zmq
 from step_sync_helpers import settled, wait_until
 
 from vllm_disagg.v1.engine.step_sync import (
+    PROTOCOL_VERSION,
     TO_COORDINATOR,
     TO_PARTICIPANT,
     Abort,
@@ -145,7 +146,7 @@ def test_a_participant_without_the_secret_cannot_join():
 
 def _state(rank, seq, **overrides):
     fields = dict(
-        version=2,
+        version=PROTOCOL_VERSION,
         dp_rank=rank,
         dp_size=2,
         lookahead=2,
@@ -186,7 +187,7 @@ def _forged_frames(
         state = _state(rank, 10**6, requested=3, incarnation=real_incarnations[rank])
         return [enc(state), rng.randbytes(MAC_BYTES)]
     if kind == 5:  # an Abort (coordinators never take one)
-        return [enc(Abort(2, 1, "forged")), rng.randbytes(MAC_BYTES)]
+        return [enc(Abort(PROTOCOL_VERSION, 1, "forged")), rng.randbytes(MAC_BYTES)]
     if kind == 6:  # signed with the right key but replayed (stale sequence number)
         rank = rng.randrange(2)
         state = _state(rank, 1, requested=1, incarnation=real_incarnations[rank])

@@ -35,7 +35,6 @@ import threading
 import time
 from typing import Any
 
-from vllm.utils.network_utils import make_zmq_path
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
@@ -49,17 +48,14 @@ from vllm_disagg.v1.engine.step_sync import (
     GroupPhase,
     Participant,
     StepSyncConfig,
-    new_group_secret,
+    StepSyncGroupError,
 )
+from vllm_disagg.v1.engine.step_sync.credentials import group_secret
+from vllm_disagg.v1.engine.step_sync.rendezvous import join, not_formed_hint
 from vllm_disagg.v1.metrics.step_sync import StepSyncMetricsWriter
 
 logger = init_logger(__name__)
 
-# Keys under which DP rank 0 publishes the coordinator address and the group
-# secret in the DP group's TCP store (the store every rank already met at to
-# form the group, so only group members can read them).
-STORE_KEY = "vllm_disagg/step_sync/coordinator_address"
-SECRET_STORE_KEY = "vllm_disagg/step_sync/group_secret"
 # Extra time a rank gives the group to form, beyond step_sync_peer_timeout_s
 # (the coordinator's own registration deadline), before it gives up itself.
 GROUP_FORM_MARGIN_S = 5.0
@@ -141,6 +137,9 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         self.step_sync_config = StepSyncConfig.from_additional_config(
             vllm_config.additional_config, parallel_config.data_parallel_size
         )
+        # Before anything starts (and before this process starts its workers,
+        # which must not inherit the launcher's secret): fails in one line.
+        self._step_sync_secret = group_secret(parallel_config)
         self.step_sync_coordinator = None
         self.pause_phase = PausePhase.RUNNING
         self._pause_intent = 0
@@ -157,14 +156,19 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         self._upstream_schedule = self.scheduler.schedule
         self.scheduler.schedule = self._schedule_and_account
         self._metrics = StepSyncMetricsWriter(self.dp_rank, self._metrics_snapshot)
+        # The ports this group exposes (docs/step_sync.md, "Ports"), and where its
+        # secret came from (never the secret).
         logger.info(
             "vllm_disagg: step sync DP engine core dp_rank=%d/%d lookahead=%d "
-            "peer_timeout_s=%s coordinator=%s",
+            "peer_timeout_s=%s coordinator=%s dp_store=%s:%s secret from %s",
             self.dp_rank,
             self.dp_size,
             self.step_sync_config.lookahead,
             self.step_sync_config.peer_timeout_s,
             self.step_sync.coordinator_address,
+            getattr(self.dp_store, "host", "?"),
+            getattr(self.dp_store, "port", "?"),
+            self._step_sync_secret.source,
         )
 
     # --- set-up and tear-down ---
@@ -172,26 +176,14 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
     def _init_data_parallel(self, vllm_config):
         super()._init_data_parallel(vllm_config)
         config = self.step_sync_config
-        if self.dp_rank == 0:
-            secret = new_group_secret()
-            host = vllm_config.parallel_config.data_parallel_master_ip
-            self.step_sync_coordinator = Coordinator(
-                config,
-                make_zmq_path("tcp", host, 0),
-                secret,
-                on_failure=self._on_step_sync_failure,
-            ).start()
-            address = self.step_sync_coordinator.address
-            self.dp_store.set(SECRET_STORE_KEY, secret)
-            self.dp_store.set(STORE_KEY, address)
-        else:
-            address = self.dp_store.get(STORE_KEY).decode()
-            secret = self.dp_store.get(SECRET_STORE_KEY)
-        self.step_sync = Participant(
+        # The store only says where the coordinator listens and the group's id;
+        # the frames' key comes from the secret only members hold (credentials.py).
+        self.step_sync_coordinator, self.step_sync = join(
             config,
             self.dp_rank,
-            address,
-            secret,
+            self.dp_store,
+            self._step_sync_secret,
+            vllm_config.parallel_config.data_parallel_master_ip,
             on_grant=lambda step: self.input_queue.put_nowait(
                 (StepSyncInput.GRANT, step)
             ),
@@ -199,9 +191,13 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             on_group=lambda state: self.input_queue.put_nowait(
                 (StepSyncInput.GROUP, state)
             ),
-        ).start()
+        )
         # Every rank joins or none starts (raises with the reason).
-        self.step_sync.wait_for_group(config.peer_timeout_s + GROUP_FORM_MARGIN_S)
+        try:
+            self.step_sync.wait_for_group(config.peer_timeout_s + GROUP_FORM_MARGIN_S)
+        except StepSyncGroupError as e:
+            hint = not_formed_hint(self.step_sync, self._step_sync_secret)
+            raise StepSyncGroupError(f"{e}{hint}") from None
 
     def _on_step_sync_failure(self, reason: str) -> None:
         """Network thread: the group failed. Wake the engine thread with the
@@ -462,8 +458,6 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
 
 
 __all__ = [
-    "SECRET_STORE_KEY",
-    "STORE_KEY",
     "StepSyncDPEngineCoreProc",
     "StepSyncFailure",
 ]

@@ -31,19 +31,24 @@ a rank that owes passes and runs none, or one that ran an ungranted pass that
 stays ungranted for that long, ends the group with a message naming it.
 
 Membership is authenticated: every frame (the shared format of
-``vllm_disagg/wire/frames.py``) carries an HMAC-SHA256 of its
-payload under the group secret (which DP rank 0 publishes in the DP group's
-TCP store), and a per-sender sequence number against replay. Unauthenticated,
-malformed, stale or oversized frames are dropped and counted; their log lines
-are rate-limited. No frame from outside the group can change its state.
+``vllm_disagg/wire/frames.py``) carries an HMAC-SHA256 of its payload under a
+key for this one group, derived from a secret only the members hold (the
+launching process's, the operator's ``VLLM_DISAGG_DP_SECRET``, or on loopback
+the user's local cookie: ``credentials.py``) and the group's id, and a
+per-sender sequence number against replay. The DP group's TCP store carries
+only the coordinator's address and the group id (``rendezvous.py``).
+Unauthenticated, malformed, stale or oversized frames are dropped and counted;
+their log lines are rate-limited. No frame from outside the group can change
+its state or fail it.
 
 Layout: the rules are plain state machines with no socket, thread or clock
 (``coordinator_core.py``, ``participant_core.py``: frames and the time in,
 messages out); ``coordinator.py`` and ``participant.py`` are the shells that
-own the ZMQ sockets and the network threads (``shell.py``). The engine-side
-state of a participant is only touched by the engine thread; grants and
-group-state changes reach it through callbacks that the engine turns into
-items on its input queue.
+own the ZMQ sockets and the network threads (``shell.py``);
+``credentials.py`` says where the secret comes from and ``rendezvous.py`` how
+the ranks meet. The engine-side state of a participant is only touched by the
+engine thread; grants and group-state changes reach it through callbacks that
+the engine turns into items on its input queue.
 """
 
 from vllm_disagg.v1.engine.step_sync.config import (

@@ -89,5 +89,5 @@ class StepSyncConfig:
 
 
 def new_group_secret() -> bytes:
-    """A fresh random secret for one DP group (rank 0 publishes it)."""
+    """A fresh random secret for one DP group (credentials.py says who holds it)."""
     return secrets.token_bytes(SECRET_BYTES)

@@ -14,6 +14,9 @@ directly, thousands of interleavings a second. The rules:
 * It fails, and tells every member why, when a rank is missing ``peer_timeout_s`` after
   start, a member is silent that long, a rank comes back as a new process, leaves
   outside an agreed exit, or joins with other options.
+* Only authenticated frames count (:meth:`CoordinatorCore.on_frames`): the others are
+  dropped and counted, and change nothing. Every failure above is either a timeout or
+  a frame under the group's key, which only members hold (``credentials.py``).
 """
 
 from __future__ import annotations
@@ -160,11 +163,21 @@ class CoordinatorCore:
                 return
             member = self.members[rank]
         elif member.state.incarnation != msg.incarnation:
-            # Authenticated, so a real engine: a restarted rank cannot rejoin
-            # collectives mid-flight.
-            self._fail(
+            # Authenticated under this group's key: a process that was given the
+            # group's secret (by the launcher or the operator) and read this
+            # group's id, i.e. the rank's engine restarted or started twice. It
+            # cannot rejoin collectives mid-flight and the group cannot go on
+            # without the process it replaces: the group fails now, naming it,
+            # and the newcomer hears why. A stranger's frame never gets here
+            # (on_frames drops and counts it).
+            reason = (
                 f"DP rank {rank} re-registered as a new process ({msg.incarnation})"
             )
+            if route != member.route:
+                self._out.append(
+                    (route, Abort(PROTOCOL_VERSION, self._next_seq(), reason))
+                )
+            self._fail(reason)
             return
         elif msg.seq <= member.state.seq:
             self._drop(
@@ -264,6 +277,7 @@ class CoordinatorCore:
                 f"group within {self.config.peer_timeout_s:.0f}s "
                 "(step_sync_peer_timeout_s); every rank must start with the same "
                 "--data-parallel-size, --data-parallel-address and --additional-config"
+                + self._unauthenticated_note()
             )
             return
         for rank, member in self.members.items():
@@ -274,6 +288,14 @@ class CoordinatorCore:
                     f"(step_sync_peer_timeout_s={self.config.peer_timeout_s})"
                 )
                 return
+
+    def _unauthenticated_note(self) -> str:
+        dropped = self.counters.snapshot()["unauthenticated_messages"]
+        if not dropped:
+            return ""
+        return (
+            f", and the same step-sync secret ({dropped} frames failed authentication)"
+        )
 
     # --- output ---
 

@@ -16,7 +16,9 @@ from vllm_disagg.wire.frames import FrameCodec, FrameError
 
 # Version 1: event messages (Register, RequestSteps, Pause, ...), no auth.
 # Version 2: whole-state messages, HMAC-authenticated frames, shutdown phase.
-PROTOCOL_VERSION = 2
+# Version 3: frames authenticated under a per-group key (credentials.group_key);
+# the secret never travels through the DP group's store.
+PROTOCOL_VERSION = 3
 # No legitimate frame is anywhere near this; ZMQ drops larger ones.
 MAX_MESSAGE_BYTES = 1024
 

@@ -17,9 +17,9 @@ connect to it).
   ``--headless`` nodes, ``--data-parallel-start-rank``; one offline ``LLM`` per rank):
   the operator's ``VLLM_DISAGG_DP_SECRET`` (or ``_FILE``), the same on every rank,
   required when the DP master address (``--data-parallel-address``) is beyond
-  loopback: refused at start, in one line, without it. On loopback without one, the
-  user's local cookie (:mod:`vllm_disagg.wire.cookie`): the same user's ranks on this
-  host find the same one, another user cannot read it.
+  loopback: refused at start, in one line, without it. On loopback without one,
+  the user's local cookie (:mod:`vllm_disagg.wire.cookie`): the same user's
+  ranks on this host find the same one, another user cannot read it.
 
 Frames are not authenticated under the secret itself but under a key for one group,
 :func:`group_key` (HMAC of a group id under the secret). Rank 0 draws the id per group

@@ -10,8 +10,10 @@ the client's timeout (a hang), or a fault step that did not happen in time;
 the fault-free and survivable cases also on any failed request; the steady
 case on growth past the bounds below. Where a fault takes the only decode
 away, what users must get is an error, fast, and the router must stop
-listing what died. The full-size runs and their figures:
-benchmarks/chaos.py, benchmarks/results/chaos/.
+listing what died. CI runs steady, strangers, killed prefill and killed
+decode rank; the stopped prefill, the killed router and the restarted decode
+run with ``pytest --full`` (about 3 min more). The full-size runs and their
+figures: benchmarks/chaos.py, benchmarks/results/chaos/.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def test_strangers_on_every_port_cost_clients_nothing(chaos_fleet):
     assert not too_much, too_much
 
 
+@pytest.mark.full
 def test_a_stopped_prefill_costs_latency_not_requests(chaos_fleet):
     """SIGSTOP past every timeout: its prefill legs time out and are retried on
     the other prefill, the router drops it after the heartbeat timeout, and
@@ -165,6 +168,7 @@ def test_a_stopped_prefill_costs_latency_not_requests(chaos_fleet):
     assert fault["registered_after_resume_s"] <= HEARTBEAT_INTERVAL_S + 2, fault
 
 
+@pytest.mark.full
 def test_a_killed_router_restarted_knows_the_fleet_within_a_heartbeat(chaos_fleet):
     fleet, references, specs = chaos_fleet
     result = run_scenario(
@@ -211,6 +215,7 @@ def test_a_killed_prefill_is_routed_around(chaos_fleet):
     )
 
 
+@pytest.mark.full
 def test_a_killed_decode_fails_requests_fast_and_recovers_when_restarted(chaos_fleet):
     """The only decode dies: requests fail at once (503) instead of waiting,
     the router drops both ranks, and the restarted decode serves right."""

@@ -27,7 +27,10 @@ from test_chaos import (
 
 from vllm_disagg.testing.chaos import Options, run_scenario
 
-pytestmark = pytest.mark.e2e
+# CI leaves these out (run with --full or benchmarks/chaos.py
+# --vllm-omp-defaults); test_p2p_cpu_defaults_e2e.py starts servers with
+# vLLM's defaults in CI.
+pytestmark = [pytest.mark.e2e, pytest.mark.full]
 
 
 def test_a_killed_prefill_is_routed_around_with_vllm_defaults(

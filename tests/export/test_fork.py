@@ -74,7 +74,10 @@ def test_exported_tests_pass_on_the_wheel_without_the_plugin(fork, tmp_path, req
     # step-sync DP=2 one: about 2 min each on 2 cores), and the step-sync unit
     # tests; the relocated P2P and router unit tests and the other end-to-end
     # tests are collected only. `--full-overlay` runs the unit tests too.
-    tests = overlay_tests(full=request.config.getoption("--full-overlay"))
+    full = request.config.getoption("--full-overlay") or request.config.getoption(
+        "--full"
+    )
+    tests = overlay_tests(full=full)
     collected = overlay.run(
         "-m",
         "pytest",

@@ -20,6 +20,7 @@ error ``Reply`` (before the first byte) or the end of the stream (after it).
 from __future__ import annotations
 
 import asyncio
+import enum
 import errno
 import logging
 import re
@@ -32,11 +33,10 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.config import RouterConfig
-from vllm_disagg.router.metrics import RouterMetrics
+from vllm_disagg.router.metrics import Outcome, RouterMetrics
 from vllm_disagg.router.policy import Policies
-from vllm_disagg.router.registry import Instance, InstanceRegistry, compatible
+from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease, compatible
 from vllm_disagg.router.validation import decode_alone_reason, streams
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.grants import GRANT_KEY, make_grant
@@ -252,7 +252,6 @@ class _Exchange:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     upstream_s: float = 0.0  # time spent waiting on instances, up to the first byte
     counted: bool = False
-    decode_sent: bool = False  # the decode leg took over D's reservation
     _names: dict[tuple[str, str], tuple[str, dict[str, str]]] = field(
         default_factory=dict
     )
@@ -288,6 +287,24 @@ class _Exchange:
         return self.deadline - time.monotonic()
 
 
+class LegFailure(str, enum.Enum):
+    """Why a call to an instance failed: the ``reason`` label of
+    prefill_failures_total, and what log lines and errors name."""
+
+    REFUSED = "refused"  # nothing listens there
+    LOCAL = "local"  # the router's own shortage (descriptors, buffers)
+    CONNECT_TIMEOUT = "connect_timeout"
+    TIMEOUT = "timeout"
+    CONNECTION = "connection"  # reset or closed mid-request
+    ERROR = "error"
+    STATUS = "status"  # it answered 5xx
+    INSTANCE_REMOVED = "instance_removed"  # its heartbeats stopped mid-leg
+    INSTANCE_STALLED = "instance_stalled"  # its engine stopped stepping mid-leg
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
 @dataclass
 class _PrefillResult:
     ok: bool
@@ -295,7 +312,7 @@ class _PrefillResult:
     reason: str = ""
     # Sequential hand-off: answer the client with this instead (4xx, deadline).
     reply: Reply | None = None
-    outcome: str = ""
+    outcome: Outcome | None = None
 
 
 @dataclass(eq=False)
@@ -303,7 +320,7 @@ class _PrefillLeg:
     """A prefill request in flight, which ``_instance_removed`` can end."""
 
     timeout: asyncio.Timeout
-    lost: str = ""  # why its instance's legs were ended (removed, stalled)
+    lost: LegFailure | None = None  # why its instance's legs were ended
 
 
 class RequestProxy:
@@ -379,10 +396,10 @@ class RequestProxy:
         try:
             return await self._route(ex)
         except asyncio.CancelledError:
-            self.count(ex, outcomes.CANCELLED)
+            self.count(ex, Outcome.CANCELLED)
             raise
 
-    def count(self, ex: _Exchange, outcome: str) -> None:
+    def count(self, ex: _Exchange, outcome: Outcome) -> None:
         """Count a request's outcome, once."""
         if not ex.counted:
             ex.counted = True
@@ -395,7 +412,7 @@ class RequestProxy:
     def _error(
         self,
         ex: _Exchange,
-        outcome: str,
+        outcome: Outcome,
         status: int,
         message: str,
         param: str | None = None,
@@ -410,7 +427,7 @@ class RequestProxy:
             return None
         return self._error(
             ex,
-            outcomes.NO_INSTANCE,
+            Outcome.NO_INSTANCE,
             404,
             f"The model `{model}` does not exist. Valid aliases: "
             f"{', '.join(self.registry.model_names())}.",
@@ -474,7 +491,7 @@ class RequestProxy:
             # with several, any choice could answer with the wrong one.
             return self._error(
                 ex,
-                outcomes.BAD_REQUEST,
+                Outcome.BAD_REQUEST,
                 400,
                 "`model` is required: this router serves "
                 f"{', '.join(self.registry.models())}",
@@ -485,29 +502,26 @@ class RequestProxy:
         if decode is None:
             return self._error(
                 ex,
-                outcomes.NO_INSTANCE,
+                Outcome.NO_INSTANCE,
                 503,
                 self._no_decode_reason(ex),
             )
-        if alone is not None:
-            self.registry.begin(decode)
-            self.metrics.decode_prefill_fallbacks.labels(alone).inc()
-            try:
-                return await self._decode(ex, decode, None)
-            except _DecodeRefused as refused:
-                return await self._decode_elsewhere(ex, decode, refused)
         # D counts as loaded from now on, prefill included: requests arriving
-        # meanwhile see it, and a half-open D gets no second trial.
-        self.registry.begin(decode)
+        # meanwhile see it, and a half-open D gets no second trial. The
+        # decode leg releases the lease (or hands it to the stream relay);
+        # a request that never gets there releases it here, with no verdict.
+        lease = self.registry.reserve(decode)
         try:
+            if alone is not None:
+                self.metrics.decode_prefill_fallbacks.labels(alone).inc()
+                return await self._decode(ex, lease, None)
             if self.config.handoff == "concurrent":
-                return await self._concurrent(ex, decode)
-            return await self._sequential(ex, decode)
+                return await self._concurrent(ex, lease)
+            return await self._sequential(ex, lease)
         except _DecodeRefused as refused:
             return await self._decode_elsewhere(ex, decode, refused)
         finally:
-            if not ex.decode_sent:
-                self.registry.finish(decode, None)
+            lease.release(None)
 
     async def _decode_elsewhere(
         self, ex: _Exchange, refused_by: Instance, refused: _DecodeRefused
@@ -522,12 +536,11 @@ class RequestProxy:
                 break
             tried.add(other.instance_id)
             self.metrics.decode_retries.inc()
-            self.registry.begin(other)
             try:
-                return await self._decode(ex, other, None)
+                return await self._decode(ex, self.registry.reserve(other), None)
             except _DecodeRefused as again:
                 refused = again
-        return self._error(ex, outcomes.UPSTREAM_ERROR, 502, refused.message)
+        return self._error(ex, Outcome.UPSTREAM_ERROR, 502, refused.message)
 
     # --- endpoints one decode answers alone ---------------------------------
 
@@ -550,7 +563,7 @@ class RequestProxy:
         if decode is None:
             return self._error(
                 ex,
-                outcomes.NO_INSTANCE,
+                Outcome.NO_INSTANCE,
                 503,
                 "no healthy decode instance is registered",
             )
@@ -571,12 +584,12 @@ class RequestProxy:
             reason, _ = self._failed(decode, e)
             return self._error(
                 ex,
-                outcomes.UPSTREAM_ERROR,
+                Outcome.UPSTREAM_ERROR,
                 502,
                 f"the decode instance failed ({reason})",
             )
         self.count(
-            ex, outcomes.OK if resp.status < 400 else outcomes.UPSTREAM_CLIENT_ERROR
+            ex, Outcome.OK if resp.status < 400 else Outcome.UPSTREAM_CLIENT_ERROR
         )
         return Reply(resp.status, _content_type(resp), payload)
 
@@ -610,7 +623,7 @@ class RequestProxy:
             return None
         if not 400 <= resp.status < 500:
             return None
-        self.count(ex, outcomes.BAD_REQUEST)
+        self.count(ex, Outcome.BAD_REQUEST)
         return Reply(resp.status, _content_type(resp), payload)
 
     async def list_models(self, authorization: str | None = None) -> Reply:
@@ -675,7 +688,8 @@ class RequestProxy:
 
     # --- hand-off styles -------------------------------------------------
 
-    async def _sequential(self, ex: _Exchange, decode: Instance) -> Reply:
+    async def _sequential(self, ex: _Exchange, lease: Lease) -> Reply:
+        decode = lease.instance
         tried = {decode.instance_id}
         failures: list[str] = []
         for attempt in range(self.config.max_retries + 1):
@@ -691,7 +705,7 @@ class RequestProxy:
             result = await self._prefill(ex, prefill, decode)
             ex.upstream_s += result.elapsed_s
             if result.ok:
-                return await self._decode(ex, decode, prefill)
+                return await self._decode(ex, lease, prefill)
             if result.reply is not None:
                 self.count(ex, result.outcome)
                 return result.reply
@@ -702,16 +716,17 @@ class RequestProxy:
                 prefill.http_addr,
                 result.reason,
             )
-        return await self._without_prefill(ex, decode, failures)
+        return await self._without_prefill(ex, lease, failures)
 
-    async def _concurrent(self, ex: _Exchange, decode: Instance) -> Reply:
+    async def _concurrent(self, ex: _Exchange, lease: Lease) -> Reply:
+        decode = lease.instance
         prefill = self._pick(
             Role.PREFILL, ex, {decode.instance_id}, model=decode.model, partner=decode
         )
         if prefill is None:
-            return await self._without_prefill(ex, decode, [])
+            return await self._without_prefill(ex, lease, [])
         task = asyncio.create_task(self._concurrent_prefill(ex, prefill, decode))
-        return await self._decode(ex, decode, prefill, task)
+        return await self._decode(ex, lease, prefill, task)
 
     async def _concurrent_prefill(
         self, ex: _Exchange, prefill: Instance, decode: Instance
@@ -729,9 +744,10 @@ class RequestProxy:
             )
 
     async def _without_prefill(
-        self, ex: _Exchange, decode: Instance, failures: list[str]
+        self, ex: _Exchange, lease: Lease, failures: list[str]
     ) -> Reply:
         """No P could take the request: D prefills itself if allowed, else an error."""
+        decode = lease.instance
         reason = "prefill_failed" if failures else "no_prefill"
         if self.config.fallback_to_decode_prefill:
             self.metrics.decode_prefill_fallbacks.labels(reason).inc()
@@ -742,17 +758,17 @@ class RequestProxy:
                 decode.http_addr,
                 "; ".join(failures) or "no prefill instance",
             )
-            return await self._decode(ex, decode, None)
+            return await self._decode(ex, lease, None)
         if failures:
             return self._error(
                 ex,
-                outcomes.UPSTREAM_ERROR,
+                Outcome.UPSTREAM_ERROR,
                 502,
                 f"prefill failed on {len(failures)} instance(s): "
                 + "; ".join(failures),
             )
         return self._error(
-            ex, outcomes.NO_INSTANCE, 503, "no healthy prefill instance is registered"
+            ex, Outcome.NO_INSTANCE, 503, "no healthy prefill instance is registered"
         )
 
     # --- legs --------------------------------------------------------------
@@ -767,13 +783,13 @@ class RequestProxy:
 
     def _failed(
         self, instance: Instance, error: BaseException
-    ) -> tuple[str, bool | None]:
+    ) -> tuple[LegFailure, bool | None]:
         """Why a call to ``instance`` failed, and what that says about the
         instance (``registry.finish``'s ``ok``): a refused connection drops
         it; a timeout is only a suspicion (``suspect``)."""
         if _refused(error):
             self.registry.mark_unreachable(instance.http_addr)
-            return "refused", False
+            return LegFailure.REFUSED, False
         if _out_of_descriptors(error):  # the router's own shortage, not the instance's
             self.limited_log.warning(
                 "descriptors",
@@ -782,14 +798,15 @@ class RequestProxy:
                 "limit",
                 error,
             )
-            return "local", None
+            return LegFailure.LOCAL, None
         if isinstance(error, TimeoutError):  # aiohttp's ConnectionTimeoutError is one
             self.suspect(instance)
-            connect = isinstance(error, aiohttp.ConnectionTimeoutError)
-            return ("connect_timeout" if connect else "timeout"), None
+            if isinstance(error, aiohttp.ConnectionTimeoutError):
+                return LegFailure.CONNECT_TIMEOUT, None
+            return LegFailure.TIMEOUT, None
         if isinstance(error, aiohttp.ClientConnectionError):
-            return "connection", False
-        return "error", False
+            return LegFailure.CONNECTION, False
+        return LegFailure.ERROR, False
 
     def suspect(self, instance: Instance) -> None:
         """A request to ``instance`` timed out. A long prompt or a long
@@ -841,15 +858,15 @@ class RequestProxy:
         instance finishes what it has, a refused connection fails by itself."""
         if reason != "expired":
             return
-        self._end_prefill_legs(instance, "instance_removed")
+        self._end_prefill_legs(instance, LegFailure.INSTANCE_REMOVED)
 
     def _instance_stalled(self, instance: Instance) -> None:
         """An instance whose engine stopped stepping (a hung worker behind a
         live API server) will not finish its prefill legs either: end them
         now, each retried elsewhere, not at ``--prefill-timeout-s``."""
-        self._end_prefill_legs(instance, "instance_stalled")
+        self._end_prefill_legs(instance, LegFailure.INSTANCE_STALLED)
 
-    def _end_prefill_legs(self, instance: Instance, why: str) -> None:
+    def _end_prefill_legs(self, instance: Instance, why: LegFailure) -> None:
         for leg in self._prefill_legs.pop(instance.instance_id, ()):
             leg.lost = why
             leg.timeout.reschedule(asyncio.get_running_loop().time())
@@ -861,7 +878,7 @@ class RequestProxy:
         started = time.monotonic()
         ok: bool | None = None
         leg: _PrefillLeg | None = None
-        self.registry.begin(prefill)
+        lease = self.registry.reserve(prefill)
         try:
             async with asyncio.timeout(
                 min(self.config.prefill_timeout_s, ex.remaining())
@@ -873,20 +890,18 @@ class RequestProxy:
                     data = await resp.read()
             ok = resp.status < 500
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            if leg is not None and leg.lost:
+            if leg is not None and leg.lost is not None:
                 reason, ok = leg.lost, None  # already out of rotation
             else:
                 reason, ok = self._failed(prefill, e)
             self.metrics.prefill_failures.labels(reason).inc()
             elapsed = time.monotonic() - started
-            if reason == "timeout" and ex.remaining() <= 0:
+            if reason is LegFailure.TIMEOUT and ex.remaining() <= 0:
                 deadline = self._deadline_reply()
-                return _PrefillResult(
-                    False, elapsed, reason, deadline, outcomes.TIMEOUT
-                )
+                return _PrefillResult(False, elapsed, reason, deadline, Outcome.TIMEOUT)
             return _PrefillResult(False, elapsed, reason)
         finally:
-            self.registry.finish(prefill, ok)
+            lease.release(ok)
             legs = self._prefill_legs.get(prefill.instance_id)
             if legs is not None:
                 legs.discard(leg)  # type: ignore[arg-type]
@@ -894,7 +909,7 @@ class RequestProxy:
                     del self._prefill_legs[prefill.instance_id]
         elapsed = time.monotonic() - started
         if resp.status >= 500:
-            self.metrics.prefill_failures.labels("status").inc()
+            self.metrics.prefill_failures.labels(LegFailure.STATUS).inc()
             return _PrefillResult(False, elapsed, f"status {resp.status}")
         if resp.status >= 400:  # the request itself is wrong: D would refuse it too
             reply = Reply(resp.status, _content_type(resp), data)
@@ -903,7 +918,7 @@ class RequestProxy:
                 elapsed,
                 f"status {resp.status}",
                 reply,
-                outcomes.UPSTREAM_CLIENT_ERROR,
+                Outcome.UPSTREAM_CLIENT_ERROR,
             )
         return _PrefillResult(True, elapsed)
 
@@ -915,10 +930,14 @@ class RequestProxy:
     async def _decode(
         self,
         ex: _Exchange,
-        decode: Instance,
+        lease: Lease,
         prefill: Instance | None,
         prefill_task: asyncio.Task | None = None,
     ) -> Reply:
+        """Send D its request and relay the answer. Owns ``lease``, D's
+        response and ``prefill_task`` (cancelled at the end: D no longer
+        waits for its KV) until a stream relay takes them over."""
+        decode = lease.instance
         if prefill is not None:
             request_id, peers = ex.name_peers(prefill, decode, self.config.token)
             body = decode_body(ex.body, peers)
@@ -933,8 +952,6 @@ class RequestProxy:
         started = time.monotonic()
         resp: aiohttp.ClientResponse | None = None
         ok: bool | None = None
-        handed_to_stream = False
-        ex.decode_sent = True
         try:
             async with asyncio.timeout(first_byte_s):
                 resp = await self._post(ex, decode, body, request_id)
@@ -947,16 +964,19 @@ class RequestProxy:
             ex.upstream_s += time.monotonic() - started
             self._first_byte(ex)
             if streamed:
-                stream = _RelayStream(self, ex, decode, resp, data, prefill_task)
-                handed_to_stream = True
-                return Reply(200, _content_type(resp), stream, _relayed_headers(resp))
+                stream = _RelayStream(
+                    self, ex, lease.transfer(), resp, data, prefill_task
+                )
+                reply = Reply(200, _content_type(resp), stream, _relayed_headers(resp))
+                resp = prefill_task = None  # the stream's now
+                return reply
             ok = resp.status < 500
             if resp.status < 400:
-                self.count(ex, outcomes.OK)
+                self.count(ex, Outcome.OK)
             else:
                 self.count(
                     ex,
-                    outcomes.UPSTREAM_CLIENT_ERROR if ok else outcomes.UPSTREAM_ERROR,
+                    Outcome.UPSTREAM_CLIENT_ERROR if ok else Outcome.UPSTREAM_ERROR,
                 )
             return Reply(resp.status, _content_type(resp), data, _relayed_headers(resp))
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
@@ -968,34 +988,35 @@ class RequestProxy:
                 reason,
                 e,
             )
-            if reason == "refused":  # nothing was sent: another decode may take it
+            if (
+                reason is LegFailure.REFUSED
+            ):  # nothing was sent: another decode may take it
                 raise _DecodeRefused(
                     "the decode instance refused the connection"
                 ) from None
-            if reason != "timeout":
+            if reason is not LegFailure.TIMEOUT:
                 return self._error(
                     ex,
-                    outcomes.UPSTREAM_ERROR,
+                    Outcome.UPSTREAM_ERROR,
                     502,
                     f"the decode instance failed ({reason})",
                 )
             if ex.remaining() <= 0:
-                self.count(ex, outcomes.TIMEOUT)
+                self.count(ex, Outcome.TIMEOUT)
                 return self._deadline_reply()
             return self._error(
                 ex,
-                outcomes.TIMEOUT,
+                Outcome.TIMEOUT,
                 504,
                 "the decode instance sent nothing within "
                 f"{self.config.first_token_timeout_s:g}s",
             )
         finally:
-            if not handed_to_stream:  # else it owns D's response and the prefill task
-                self.registry.finish(decode, ok)  # ok None: cancelled, says nothing
-                if resp is not None:
-                    resp.release()
-                if prefill_task is not None:
-                    prefill_task.cancel()
+            lease.release(ok)  # ok None: cancelled, says nothing; moved: no-op
+            if resp is not None:
+                resp.release()
+            if prefill_task is not None:
+                prefill_task.cancel()
 
 
 class _RelayStream:
@@ -1011,14 +1032,15 @@ class _RelayStream:
         self,
         proxy: RequestProxy,
         ex: _Exchange,
-        decode: Instance,
+        lease: Lease,
         resp: aiohttp.ClientResponse,
         first: bytes,
         prefill_task: asyncio.Task | None,
     ) -> None:
         self._proxy = proxy
         self._ex = ex
-        self._decode = decode
+        self._lease = lease
+        self._decode = lease.instance
         self._resp = resp
         self._pending = first
         self._prefill_task = prefill_task
@@ -1041,14 +1063,14 @@ class _RelayStream:
         except TimeoutError:
             if ex.remaining() <= 0:
                 return self._end(
-                    outcomes.TIMEOUT,
+                    Outcome.TIMEOUT,
                     None,
                     504,
                     f"request deadline ({config.request_timeout_s:g}s) exceeded",
                 )
             self._proxy.suspect(self._decode)
             return self._end(
-                outcomes.TIMEOUT,
+                Outcome.TIMEOUT,
                 None,
                 504,
                 f"the decode instance sent nothing for {config.chunk_timeout_s:g}s",
@@ -1061,13 +1083,13 @@ class _RelayStream:
                 e,
             )
             return self._end(
-                outcomes.UPSTREAM_ERROR,
+                Outcome.UPSTREAM_ERROR,
                 False,
                 502,
                 "the decode instance broke the stream",
             )
         if not chunk:
-            self._close(outcomes.OK, True)
+            self._close(Outcome.OK, True)
             raise StopAsyncIteration
         return self._relay(chunk)
 
@@ -1076,7 +1098,7 @@ class _RelayStream:
         return chunk
 
     def _end(
-        self, outcome: str, instance_ok: bool | None, status: int, message: str
+        self, outcome: Outcome, instance_ok: bool | None, status: int, message: str
     ) -> bytes:
         """Stop the stream after an error: an SSE error event where one fits
         (vLLM's own format), then the end of the stream."""
@@ -1089,18 +1111,18 @@ class _RelayStream:
         return b"data: " + error_json(status, message) + b"\n\ndata: [DONE]\n\n"
 
     async def aclose(self) -> None:
-        self._close(outcomes.CANCELLED, None)
+        self._close(Outcome.CANCELLED, None)
 
     def __del__(self) -> None:
-        self._close(outcomes.CANCELLED, None)
+        self._close(Outcome.CANCELLED, None)
 
-    def _close(self, outcome: str, instance_ok: bool | None) -> None:
+    def _close(self, outcome: Outcome, instance_ok: bool | None) -> None:
         if self._closed:
             return
         self._closed = True
         self._pending = b""
         self._resp.release()
-        self._proxy.registry.finish(self._decode, instance_ok)
+        self._lease.release(instance_ok)
         self._proxy.count(self._ex, outcome)
         if self._prefill_task is not None:
             self._prefill_task.cancel()

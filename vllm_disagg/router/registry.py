@@ -12,9 +12,14 @@ An instance is usable while
 * its engine makes progress: a heartbeat whose ``stalled_s`` (seconds its
   engine held requests without a step) reached ``stall_timeout_s`` takes it
   out of rotation (and ends its prefill legs) until one says it steps again;
-* its circuit breaker is closed, or half-open with no trial in flight:
-  ``breaker_failures`` consecutive failures open it for ``breaker_cooldown_s``,
-  then one request may try it; success closes it, failure opens it again.
+* its circuit breaker (``circuit_breaker.py``) is closed, or half-open with
+  no trial in flight: ``breaker_failures`` consecutive failures open it for
+  ``breaker_cooldown_s``, then one request may try it; success closes it,
+  failure opens it again.
+
+A request holds an instance through a :class:`Lease` (``reserve``): the
+instance counts it in its load until the lease's one ``release(ok)``, which
+also tells the breaker what the instance did.
 
 A refused connection proves nothing listens there: a registered instance is
 removed at once (a live one comes back with its next heartbeat), a static one
@@ -31,7 +36,6 @@ time, an old frame's ``sent_at`` is outside discovery's clock window
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import Counter
@@ -39,8 +43,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_disagg.router.circuit_breaker import (
+    BreakerConfig,
+    BreakerState,
+    CircuitBreaker,
+)
 from vllm_disagg.wire.clocks import CLOCK_SLACK_S, MAX_CLOCK_SKEW_S
 from vllm_disagg.wire.discovery import Register, Role
+from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +59,6 @@ _SERVES = {
     Role.PREFILL: (Role.PREFILL, Role.BOTH),
     Role.DECODE: (Role.DECODE, Role.BOTH),
 }
-
-
-class BreakerState(str, enum.Enum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
 
 
 @dataclass
@@ -71,16 +75,20 @@ class Instance:
     first_seen: float
     last_seen: float
     expires_after_s: float | None  # None: static, never expires
-    outstanding: int = 0
-    consecutive_failures: int = 0
-    opened_at: float | None = None  # breaker opened at (clock time); None: closed
-    trial_in_flight: bool = False
+    outstanding: int = 0  # requests holding a lease on it (the policies' load)
     aliases: tuple[str, ...] = ()  # other names of its model
     seq: int = 0  # the last accepted heartbeat's counter (replays are older)
     sent_at: float = 0.0  # the last accepted heartbeat's sender clock
     stalled_s: float = 0.0  # the last heartbeat's: engine held requests, no step
     fingerprint: str = ""  # its model fingerprint ("": unknown, pairs with any)
     stalled: bool = False  # stalled_s reached the registry's stall_timeout_s
+    breaker: CircuitBreaker = field(
+        default_factory=CircuitBreaker, repr=False, compare=False
+    )
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self.breaker.consecutive_failures
 
     @property
     def static(self) -> bool:
@@ -97,6 +105,54 @@ class Instance:
             or model == self.model
             or (model in self.aliases)
         )
+
+
+class Lease:
+    """A request's hold on one instance, from :meth:`InstanceRegistry.reserve`.
+
+    While held, the instance counts the request in its load and, when its
+    breaker was half-open, as the breaker's one trial. :meth:`release` ends
+    the hold once; later calls do nothing, so every path a request takes may
+    release without knowing whether another already did. :meth:`transfer`
+    hands the hold to whoever carries the request on (the stream relay). A
+    lease collected unreleased is a bug: it is released with no verdict (it
+    says nothing about the instance), counted and logged.
+    """
+
+    __slots__ = ("instance", "_end", "_released")
+
+    def __init__(
+        self, instance: Instance, end: Callable[[Lease, bool | None, bool], None]
+    ) -> None:
+        self.instance = instance
+        self._end = end
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self, ok: bool | None) -> None:
+        """The request ended: ``ok`` True (the instance answered), False (it
+        failed in a way only the instance can: refused, reset, 5xx) or None
+        (says nothing about the instance: the client left, or a timeout a
+        long request can cause too)."""
+        if not self._released:
+            self._released = True
+            self._end(self, ok, False)
+
+    def transfer(self) -> Lease:
+        """A new lease holding this one's reservation; this one is released
+        without ending it (its later ``release`` calls do nothing)."""
+        if self._released:
+            raise RuntimeError("transfer of a released lease")
+        self._released = True
+        return Lease(self.instance, self._end)
+
+    def __del__(self) -> None:
+        if not self._released:
+            self._released = True
+            self._end(self, None, True)
 
 
 def compatible(a: Instance, b: Instance) -> bool:
@@ -174,6 +230,14 @@ class InstanceRegistry:
         default_factory=list, init=False
     )
     stalls: int = field(default=0, init=False)
+    # Breaker state changes by (old, new) state, and leases collected unreleased.
+    breaker_transitions: Counter[tuple[str, str]] = field(
+        default_factory=Counter, init=False
+    )
+    leaked_leases: int = field(default=0, init=False)
+    _leak_log: RateLimitedLog = field(
+        default_factory=lambda: RateLimitedLog(logger), init=False, repr=False
+    )
 
     # --- membership ------------------------------------------------------
 
@@ -285,6 +349,7 @@ class InstanceRegistry:
             seq=msg.seq,
             sent_at=msg.sent_at,
             fingerprint=msg.fingerprint,
+            breaker=self._new_breaker(msg.instance_id, msg.http_addr),
         )
         self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
         self._index(instance)
@@ -382,7 +447,17 @@ class InstanceRegistry:
         now = self.clock()
         instance_id = f"static-{role.value}-{http_addr}"
         instance = Instance(
-            instance_id, role, http_addr, kv_addr, model, 0, 1, now, now, None
+            instance_id,
+            role,
+            http_addr,
+            kv_addr,
+            model,
+            0,
+            1,
+            now,
+            now,
+            None,
+            breaker=self._new_breaker(instance_id, http_addr),
         )
         self._instances[instance_id] = instance
         self._index(instance)
@@ -412,7 +487,7 @@ class InstanceRegistry:
         for instance_id in list(self._by_http.get(http_addr, ())):
             instance = self._instances[instance_id]
             if instance.static:
-                self._open(instance, self.clock())
+                instance.breaker.trip(self.clock())
             else:
                 self._remove(instance, "unreachable")
 
@@ -486,70 +561,59 @@ class InstanceRegistry:
             if i.serves(side)
             and i.answers_to(model)
             and not i.stalled
-            and self._admits(i, now)
+            and i.breaker.admits(now)
         ]
 
     def serves_model(self, model: str) -> bool:
         """Whether any registered instance, healthy or not, serves ``model``."""
         return any(i.answers_to(model) for i in self._instances.values())
 
-    def begin(self, instance: Instance) -> None:
-        """A request was sent to ``instance``."""
+    def reserve(self, instance: Instance) -> Lease:
+        """A request is sent to ``instance``: it holds it until the lease's
+        ``release``, the only way the reservation ends."""
         instance.outstanding += 1
-        if self.breaker_state(instance) is BreakerState.HALF_OPEN:
-            instance.trial_in_flight = True
+        instance.breaker.request_started(self.clock())
+        return Lease(instance, self._end_lease)
 
-    def finish(self, instance: Instance, ok: bool | None) -> None:
-        """The request sent to ``instance`` ended: ``ok`` True (it answered),
-        False (it failed in a way only the instance can: refused, reset, 5xx)
-        or None (says nothing about the instance: the client left, or a
-        timeout a long request can cause too, see ``RequestProxy.suspect``)."""
+    def _end_lease(self, lease: Lease, ok: bool | None, leaked: bool) -> None:
+        instance = lease.instance
         instance.outstanding -= 1
-        instance.trial_in_flight = False
+        instance.breaker.request_ended()
+        if leaked:
+            self.leaked_leases += 1
+            self._leak_log.warning(
+                "leaked-lease",
+                "instance %s (%s): a request's lease was never released "
+                "(%d so far); released now with no verdict",
+                instance.instance_id,
+                instance.http_addr,
+                self.leaked_leases,
+            )
         if ok is not None:
             self.report(instance, ok)
 
     def report(self, instance: Instance, ok: bool) -> None:
         """What the instance did, for its breaker (no request accounting)."""
-        if ok:
-            instance.consecutive_failures = 0
-            instance.opened_at = None
-            return
-        instance.consecutive_failures += 1
-        now = self.clock()
-        half_open = self.breaker_state(instance, now) is BreakerState.HALF_OPEN
-        if half_open or (
-            instance.opened_at is None
-            and instance.consecutive_failures >= self.breaker_failures
-        ):
-            self._open(instance, now)
+        instance.breaker.record(ok, self.clock())
 
     def breaker_state(
         self, instance: Instance, now: float | None = None
     ) -> BreakerState:
-        if instance.opened_at is None:
-            return BreakerState.CLOSED
-        now = self.clock() if now is None else now
-        if now - instance.opened_at < self.breaker_cooldown_s:
-            return BreakerState.OPEN
-        return BreakerState.HALF_OPEN
+        return instance.breaker.state(self.clock() if now is None else now)
 
-    def _admits(self, instance: Instance, now: float) -> bool:
-        state = self.breaker_state(instance, now)
-        return state is BreakerState.CLOSED or (
-            state is BreakerState.HALF_OPEN and not instance.trial_in_flight
+    def _new_breaker(self, instance_id: str, http_addr: str) -> CircuitBreaker:
+        return CircuitBreaker(
+            BreakerConfig(self.breaker_failures, self.breaker_cooldown_s),
+            f"instance {instance_id} ({http_addr})",
+            self._breaker_transition,
         )
 
-    def _open(self, instance: Instance, now: float) -> None:
-        instance.opened_at = now
-        self.breaker_opens += 1
-        logger.warning(
-            "instance %s (%s): circuit breaker open for %.1fs after %d failure(s)",
-            instance.instance_id,
-            instance.http_addr,
-            self.breaker_cooldown_s,
-            instance.consecutive_failures,
-        )
+    def _breaker_transition(
+        self, breaker: CircuitBreaker, old: BreakerState, new: BreakerState
+    ) -> None:
+        self.breaker_transitions[(old.value, new.value)] += 1
+        if new is BreakerState.OPEN:
+            self.breaker_opens += 1
 
     # --- introspection -----------------------------------------------------
 

@@ -15,19 +15,21 @@ from typing import Any, NamedTuple
 
 from vllm_disagg import envs
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.router.policy import policy_names
 from vllm_disagg.wire.cookie import ROUTER_TOKEN, CookieError, load_cookie
 from vllm_disagg.wire.discovery import (
     DEFAULT_DISCOVERY_PORT,
     DEFAULT_HTTP_PORT,
     MAX_MODEL_CHARS,
+    Role,
 )
 from vllm_disagg.wire.peers import (
     PeerInfoError,
     split_addr,
 )
 
-PREFILL_POLICIES = ("round_robin", "least_outstanding", "prefix_aware")
-DECODE_POLICIES = ("round_robin", "least_outstanding")
+PREFILL_POLICIES = policy_names(Role.PREFILL)
+DECODE_POLICIES = policy_names(Role.DECODE)
 HANDOFFS = ("sequential", "concurrent")
 HTTP_SERVERS = ("uvicorn", "hypercorn")
 LOG_LEVELS = ("debug", "info", "warning", "error")

@@ -5,12 +5,19 @@ registry.py and policy.py import neither quart nor vLLM.
 
 __all__ = [
     "app",
+    "circuit_breaker",
     "client_limits",
     "config",
     "discovery",
+    "exchange",
+    "health",
+    "legs",
     "metrics",
+    "models_cache",
     "policy",
     "proxy",
     "registry",
+    "relay",
+    "replies",
     "validation",
 ]

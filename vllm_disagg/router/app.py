@@ -28,14 +28,9 @@ from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import DiscoveryServer
 from vllm_disagg.router.metrics import CONTENT_TYPE, Outcome, RouterMetrics
 from vllm_disagg.router.policy import Policies
-from vllm_disagg.router.proxy import (
-    JSON,
-    VALIDATION_ERROR_TYPE,
-    Reply,
-    RequestProxy,
-    error_json,
-)
+from vllm_disagg.router.proxy import RequestProxy
 from vllm_disagg.router.registry import InstanceRegistry
+from vllm_disagg.router.replies import JSON, VALIDATION_ERROR_TYPE, Reply, error_json
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.logs import RateLimitedLog
 from vllm_disagg.wire.peers import format_addr, is_loopback

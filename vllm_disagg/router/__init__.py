@@ -11,6 +11,8 @@ __all__ = [
     "discovery",
     "exchange",
     "health",
+    "instance",
+    "instance_index",
     "legs",
     "metrics",
     "models_cache",

@@ -48,117 +48,13 @@ from vllm_disagg.router.circuit_breaker import (
     BreakerState,
     CircuitBreaker,
 )
+from vllm_disagg.router.instance import Instance, Lease, compatible
+from vllm_disagg.router.instance_index import InstanceIndex
 from vllm_disagg.wire.clocks import CLOCK_SLACK_S, MAX_CLOCK_SKEW_S
 from vllm_disagg.wire.discovery import Register, Role
 from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
-
-# Which registered roles can serve which side of a request.
-_SERVES = {
-    Role.PREFILL: (Role.PREFILL, Role.BOTH),
-    Role.DECODE: (Role.DECODE, Role.BOTH),
-}
-
-
-@dataclass
-class Instance:
-    """One registered instance (one DP rank of one ``vllm serve``)."""
-
-    instance_id: str
-    role: Role
-    http_addr: str
-    kv_addr: str
-    model: str | None  # None: a static instance with no model given, serves any
-    dp_rank: int
-    dp_size: int
-    first_seen: float
-    last_seen: float
-    expires_after_s: float | None  # None: static, never expires
-    outstanding: int = 0  # requests holding a lease on it (the policies' load)
-    aliases: tuple[str, ...] = ()  # other names of its model
-    seq: int = 0  # the last accepted heartbeat's counter (replays are older)
-    sent_at: float = 0.0  # the last accepted heartbeat's sender clock
-    stalled_s: float = 0.0  # the last heartbeat's: engine held requests, no step
-    fingerprint: str = ""  # its model fingerprint ("": unknown, pairs with any)
-    stalled: bool = False  # stalled_s reached the registry's stall_timeout_s
-    breaker: CircuitBreaker = field(
-        default_factory=CircuitBreaker, repr=False, compare=False
-    )
-
-    @property
-    def consecutive_failures(self) -> int:
-        return self.breaker.consecutive_failures
-
-    @property
-    def static(self) -> bool:
-        return self.expires_after_s is None
-
-    def serves(self, side: Role) -> bool:
-        return self.role in _SERVES[side]
-
-    def answers_to(self, model: str | None) -> bool:
-        """Whether a request for ``model`` (None: any) may go here."""
-        return (
-            model is None
-            or self.model is None
-            or model == self.model
-            or (model in self.aliases)
-        )
-
-
-class Lease:
-    """A request's hold on one instance, from :meth:`InstanceRegistry.reserve`.
-
-    While held, the instance counts the request in its load and, when its
-    breaker was half-open, as the breaker's one trial. :meth:`release` ends
-    the hold once; later calls do nothing, so every path a request takes may
-    release without knowing whether another already did. :meth:`transfer`
-    hands the hold to whoever carries the request on (the stream relay). A
-    lease collected unreleased is a bug: it is released with no verdict (it
-    says nothing about the instance), counted and logged.
-    """
-
-    __slots__ = ("instance", "_end", "_released")
-
-    def __init__(
-        self, instance: Instance, end: Callable[[Lease, bool | None, bool], None]
-    ) -> None:
-        self.instance = instance
-        self._end = end
-        self._released = False
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self, ok: bool | None) -> None:
-        """The request ended: ``ok`` True (the instance answered), False (it
-        failed in a way only the instance can: refused, reset, 5xx) or None
-        (says nothing about the instance: the client left, or a timeout a
-        long request can cause too)."""
-        if not self._released:
-            self._released = True
-            self._end(self, ok, False)
-
-    def transfer(self) -> Lease:
-        """A new lease holding this one's reservation; this one is released
-        without ending it (its later ``release`` calls do nothing)."""
-        if self._released:
-            raise RuntimeError("transfer of a released lease")
-        self._released = True
-        return Lease(self.instance, self._end)
-
-    def __del__(self) -> None:
-        if not self._released:
-            self._released = True
-            self._end(self, None, True)
-
-
-def compatible(a: Instance, b: Instance) -> bool:
-    """Whether KV of one is KV of the other: equal model fingerprints (an
-    instance that sent none, e.g. a static one, is taken at its word)."""
-    return not a.fingerprint or not b.fingerprint or a.fingerprint == b.fingerprint
 
 
 class RegistryRefused(RuntimeError):
@@ -197,15 +93,8 @@ class InstanceRegistry:
     clock: Callable[[], float] = time.monotonic
     max_instances: int = 4096
     _instances: dict[str, Instance] = field(default_factory=dict, init=False)
-    # http_addr -> instance ids there (normally one): registration without a scan
-    _by_http: dict[str, set[str]] = field(default_factory=dict, init=False)
-    _by_kv: dict[str, set[str]] = field(default_factory=dict, init=False)
-    # name (a model or an alias) -> {model it names: instances registering it}
-    _by_name: dict[str, Counter[str]] = field(default_factory=dict, init=False)
-    # Pairing index (role, model) and (role, model, fingerprint) -> count, so
-    # that "does anything pair with it" costs no scan.
-    _pair_model: Counter[tuple] = field(default_factory=Counter, init=False)
-    _pair_fp: Counter[tuple] = field(default_factory=Counter, init=False)
+    # Addresses, names and pairing, looked up without a scan.
+    _index: InstanceIndex = field(default_factory=InstanceIndex, init=False)
     # instance id -> until: incarnations a newer one replaced
     _retired: dict[str, float] = field(default_factory=dict, init=False)
     # instance id -> (until, its last seq, its last sent_at): removed instances
@@ -270,7 +159,7 @@ class InstanceRegistry:
             raise RegistryRefused(
                 "stale", f"{msg.instance_id}: registered with other addresses or names"
             )
-        if known is None and (name := self._name_conflict(msg)) is not None:
+        if known is None and (name := self._index.name_conflict(msg)) is not None:
             raise RegistryRefused(
                 "conflict",
                 f"{msg.instance_id}: the name {name!r} already names another model",
@@ -296,15 +185,7 @@ class InstanceRegistry:
         others = [
             self._instances[i]
             for i in sorted(
-                {
-                    i
-                    for index, addr in (
-                        (self._by_http, msg.http_addr),
-                        (self._by_kv, msg.kv_addr),
-                    )
-                    for i in index.get(addr, ())
-                }
-                - {msg.instance_id}
+                self._index.ids_at(msg.http_addr, msg.kv_addr) - {msg.instance_id}
             )
         ]
         for other in others:
@@ -326,9 +207,9 @@ class InstanceRegistry:
         expires_after_s = max(self.heartbeat_timeout_s, 3 * msg.interval_s)
         if known is not None:
             if known.role is not msg.role:
-                self._index(known, -1)
+                self._index.count_for_pairing(known, -1)
                 known.role = msg.role
-                self._index(known)
+                self._index.count_for_pairing(known)
             known.seq, known.sent_at = msg.seq, msg.sent_at
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.last_seen, known.expires_after_s = now, expires_after_s
@@ -352,7 +233,7 @@ class InstanceRegistry:
             breaker=self._new_breaker(msg.instance_id, msg.http_addr),
         )
         self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
-        self._index(instance)
+        self._index.add(instance)
         self._progress(instance, msg.stalled_s)
         logger.info(
             "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d",
@@ -365,12 +246,7 @@ class InstanceRegistry:
             msg.dp_size,
         )
         if not self.has_partner(instance):
-            # Distinct fingerprints of the other side, from the index keys.
-            others = {
-                fp[:12] or "none"
-                for (role, model, fp), n in self._pair_fp.items()
-                if n > 0 and model == instance.model and role is not instance.role
-            }
+            others = self._index.other_side_fingerprints(instance)
             if others:
                 logger.warning(
                     "instance %s (%s) is unpaired: its model fingerprint %s matches "
@@ -460,7 +336,7 @@ class InstanceRegistry:
             breaker=self._new_breaker(instance_id, http_addr),
         )
         self._instances[instance_id] = instance
-        self._index(instance)
+        self._index.add(instance)
         return instance
 
     def deregister(self, instance_id: str) -> bool:
@@ -484,57 +360,16 @@ class InstanceRegistry:
 
     def mark_unreachable(self, http_addr: str) -> None:
         """Its connection was refused: stop sending there now."""
-        for instance_id in list(self._by_http.get(http_addr, ())):
+        for instance_id in sorted(self._index.ids_at(http_addr)):
             instance = self._instances[instance_id]
             if instance.static:
                 instance.breaker.trip(self.clock())
             else:
                 self._remove(instance, "unreachable")
 
-    def _index(self, instance: Instance, sign: int = 1) -> None:
-        self._pair_model[(instance.role, instance.model)] += sign
-        self._pair_fp[(instance.role, instance.model, instance.fingerprint)] += sign
-        if sign < 0:
-            return
-        self._by_http.setdefault(instance.http_addr, set()).add(instance.instance_id)
-        self._by_kv.setdefault(instance.kv_addr, set()).add(instance.instance_id)
-        if instance.model is not None:
-            for name in (instance.model, *instance.aliases):
-                self._by_name.setdefault(name, Counter())[instance.model] += 1
-
-    def _name_conflict(self, msg: Register) -> str | None:
-        """A name of ``msg`` that already names another model: requests for
-        it would go to either model in turn."""
-        for name in (msg.model, *msg.aliases):
-            holders = self._by_name.get(name, {})
-            if any(model != msg.model for model in holders):
-                return name
-        return None
-
-    def _unindex(self, instance: Instance) -> None:
-        self._index(instance, -1)
-        for index, addr in (
-            (self._by_http, instance.http_addr),
-            (self._by_kv, instance.kv_addr),
-        ):
-            ids = index.get(addr)
-            if ids is not None:
-                ids.discard(instance.instance_id)
-                if not ids:
-                    del index[addr]
-        if instance.model is not None:
-            for name in (instance.model, *instance.aliases):
-                holders = self._by_name.get(name)
-                if holders is not None:
-                    holders[instance.model] -= 1
-                    if holders[instance.model] <= 0:
-                        del holders[instance.model]
-                    if not holders:
-                        del self._by_name[name]
-
     def _remove(self, instance: Instance, reason: str) -> None:
         del self._instances[instance.instance_id]
-        self._unindex(instance)
+        self._index.remove(instance)
         if not instance.static:
             self._remember_removed(instance, self.clock())
         self.removals[reason] += 1
@@ -633,7 +468,7 @@ class InstanceRegistry:
     def model_names(self) -> list[str]:
         """Every name a request may use: models and their aliases, sorted."""
         self.expire()
-        return sorted(self._by_name)
+        return self._index.names()
 
     def partners(self, instance: Instance) -> list[Instance]:
         """Registered instances of the other side that may form a pair with
@@ -651,24 +486,7 @@ class InstanceRegistry:
 
     def has_partner(self, instance: Instance) -> bool:
         """:meth:`partners` is not empty, from the index (no scan)."""
-        if instance.role is Role.BOTH:
-            return True
-        other = Role.DECODE if instance.role is Role.PREFILL else Role.PREFILL
-        for role in (other, Role.BOTH):
-            if instance.model is None:
-                if any(n > 0 for (r, _), n in self._pair_model.items() if r is role):
-                    return True
-                continue
-            for model in (instance.model, None):
-                if not instance.fingerprint:
-                    if self._pair_model[(role, model)] > 0:
-                        return True
-                elif (
-                    self._pair_fp[(role, model, instance.fingerprint)] > 0
-                    or self._pair_fp[(role, model, "")] > 0
-                ):
-                    return True
-        return False
+        return self._index.has_partner(instance)
 
     def unpaired_counts(self) -> dict[str, int]:
         """Instances no instance of the other side can pair with, by role:

@@ -34,12 +34,16 @@ from vllm_disagg.wire.logs import RateLimitedLog
 
 @dataclass
 class PrefillResult:
+    """How a prefill leg ended. ``reason``: why it failed, as the failures
+    listed to the client name it. ``reply``: answer the client with this
+    instead of trying another P (P's 4xx, the deadline), counted as
+    ``outcome``."""
+
     ok: bool
     elapsed_s: float
     reason: str = ""
-    # Sequential hand-off: answer the client with this instead (4xx, deadline).
     reply: Reply | None = None
-    outcome: Outcome = Outcome.UPSTREAM_ERROR  # of ``reply``
+    outcome: Outcome = Outcome.UPSTREAM_CLIENT_ERROR
 
 
 @dataclass(eq=False)

@@ -46,19 +46,21 @@ _NOT_FORWARDED = frozenset(
         "remote-addr",
     }
 )
-# Body fields a prefill-only pass must not see: it is not streamed, produces
-# exactly one token, and must neither stop nor fail on the client's
-# generation options. What stays is validated by P exactly as D would
-# validate it (logprobs, n: cheap for one token), so a request D would refuse
-# is refused before anything is prefilled; what max_tokens=1 would hide
-# (min_tokens, and invalid values of the dropped fields) sends the request to
-# the decode alone (validation.decode_alone_reason).
+# Body fields a prefill-only pass cannot carry: it is not streamed
+# (stream_options, which vLLM refuses without stream), produces exactly one
+# token (min_tokens above 1 is invalid with max_tokens 1) and no fan-out
+# (best_of, beam search: those requests go to the decode alone), and reads no
+# prompt logprobs (those go to the decode alone too). Everything else is
+# carried, so P validates it exactly as D would and refuses what D would
+# refuse before anything is prefilled: stop strings and stop token ids
+# included (checked against P's vocabulary). They cannot keep P's one token
+# from being computed or its KV from being sent: the connector sends the KV
+# once the prompt is computed, whatever ends the request. What these dropped
+# fields would make vLLM refuse sends the request to the decode alone
+# (validation.decode_alone_reason).
 _PREFILL_DROPPED = (
     "stream_options",
-    "stop",
-    "stop_token_ids",
     "min_tokens",
-    "include_stop_str_in_output",
     "best_of",
     "use_beam_search",
     "prompt_logprobs",
@@ -112,7 +114,7 @@ def _set_params(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
 
 def prefill_body(body: Mapping[str, Any], peers: dict[str, str]) -> dict[str, Any]:
     """The body P gets: the prompt exactly as the client sent it, one token,
-    no streaming."""
+    no streaming; the client's validated options (stop strings included)."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
     out.update(max_tokens=1, stream=False)
     if "max_completion_tokens" in body:

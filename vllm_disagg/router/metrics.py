@@ -77,7 +77,8 @@ class RouterMetrics:
             "Requests the decode instance prefilled itself "
             "(--fallback-to-decode-prefill), by reason (no_prefill, prefill_failed, "
             "prompt_logprobs: vLLM computes such a prompt where it answers, invalid: "
-            "vLLM refuses it in validation).",
+            "vLLM refuses it in validation, beam_search: vLLM's beam search reads "
+            "no transferred KV).",
             ["reason"],
             registry=self.registry,
         )

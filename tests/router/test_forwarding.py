@@ -441,3 +441,20 @@ async def test_beam_search_goes_to_the_decode_alone(pd, path, base):
         )
         == 2
     )
+
+
+async def test_concurrent_hand_off_bad_stop_options_are_refused_by_both_legs(pd):
+    """With --handoff concurrent D is asked at once too: both refuse in
+    validation, before computing anything, and the client gets D's 400."""
+    router, p, d = await pd(handoff="concurrent")
+    p.status = d.status = 400
+    for fields in BAD_STOP_OPTIONS:
+        status, answer, _ = await router.post(
+            "/v1/completions", {**COMPLETION, **fields}
+        )
+        assert status == 400 and json.loads(answer) == {"error": {"message": "d"}}
+    assert len(d.requests) == len(BAD_STOP_OPTIONS)
+    for seen in d.requests:
+        assert "kv_transfer_params" in seen.body
+    # P's legs may or may not have been sent: D's answer ends them.
+    assert len(p.requests) <= len(BAD_STOP_OPTIONS)

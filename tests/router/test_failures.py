@@ -543,7 +543,7 @@ async def test_timeouts_a_client_causes_never_open_a_healthy_instances_breaker(p
     async with asyncio.timeout(WAIT_S):
         while router.metric("vllm_disagg_router_health_probes_total", result="ok") < 2:
             await asyncio.sleep(0.02)
-        while router.state.proxy._probes:  # noqa: SLF001  (every verdict is in)
+        while router.state.proxy.health.probes_in_flight:  # every verdict is in
             await asyncio.sleep(0.02)
     for name in ("p-id", "d-id"):
         assert (
@@ -565,7 +565,7 @@ async def test_timeouts_on_an_instance_that_cannot_answer_health_open_its_breake
         status, _, _ = await router.post("/v1/completions", STREAM)
         assert status == 504
         async with asyncio.timeout(WAIT_S):  # one probe at a time: let it end
-            while router.state.proxy._probes:  # noqa: SLF001
+            while router.state.proxy.health.probes_in_flight:
                 await asyncio.sleep(0.02)
     assert router.metric("vllm_disagg_router_health_probes_total", result="failed") == 2
     assert (

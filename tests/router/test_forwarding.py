@@ -54,14 +54,16 @@ async def test_completion_names_both_peers_and_relays_decode_bytes(pd):
     }
     assert prefill.body["kv_transfer_params"] == params
     assert decode.body == {**COMPLETION, "kv_transfer_params": params}
-    # The prefill-only pass: one token, whole answer, none of the client's
-    # stop conditions; n and logprobs stay, so P refuses what D would refuse
-    # (one transfer per key: n's siblings send nothing); the prompt untouched.
+    # The prefill-only pass: one token, whole answer, no min_tokens; stop
+    # options, n and logprobs stay, so P refuses what D would refuse (one
+    # transfer per key: n's siblings send nothing); the prompt untouched.
     assert prefill.body == {
         "model": "m",
         "prompt": "San Francisco is a",
         "max_tokens": 1,
         "temperature": 0,
+        "stop": ["\n"],
+        "stop_token_ids": [7],
         "n": 2,
         "logprobs": 2,
         "stream": False,
@@ -302,16 +304,19 @@ async def test_requests_vllm_would_refuse_go_to_the_decode_alone(pd):
         {"min_tokens": -1},
         {"stream_options": {"include_usage": True}},
         {"stream_options": {"include_usage": True}, "stream": False},
+        {"stream_options": {"include_usage": "maybe"}, "stream": True},
+        {"stream_options": {"continuous_usage_stats": 2}, "stream": True},
+        {"stream_options": ["include_usage"], "stream": True},
     ):
         status, body, _ = await router.post("/v1/completions", {**COMPLETION, **fields})
         assert status == 400 and json.loads(body) == {"error": {"message": "d"}}, fields
-    assert not p.requests and len(d.requests) == 6
+    assert not p.requests and len(d.requests) == 9
     assert all("kv_transfer_params" not in r.body for r in d.requests)
     assert (
         router.metric(
             "vllm_disagg_router_decode_prefill_fallbacks_total", reason="invalid"
         )
-        == 6
+        == 9
     )
     # vLLM reads stream_options' rule from the raw values: "stream": "false"
     # is a non-empty string, so it passes there and is prefilled here.
@@ -339,3 +344,117 @@ async def test_prompt_logprobs_go_to_the_decode_alone(pd):
         )
         == 2
     )
+
+
+BAD_STOP_OPTIONS = (
+    {"stop": ""},
+    {"stop": ["ok", ""]},
+    {"stop": 5},
+    {"stop_token_ids": [99999]},  # out of the vocabulary: only P can tell
+    {"stop_token_ids": [1, "x"]},
+    {"include_stop_str_in_output": "maybe"},
+)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_stop_options_vllm_refuses_are_refused_by_the_prefill(pd, path):
+    """The prefill leg carries the client's stop options, so P refuses in
+    validation, before computing anything, what D would refuse (an empty
+    stop string, a token id outside P's vocabulary, ...): its 400 is relayed
+    and D is never asked. They used to be dropped from the prefill leg: P
+    prefilled, sent the KV, and only then did D refuse."""
+    router, p, d = await pd()
+    p.status = 400  # the fake refuses everything, as vLLM would these
+    base = (
+        COMPLETION
+        if path == "/v1/completions"
+        else {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    )
+    for fields in BAD_STOP_OPTIONS:
+        body = {**base, **fields, "stream": True}
+        status, answer, _ = await router.post(path, body)
+        assert status == 400 and json.loads(answer) == {"error": {"message": "p"}}
+        seen = p.requests[-1].body
+        assert {k: seen[k] for k in fields} == fields, fields
+        assert seen["max_tokens"] == 1 and seen["stream"] is False
+    assert len(p.requests) == len(BAD_STOP_OPTIONS) and not d.requests
+    assert router.metric(
+        "vllm_disagg_router_requests_total",
+        endpoint="completions" if path == "/v1/completions" else "chat_completions",
+        outcome="upstream_client_error",
+    ) == len(BAD_STOP_OPTIONS)
+
+
+async def test_stop_and_stream_options_reach_the_legs_that_take_them(pd):
+    """Stop options reach both legs as the client sent them (P's one token
+    is computed and its KV sent however the request ends); stream_options
+    only D, which streams; a valid one never keeps a request from P."""
+    router, p, d = await pd()
+    body = {
+        **COMPLETION,
+        "stop": ["ok", "\n"],
+        "stop_token_ids": ["7", 8],
+        "include_stop_str_in_output": "true",
+        "stream": True,
+        "stream_options": {"include_usage": "yes", "continuous_usage_stats": None},
+    }
+    status, _, _ = await router.post("/v1/completions", body)
+
+    assert status == 200
+    [prefill], [decode] = p.requests, d.requests
+    for name in ("stop", "stop_token_ids", "include_stop_str_in_output"):
+        assert prefill.body[name] == decode.body[name] == body[name]
+    assert "stream_options" not in prefill.body and "min_tokens" not in prefill.body
+    assert {k: v for k, v in decode.body.items() if k != "kv_transfer_params"} == body
+    assert prefill.body["kv_transfer_params"] == decode.body["kv_transfer_params"]
+
+
+@pytest.mark.parametrize(
+    "path, base",
+    [
+        ("/v1/completions", {"model": "m", "prompt": "San Francisco is a"}),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        ),
+    ],
+)
+async def test_beam_search_goes_to_the_decode_alone(pd, path, base):
+    """Beam search runs in vLLM as one-token requests of its own, which carry
+    no kv_transfer_params: a prefill's KV would never be read. The decode
+    gets the client's body as it is (it used to be refused by the prefill
+    leg, which kept n and dropped use_beam_search: "n must be 1 when using
+    greedy sampling")."""
+    router, p, d = await pd()
+    for fields in (
+        {"use_beam_search": True, "n": 2, "temperature": 0},
+        {"use_beam_search": "yes", "n": 3, "max_tokens": 4, "stream": True},
+    ):
+        body = {**base, **fields}
+        status, answer, _ = await router.post(path, body)
+        assert status == 200
+        assert d.requests[-1].body == body and d.requests[-1].path == path
+    assert not p.requests and len(d.requests) == 2
+    assert (
+        router.metric(
+            "vllm_disagg_router_decode_prefill_fallbacks_total", reason="beam_search"
+        )
+        == 2
+    )
+
+
+async def test_concurrent_hand_off_bad_stop_options_are_refused_by_both_legs(pd):
+    """With --handoff concurrent D is asked at once too: both refuse in
+    validation, before computing anything, and the client gets D's 400."""
+    router, p, d = await pd(handoff="concurrent")
+    p.status = d.status = 400
+    for fields in BAD_STOP_OPTIONS:
+        status, answer, _ = await router.post(
+            "/v1/completions", {**COMPLETION, **fields}
+        )
+        assert status == 400 and json.loads(answer) == {"error": {"message": "d"}}
+    assert len(d.requests) == len(BAD_STOP_OPTIONS)
+    for seen in d.requests:
+        assert "kv_transfer_params" in seen.body
+    # P's legs may or may not have been sent: D's answer ends them.
+    assert len(p.requests) <= len(BAD_STOP_OPTIONS)

@@ -190,7 +190,7 @@ async def test_idle_connections_to_the_discovery_port_are_dropped(
 
 
 async def test_the_routers_own_descriptor_shortage_is_not_blamed_on_an_instance():
-    from vllm_disagg.router.proxy import _out_of_descriptors
+    from vllm_disagg.router.health import out_of_descriptors
 
     key = aiohttp.client_reqrep.ConnectionKey("h", 1, False, True, None, None, None)
     emfile = aiohttp.ClientConnectorError(
@@ -199,4 +199,4 @@ async def test_the_routers_own_descriptor_shortage_is_not_blamed_on_an_instance(
     refused = aiohttp.ClientConnectorError(
         key, ConnectionRefusedError(errno.ECONNREFUSED, "x")
     )
-    assert _out_of_descriptors(emfile) and not _out_of_descriptors(refused)
+    assert out_of_descriptors(emfile) and not out_of_descriptors(refused)

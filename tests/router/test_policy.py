@@ -10,6 +10,9 @@ from vllm_disagg.router.policy import (
     Policies,
     PrefixAwarePolicy,
     RoundRobinPolicy,
+    make_policy,
+    policy_names,
+    register_policy,
     render_prompt,
 )
 from vllm_disagg.router.registry import Instance
@@ -203,3 +206,17 @@ def test_rendering_costs_what_the_limit_allows_whatever_the_body():
         assert len(text) <= 131072
         assert time.perf_counter() - started < 1.0  # ~0.1 s at most here
     assert render_prompt({"prompt": [deep]}, 1000).count("\u2026") == 1
+
+
+def test_policies_are_registered_by_name_next_to_their_classes():
+    assert policy_names(Role.PREFILL) == (
+        "round_robin",
+        "least_outstanding",
+        "prefix_aware",
+    )
+    assert policy_names(Role.DECODE) == ("round_robin", "least_outstanding")
+    assert isinstance(make_policy("prefix_aware", RouterConfig()), PrefixAwarePolicy)
+    with pytest.raises(ValueError, match="unknown policy 'nope'; one of round_robin"):
+        make_policy("nope", RouterConfig())
+    with pytest.raises(ValueError, match="registered twice"):
+        register_policy("round_robin")(type("Again", (RoundRobinPolicy,), {}))

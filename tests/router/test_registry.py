@@ -74,10 +74,12 @@ def test_new_incarnation_at_the_same_address_replaces_the_old():
 def test_a_heartbeat_refreshes_what_may_change_and_keeps_the_load():
     registry, _ = make()
     registry.register(reg("p", port=1))
-    registry.begin(registry.get("p"))
+    lease = registry.reserve(registry.get("p"))  # held: the load stays
     registry.register(reg("p", port=1, dp_rank=1, dp_size=2, seq=1))
     instance = registry.get("p")
     assert (instance.dp_rank, instance.dp_size, instance.outstanding) == (1, 2, 1)
+    lease.release(True)
+    assert instance.outstanding == 0
 
 
 @pytest.mark.parametrize(
@@ -143,11 +145,9 @@ def test_breaker_counts_consecutive_failures_only():
     registry.register(reg("p"))
     instance = registry.get("p")
     for ok in (False, False, True, False, False, None):
-        registry.begin(instance)
-        registry.finish(instance, ok)
+        registry.reserve(instance).release(ok)
     assert registry.breaker_state(instance) is BreakerState.CLOSED
-    registry.begin(instance)
-    registry.finish(instance, False)
+    registry.reserve(instance).release(False)
     assert registry.breaker_state(instance) is BreakerState.OPEN
     assert registry.healthy(Role.PREFILL) == [] and instance.outstanding == 0
 
@@ -156,24 +156,22 @@ def test_half_open_allows_one_trial_that_closes_or_reopens():
     registry, clock = make(breaker_failures=1, breaker_cooldown_s=10.0)
     registry.register(reg("p"))
     instance = registry.get("p")
-    registry.begin(instance)
-    registry.finish(instance, False)
+    registry.reserve(instance).release(False)
     clock.advance(9.0)
     registry.register(reg("p", seq=1))
     assert registry.healthy(Role.PREFILL) == []
     clock.advance(1.0)
     assert registry.healthy(Role.PREFILL) == [instance]
-    registry.begin(instance)  # the trial
+    trial = registry.reserve(instance)  # the trial
     assert registry.healthy(Role.PREFILL) == []
-    registry.finish(instance, False)  # failed: open for another cool-down
+    trial.release(False)  # failed: open for another cool-down
     assert registry.breaker_state(instance) is BreakerState.OPEN
     clock.advance(10.0)
     registry.register(reg("p", seq=2))
-    registry.begin(instance)
-    registry.finish(instance, None)  # the client left: no verdict, trial slot freed
+    # The client left: no verdict, the trial slot is freed.
+    registry.reserve(instance).release(None)
     assert registry.healthy(Role.PREFILL) == [instance]
-    registry.begin(instance)
-    registry.finish(instance, True)
+    registry.reserve(instance).release(True)
     assert registry.breaker_state(instance) is BreakerState.CLOSED
     assert registry.breaker_opens == 2
 
@@ -190,7 +188,7 @@ def test_models_and_model_filter():
 def test_snapshot_shows_role_age_load_and_breaker():
     registry, clock = make()
     registry.register(reg("p", dp_rank=1, dp_size=2))
-    registry.begin(registry.get("p"))
+    _held = registry.reserve(registry.get("p"))  # the load stays while held
     clock.advance(4.0)
     registry.register(reg("p", dp_rank=1, dp_size=2, seq=1))
     clock.advance(1.0)
@@ -269,3 +267,45 @@ def test_registration_is_constant_time_and_the_registry_bounded():
     # A new incarnation at a known address still replaces the old one.
     registry.register(reg("i7-again", port=8))
     assert registry.get("i7") is None and registry.get("i7-again") is not None
+
+
+def test_a_lease_ends_its_reservation_once():
+    registry, _ = make(breaker_failures=1)
+    registry.register(reg("p"))
+    instance = registry.get("p")
+    lease = registry.reserve(instance)
+    lease.release(True)
+    lease.release(False)  # a second release: nothing (no failure counted)
+    assert instance.outstanding == 0 and instance.consecutive_failures == 0
+    assert registry.breaker_state(instance) is BreakerState.CLOSED
+
+
+def test_a_transferred_lease_holds_the_reservation_until_the_new_one_ends():
+    registry, _ = make()
+    registry.register(reg("p"))
+    instance = registry.get("p")
+    first = registry.reserve(instance)
+    second = first.transfer()
+    first.release(False)  # moved: the old lease ends nothing
+    assert instance.outstanding == 1 and instance.consecutive_failures == 0
+    second.release(False)
+    assert instance.outstanding == 0 and instance.consecutive_failures == 1
+    with pytest.raises(RuntimeError):
+        first.transfer()
+
+
+def test_a_lease_collected_unreleased_is_released_counted_and_logged(caplog):
+    import gc
+
+    registry, _ = make(breaker_failures=1)
+    registry.register(reg("p"))
+    instance = registry.get("p")
+    with caplog.at_level("WARNING"):
+        registry.reserve(instance)  # dropped at once
+        registry.reserve(instance)
+        gc.collect()
+    assert instance.outstanding == 0 and registry.leaked_leases == 2
+    # No verdict: a lost lease is the router's bug, not the instance's.
+    assert registry.breaker_state(instance) is BreakerState.CLOSED
+    logged = [r for r in caplog.records if "never released" in r.getMessage()]
+    assert len(logged) == 1  # rate-limited: the counter has the rest

@@ -1,10 +1,13 @@
 """The router reads the fields the prefill leg does not see as vLLM's
-pydantic models do, so a request vLLM refuses is never prefilled."""
+pydantic models do, so a request vLLM refuses is never prefilled; the
+fields the prefill leg carries are left to the prefill instance, which
+refuses what the decode would refuse before computing anything."""
 
 from __future__ import annotations
 
 import pytest
 
+from vllm_disagg.router.exchange import _PREFILL_DROPPED
 from vllm_disagg.router.validation import (
     _INVALID,
     decode_alone_reason,
@@ -70,15 +73,14 @@ def test_integers_as_pydantic_reads_them(value, expected):
 @pytest.mark.parametrize(
     "fields",
     [
-        {"stop": 5},
-        {"stop": ["a", 1]},
-        {"stop_token_ids": "a"},
-        {"stop_token_ids": [1, "x"]},
-        {"include_stop_str_in_output": "maybe"},
         {"min_tokens": "x"},
         {"min_tokens": -1},
         {"stream_options": "bad", "stream": True},
         {"stream_options": {"include_usage": True}},
+        {"stream_options": {"include_usage": "maybe"}, "stream": True},
+        {"stream_options": {"continuous_usage_stats": 2}, "stream": True},
+        {"stream_options": {"include_usage": [True]}, "stream": True},
+        {"stream_options": ["include_usage"], "stream": True},
         {"max_tokens": -1.0},
         {"max_tokens": 0},
         {"max_tokens": "0"},
@@ -89,6 +91,7 @@ def test_integers_as_pydantic_reads_them(value, expected):
         {"stream": 2},
         {"best_of": "x"},
         {"use_beam_search": "maybe"},
+        {"use_beam_search": "maybe", "n": 2},
     ],
 )
 def test_what_vllm_refuses_in_fields_the_prefill_leg_does_not_see_goes_to_the_decode(
@@ -112,13 +115,52 @@ def test_what_vllm_refuses_in_fields_the_prefill_leg_does_not_see_goes_to_the_de
         {"max_tokens": 4.0},
         {"max_tokens": None},
         {"stream": "yes", "stream_options": {"include_usage": True}},
+        {"stream": True, "stream_options": {"include_usage": "yes", "other": 1}},
+        {"stream": True, "stream_options": {"continuous_usage_stats": None}},
+        {"stream": True, "stream_options": {}},
         {"stream": 1.0},
         {"include_stop_str_in_output": "true"},
         {"use_beam_search": False},
+        {"use_beam_search": "no", "n": 2},
     ],
 )
 def test_valid_requests_keep_their_prefill_leg(fields):
     assert decode_alone_reason({**BASE, **fields}) is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"stop": ""},
+        {"stop": ["ok", ""]},
+        {"stop": 5},
+        {"stop": ["a", 1]},
+        {"stop_token_ids": [99999]},
+        {"stop_token_ids": "a"},
+        {"stop_token_ids": [1, "x"]},
+        {"include_stop_str_in_output": "maybe"},
+    ],
+)
+def test_what_the_prefill_leg_carries_is_left_to_the_prefill_instance(fields):
+    """The prefill leg carries these (exchange._PREFILL_DROPPED does not
+    name them): the prefill instance refuses them in validation, with
+    vLLM's own error and its own vocabulary, before computing anything."""
+    assert decode_alone_reason({**BASE, **fields}) is None
+    assert not set(fields) & set(_PREFILL_DROPPED)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"use_beam_search": True, "n": 2, "temperature": 0},
+        {"use_beam_search": "yes", "n": 3},
+        {"use_beam_search": 1},
+    ],
+)
+def test_beam_search_goes_to_the_decode_alone(fields):
+    """Beam search in vLLM runs one-token requests of its own that carry no
+    kv_transfer_params: a prefill's KV would never be read."""
+    assert decode_alone_reason({**BASE, **fields}) == "beam_search"
 
 
 def test_prompt_logprobs_skip_the_prefill_leg():

@@ -5,12 +5,21 @@ registry.py and policy.py import neither quart nor vLLM.
 
 __all__ = [
     "app",
+    "circuit_breaker",
     "client_limits",
     "config",
     "discovery",
+    "exchange",
+    "health",
+    "instance",
+    "instance_index",
+    "legs",
     "metrics",
+    "models_cache",
     "policy",
     "proxy",
     "registry",
+    "relay",
+    "replies",
     "validation",
 ]

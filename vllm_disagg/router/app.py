@@ -23,20 +23,14 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from vllm_disagg import envs
-from vllm_disagg.router import metrics as outcomes
 from vllm_disagg.router.client_limits import ClientLimits, limited_protocol
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import DiscoveryServer
-from vllm_disagg.router.metrics import CONTENT_TYPE, RouterMetrics
+from vllm_disagg.router.metrics import CONTENT_TYPE, Outcome, RouterMetrics
 from vllm_disagg.router.policy import Policies
-from vllm_disagg.router.proxy import (
-    JSON,
-    VALIDATION_ERROR_TYPE,
-    Reply,
-    RequestProxy,
-    error_json,
-)
+from vllm_disagg.router.proxy import RequestProxy
 from vllm_disagg.router.registry import InstanceRegistry
+from vllm_disagg.router.replies import JSON, VALIDATION_ERROR_TYPE, Reply, error_json
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.logs import RateLimitedLog
 from vllm_disagg.wire.peers import format_addr, is_loopback
@@ -208,14 +202,14 @@ def create_app(
     async def forward(endpoint: str) -> Response:
         declared = request.content_length
         if not _is_json(request.headers.get("Content-Type")):
-            metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
+            metrics.requests.labels(endpoint, Outcome.BAD_REQUEST).inc()
             return _error(400, UNSUPPORTED_MEDIA_TYPE, None, VALIDATION_ERROR_TYPE)
         try:
             if declared is not None and declared > config.max_body_bytes:
                 raise RequestEntityTooLarge()
             raw = await request.get_data(cache=False)
         except RequestEntityTooLarge:
-            metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
+            metrics.requests.labels(endpoint, Outcome.BAD_REQUEST).inc()
             return _error(
                 413, f"request body larger than {config.max_body_bytes} bytes", "body"
             )
@@ -224,7 +218,7 @@ def create_app(
             refused = await proxy.refused_by_decode(endpoint, request.path, raw)
             if refused is not None:
                 return _response(refused)
-            metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
+            metrics.requests.labels(endpoint, Outcome.BAD_REQUEST).inc()
             return _error(400, problem, "body", VALIDATION_ERROR_TYPE)
         return _response(
             await proxy.handle(endpoint, request.path, body, request.headers)
@@ -247,7 +241,7 @@ def create_app(
         raw = await request.get_data(cache=False)
         body, _ = _decode_body(raw)
         if not isinstance(body, dict):
-            metrics.requests.labels(endpoint, outcomes.BAD_REQUEST).inc()
+            metrics.requests.labels(endpoint, Outcome.BAD_REQUEST).inc()
             return _error(
                 400, "request body must be a JSON object", "body", VALIDATION_ERROR_TYPE
             )
@@ -301,7 +295,7 @@ def create_app(
     async def unexpected(error: Exception) -> Response:
         # A bug, but one a client may be able to trigger at will: counted,
         # and its traceback logged at most once per interval.
-        metrics.requests.labels(request.path, outcomes.ROUTER_ERROR).inc()
+        metrics.requests.labels(request.path, Outcome.ROUTER_ERROR).inc()
         unexpected_log.warning(
             "unexpected", "router: unexpected error on %s", request.path, exc_info=error
         )

@@ -39,7 +39,7 @@ from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from vllm_disagg.router.proxy import error_json
+from vllm_disagg.router.replies import error_json
 from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)

@@ -15,19 +15,21 @@ from typing import Any, NamedTuple
 
 from vllm_disagg import envs
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.router.policy import policy_names
 from vllm_disagg.wire.cookie import ROUTER_TOKEN, CookieError, load_cookie
 from vllm_disagg.wire.discovery import (
     DEFAULT_DISCOVERY_PORT,
     DEFAULT_HTTP_PORT,
     MAX_MODEL_CHARS,
+    Role,
 )
 from vllm_disagg.wire.peers import (
     PeerInfoError,
     split_addr,
 )
 
-PREFILL_POLICIES = ("round_robin", "least_outstanding", "prefix_aware")
-DECODE_POLICIES = ("round_robin", "least_outstanding")
+PREFILL_POLICIES = policy_names(Role.PREFILL)
+DECODE_POLICIES = policy_names(Role.DECODE)
 HANDOFFS = ("sequential", "concurrent")
 HTTP_SERVERS = ("uvicorn", "hypercorn")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -213,202 +215,17 @@ class RouterConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        d = RouterConfig()
-        net = parser.add_argument_group("listening")
-        net.add_argument(
-            "--host", default=d.host, help="HTTP address (default %(default)s)"
-        )
-        net.add_argument(
-            "--port",
-            type=int,
-            default=d.port,
-            help="HTTP port for clients; 0 picks a free one (default %(default)s)",
-        )
-        net.add_argument(
-            "--discovery-host",
-            default=d.discovery_host,
-            help="service-discovery address (default %(default)s)",
-        )
-        net.add_argument(
-            "--discovery-port",
-            type=int,
-            default=d.discovery_port,
-            help="service-discovery (ZMQ) port the instances' proxy_port "
-            "names; 0 picks a free one (default %(default)s)",
-        )
-        sel = parser.add_argument_group("selection")
-        sel.add_argument(
-            "--policy-prefill",
-            default=d.policy_prefill,
-            help=f"one of {', '.join(PREFILL_POLICIES)} (default %(default)s)",
-        )
-        sel.add_argument(
-            "--policy-decode",
-            default=d.policy_decode,
-            help=f"one of {', '.join(DECODE_POLICIES)} (default %(default)s)",
-        )
-        sel.add_argument(
-            "--handoff",
-            default=d.handoff,
-            help="sequential: decode starts when prefill answered; concurrent: "
-            "both at once, decode waits for the KV (default %(default)s)",
-        )
-        sel.add_argument(
-            "--prefix-index-max-entries",
-            type=int,
-            default=d.prefix_index_max_entries,
-            help="prefix_aware: chunk hashes kept, LRU (default %(default)s)",
-        )
-        sel.add_argument(
-            "--prefix-chunk-chars",
-            type=int,
-            default=d.prefix_chunk_chars,
-            help="prefix_aware: characters per hashed chunk (default %(default)s)",
-        )
-        sel.add_argument(
-            "--prefix-balance-threshold",
-            type=int,
-            default=d.prefix_balance_threshold,
-            help="prefix_aware: the prefix holder is skipped when it has more than "
-            "this many requests in flight above the least loaded prefill "
-            "instance (default %(default)s)",
-        )
-        fail = parser.add_argument_group("timeouts and failures")
-        for name, help_text in (
-            (
-                "heartbeat_timeout_s",
-                "remove an instance silent this long (at least 3 of its heartbeat "
-                "intervals)",
-            ),
-            (
-                "stall_timeout_s",
-                "no new requests (and its prefill legs ended, retried elsewhere) "
-                "for an instance whose heartbeats say its engine has held "
-                "requests this long without a step; it is routed to again once "
-                "it steps",
-            ),
-            ("connect_timeout_s", "TCP connect to an instance"),
-            ("prefill_timeout_s", "the whole prefill request"),
-            (
-                "first_token_timeout_s",
-                "streaming: from sending decode the request to its first chunk (the KV "
-                "wait)",
-            ),
-            ("chunk_timeout_s", "streaming: between two chunks of decode's answer"),
-            ("request_timeout_s", "the whole request, every leg and retry included"),
-            (
-                "breaker_cooldown_s",
-                "how long an open circuit breaker keeps an instance out",
-            ),
-            (
-                "client_header_timeout_s",
-                "a client's request line and headers, from its "
-                "connection or the request's first byte",
-            ),
-            (
-                "client_idle_timeout_s",
-                "a client's request body, or its reading of a streamed "
-                "answer, may stall this long before the connection is "
-                "dropped",
-            ),
-            (
-                "client_body_timeout_s",
-                "a client's request body must be whole this long after its headers",
-            ),
+        """The router's flags, one argument group each, defaults from the
+        dataclass."""
+        defaults = RouterConfig()
+        for add_group in (
+            _add_listening_args,
+            _add_selection_args,
+            _add_failure_args,
+            _add_security_args,
+            _add_process_args,
         ):
-            fail.add_argument(
-                _flag(name),
-                type=float,
-                default=getattr(d, name),
-                help=f"{help_text} (default %(default)s)",
-            )
-        fail.add_argument(
-            "--max-retries",
-            type=int,
-            default=d.max_retries,
-            help="prefill retries on other instances, before anything reached "
-            "the client (default %(default)s)",
-        )
-        fail.add_argument(
-            "--breaker-failures",
-            type=int,
-            default=d.breaker_failures,
-            help="consecutive failures that open an instance's circuit breaker "
-            "(default %(default)s)",
-        )
-        fail.add_argument(
-            "--fallback-to-decode-prefill",
-            action="store_true",
-            help="when no prefill instance is available or all attempts failed, "
-            "let the decode instance prefill itself (counted in "
-            "/metrics); off: answer 503/502",
-        )
-        sec = parser.add_argument_group("security and limits")
-        sec.add_argument(
-            "--max-body-bytes",
-            type=int,
-            default=d.max_body_bytes,
-            help=(
-                "largest accepted request body, larger ones get 413 (default "
-                "%(default)s)"
-            ),
-        )
-        sec.add_argument(
-            "--max-header-bytes",
-            type=int,
-            default=d.max_header_bytes,
-            help=(
-                "largest request line and headers, larger ones get 431 (default "
-                "%(default)s)"
-            ),
-        )
-        sec.add_argument(
-            "--max-connections",
-            type=int,
-            default=d.max_connections,
-            help="open client connections; one more is answered 503 and closed "
-            "(default %(default)s; the file-descriptor limit is raised to "
-            "fit them and their upstream legs)",
-        )
-        sec.add_argument(
-            "--registration-token",
-            default=None,
-            help="shared token instances sign registrations with; prefer the "
-            f"{envs.VLLM_DISAGG_ROUTER_TOKEN} environment variable "
-            "(a flag shows in `ps`)",
-        )
-        sec.add_argument(
-            "--insecure-discovery",
-            action="store_true",
-            help="without a registration token, accept registrations from "
-            "other machines too (default: loopback only)",
-        )
-        sec.add_argument(
-            "--static-prefill",
-            nargs="+",
-            default=[],
-            metavar="HTTP,KV[,MODEL]",
-            help="prefill instances that do not register themselves",
-        )
-        sec.add_argument(
-            "--static-decode",
-            nargs="+",
-            default=[],
-            metavar="HTTP,KV[,MODEL]",
-            help="decode instances that do not register themselves",
-        )
-        parser.add_argument(
-            "--log-level",
-            default=d.log_level,
-            help=f"one of {', '.join(LOG_LEVELS)} (default %(default)s)",
-        )
-        parser.add_argument(
-            "--http-server",
-            default=d.http_server,
-            help=f"ASGI server for the HTTP front end, one of "
-            f"{', '.join(HTTP_SERVERS)} (default %(default)s: it costs "
-            "less CPU per request, see benchmarks/results/router.md)",
-        )
+            add_group(parser, defaults)
         return parser
 
     @classmethod
@@ -429,3 +246,217 @@ class RouterConfig:
         ):
             values[name] = values[name].lower().replace("-", "_")
         return cls(**values)
+
+
+def _add_listening_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Where the router listens."""
+    net = parser.add_argument_group("listening")
+    net.add_argument(
+        "--host", default=d.host, help="HTTP address (default %(default)s)"
+    )
+    net.add_argument(
+        "--port",
+        type=int,
+        default=d.port,
+        help="HTTP port for clients; 0 picks a free one (default %(default)s)",
+    )
+    net.add_argument(
+        "--discovery-host",
+        default=d.discovery_host,
+        help="service-discovery address (default %(default)s)",
+    )
+    net.add_argument(
+        "--discovery-port",
+        type=int,
+        default=d.discovery_port,
+        help="service-discovery (ZMQ) port the instances' proxy_port "
+        "names; 0 picks a free one (default %(default)s)",
+    )
+
+
+def _add_selection_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Which instances get a request, and the hand-off."""
+    sel = parser.add_argument_group("selection")
+    sel.add_argument(
+        "--policy-prefill",
+        default=d.policy_prefill,
+        help=f"one of {', '.join(PREFILL_POLICIES)} (default %(default)s)",
+    )
+    sel.add_argument(
+        "--policy-decode",
+        default=d.policy_decode,
+        help=f"one of {', '.join(DECODE_POLICIES)} (default %(default)s)",
+    )
+    sel.add_argument(
+        "--handoff",
+        default=d.handoff,
+        help="sequential: decode starts when prefill answered; concurrent: "
+        "both at once, decode waits for the KV (default %(default)s)",
+    )
+    sel.add_argument(
+        "--prefix-index-max-entries",
+        type=int,
+        default=d.prefix_index_max_entries,
+        help="prefix_aware: chunk hashes kept, LRU (default %(default)s)",
+    )
+    sel.add_argument(
+        "--prefix-chunk-chars",
+        type=int,
+        default=d.prefix_chunk_chars,
+        help="prefix_aware: characters per hashed chunk (default %(default)s)",
+    )
+    sel.add_argument(
+        "--prefix-balance-threshold",
+        type=int,
+        default=d.prefix_balance_threshold,
+        help="prefix_aware: the prefix holder is skipped when it has more than "
+        "this many requests in flight above the least loaded prefill "
+        "instance (default %(default)s)",
+    )
+
+
+def _add_failure_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Timeouts, retries and the circuit breaker."""
+    fail = parser.add_argument_group("timeouts and failures")
+    for name, help_text in (
+        (
+            "heartbeat_timeout_s",
+            "remove an instance silent this long (at least 3 of its heartbeat "
+            "intervals)",
+        ),
+        (
+            "stall_timeout_s",
+            "no new requests (and its prefill legs ended, retried elsewhere) "
+            "for an instance whose heartbeats say its engine has held "
+            "requests this long without a step; it is routed to again once "
+            "it steps",
+        ),
+        ("connect_timeout_s", "TCP connect to an instance"),
+        ("prefill_timeout_s", "the whole prefill request"),
+        (
+            "first_token_timeout_s",
+            "streaming: from sending decode the request to its first chunk (the KV "
+            "wait)",
+        ),
+        ("chunk_timeout_s", "streaming: between two chunks of decode's answer"),
+        ("request_timeout_s", "the whole request, every leg and retry included"),
+        (
+            "breaker_cooldown_s",
+            "how long an open circuit breaker keeps an instance out",
+        ),
+        (
+            "client_header_timeout_s",
+            "a client's request line and headers, from its "
+            "connection or the request's first byte",
+        ),
+        (
+            "client_idle_timeout_s",
+            "a client's request body, or its reading of a streamed "
+            "answer, may stall this long before the connection is "
+            "dropped",
+        ),
+        (
+            "client_body_timeout_s",
+            "a client's request body must be whole this long after its headers",
+        ),
+    ):
+        fail.add_argument(
+            _flag(name),
+            type=float,
+            default=getattr(d, name),
+            help=f"{help_text} (default %(default)s)",
+        )
+    fail.add_argument(
+        "--max-retries",
+        type=int,
+        default=d.max_retries,
+        help="prefill retries on other instances, before anything reached "
+        "the client (default %(default)s)",
+    )
+    fail.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=d.breaker_failures,
+        help="consecutive failures that open an instance's circuit breaker "
+        "(default %(default)s)",
+    )
+    fail.add_argument(
+        "--fallback-to-decode-prefill",
+        action="store_true",
+        help="when no prefill instance is available or all attempts failed, "
+        "let the decode instance prefill itself (counted in "
+        "/metrics); off: answer 503/502",
+    )
+
+
+def _add_security_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Authentication, bounds, instances named by hand."""
+    sec = parser.add_argument_group("security and limits")
+    sec.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help=(
+            "largest accepted request body, larger ones get 413 (default %(default)s)"
+        ),
+    )
+    sec.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=d.max_header_bytes,
+        help=(
+            "largest request line and headers, larger ones get 431 (default "
+            "%(default)s)"
+        ),
+    )
+    sec.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open client connections; one more is answered 503 and closed "
+        "(default %(default)s; the file-descriptor limit is raised to "
+        "fit them and their upstream legs)",
+    )
+    sec.add_argument(
+        "--registration-token",
+        default=None,
+        help="shared token instances sign registrations with; prefer the "
+        f"{envs.VLLM_DISAGG_ROUTER_TOKEN} environment variable "
+        "(a flag shows in `ps`)",
+    )
+    sec.add_argument(
+        "--insecure-discovery",
+        action="store_true",
+        help="without a registration token, accept registrations from "
+        "other machines too (default: loopback only)",
+    )
+    sec.add_argument(
+        "--static-prefill",
+        nargs="+",
+        default=[],
+        metavar="HTTP,KV[,MODEL]",
+        help="prefill instances that do not register themselves",
+    )
+    sec.add_argument(
+        "--static-decode",
+        nargs="+",
+        default=[],
+        metavar="HTTP,KV[,MODEL]",
+        help="decode instances that do not register themselves",
+    )
+
+
+def _add_process_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Logging and the HTTP server."""
+    parser.add_argument(
+        "--log-level",
+        default=d.log_level,
+        help=f"one of {', '.join(LOG_LEVELS)} (default %(default)s)",
+    )
+    parser.add_argument(
+        "--http-server",
+        default=d.http_server,
+        help=f"ASGI server for the HTTP front end, one of "
+        f"{', '.join(HTTP_SERVERS)} (default %(default)s: it costs "
+        "less CPU per request, see benchmarks/results/router.md)",
+    )

@@ -8,6 +8,7 @@ rejected frames) is read from them at scrape time.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterator
 
 from prometheus_client import (
@@ -26,15 +27,22 @@ from vllm_disagg.router.registry import InstanceRegistry
 PREFIX = "vllm_disagg_router"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# Request outcomes (label values of requests_total).
-OK = "ok"  # decode answered 2xx
-UPSTREAM_CLIENT_ERROR = "upstream_client_error"  # an instance answered 4xx, relayed
-BAD_REQUEST = "bad_request"  # refused by the router: malformed or oversized body
-NO_INSTANCE = "no_instance"  # 503 / 404: nothing to send it to
-UPSTREAM_ERROR = "upstream_error"  # 5xx, connection failure, broken stream
-TIMEOUT = "timeout"  # a leg or the request deadline ran out
-CANCELLED = "cancelled"  # the client went away
-ROUTER_ERROR = "router_error"  # a bug in the router: a 500 (endpoint: the path)
+
+class Outcome(str, enum.Enum):
+    """How a request ended: the ``outcome`` label of requests_total. A str,
+    so a member is its label value wherever a string is expected."""
+
+    OK = "ok"  # decode answered 2xx
+    UPSTREAM_CLIENT_ERROR = "upstream_client_error"  # an instance's 4xx, relayed
+    BAD_REQUEST = "bad_request"  # refused by the router: malformed or oversized
+    NO_INSTANCE = "no_instance"  # 503 / 404: nothing to send it to
+    UPSTREAM_ERROR = "upstream_error"  # 5xx, connection failure, broken stream
+    TIMEOUT = "timeout"  # a leg or the request deadline ran out
+    CANCELLED = "cancelled"  # the client went away
+    ROUTER_ERROR = "router_error"  # a bug in the router: a 500 (endpoint: the path)
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
 
 class RouterMetrics:
@@ -69,7 +77,8 @@ class RouterMetrics:
             "Requests the decode instance prefilled itself "
             "(--fallback-to-decode-prefill), by reason (no_prefill, prefill_failed, "
             "prompt_logprobs: vLLM computes such a prompt where it answers, invalid: "
-            "vLLM refuses it in validation).",
+            "vLLM refuses it in validation, beam_search: vLLM's beam search reads "
+            "no transferred KV).",
             ["reason"],
             registry=self.registry,
         )

@@ -3,22 +3,34 @@
 Plain classes, no quart or vLLM. A policy sees only the instances the
 registry calls healthy, so no policy (affinity included) can route to an
 unhealthy or removed instance.
+
+Each policy registers its name where it is defined (``@register_policy``);
+the command line offers what is registered (``policy_names``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.registry import Instance
+from vllm_disagg.wire.discovery import Role
+
+if TYPE_CHECKING:  # config.py lists the registered names: no import cycle
+    from vllm_disagg.router.config import RouterConfig
 
 
 class Policy(ABC):
     name: ClassVar[str]
+    prefill_only: ClassVar[bool] = False
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> Policy:
+        """A new instance of the policy, with its options from ``config``."""
+        return cls()
 
     @abstractmethod
     def select(
@@ -27,9 +39,36 @@ class Policy(ABC):
         """Pick one of ``candidates`` (never empty) for the request ``body``."""
 
 
-class RoundRobinPolicy(Policy):
-    name = "round_robin"
+_POLICIES: dict[str, type[Policy]] = {}
+_P = TypeVar("_P", bound=type[Policy])
 
+
+def register_policy(name: str, *, prefill_only: bool = False) -> Callable[[_P], _P]:
+    """Register a policy class under ``name`` (the command line's value).
+    ``prefill_only``: not offered for decode instances."""
+
+    def register(cls: _P) -> _P:
+        if name in _POLICIES:
+            raise ValueError(f"policy {name!r} is registered twice")
+        cls.name, cls.prefill_only = name, prefill_only
+        _POLICIES[name] = cls
+        return cls
+
+    return register
+
+
+def policy_names(side: Role) -> tuple[str, ...]:
+    """The registered policies ``side`` (PREFILL or DECODE) may use, in
+    registration order."""
+    return tuple(
+        name
+        for name, cls in _POLICIES.items()
+        if side is Role.PREFILL or not cls.prefill_only
+    )
+
+
+@register_policy("round_robin")
+class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self._turn = 0
 
@@ -40,11 +79,10 @@ class RoundRobinPolicy(Policy):
         return candidates[self._turn % len(candidates)]
 
 
+@register_policy("least_outstanding")
 class LeastOutstandingPolicy(Policy):
     """Fewest requests in flight through this router; ties rotate, so an
     idle fleet is still used evenly."""
-
-    name = "least_outstanding"
 
     def __init__(self) -> None:
         self._turn = 0
@@ -203,6 +241,7 @@ def _children(value: Any):
 MAX_PREFIX_CHUNKS = 512  # per prompt: bounds the hashing a request costs
 
 
+@register_policy("prefix_aware", prefill_only=True)
 class PrefixAwarePolicy(Policy):
     """Send a prompt to the prefill instance that last prefilled its longest
     known prefix, whose prefix cache most likely still holds it.
@@ -218,8 +257,6 @@ class PrefixAwarePolicy(Policy):
     prefix must not pin all traffic on one instance).
     """
 
-    name = "prefix_aware"
-
     def __init__(
         self, max_entries: int, chunk_chars: int, balance_threshold: int
     ) -> None:
@@ -230,6 +267,14 @@ class PrefixAwarePolicy(Policy):
         self._fallback = LeastOutstandingPolicy()
         # Prefixes longer than this many chunks route like their first part.
         self.max_chars = chunk_chars * MAX_PREFIX_CHUNKS
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> Policy:
+        return cls(
+            config.prefix_index_max_entries,
+            config.prefix_chunk_chars,
+            config.prefix_balance_threshold,
+        )
 
     def __len__(self) -> int:
         return len(self._index)
@@ -289,15 +334,8 @@ class Policies:
 
 
 def make_policy(name: str, config: RouterConfig) -> Policy:
-    if name == PrefixAwarePolicy.name:
-        return PrefixAwarePolicy(
-            config.prefix_index_max_entries,
-            config.prefix_chunk_chars,
-            config.prefix_balance_threshold,
-        )
-    simple = {p.name: p for p in (RoundRobinPolicy, LeastOutstandingPolicy)}
-    if name not in simple:
-        raise ValueError(
-            f"unknown policy {name!r}; one of {', '.join(simple)}, prefix_aware"
-        )
-    return simple[name]()
+    """The registered policy ``name``, configured from ``config``."""
+    cls = _POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; one of {', '.join(_POLICIES)}")
+    return cls.from_config(config)

@@ -12,9 +12,14 @@ An instance is usable while
 * its engine makes progress: a heartbeat whose ``stalled_s`` (seconds its
   engine held requests without a step) reached ``stall_timeout_s`` takes it
   out of rotation (and ends its prefill legs) until one says it steps again;
-* its circuit breaker is closed, or half-open with no trial in flight:
-  ``breaker_failures`` consecutive failures open it for ``breaker_cooldown_s``,
-  then one request may try it; success closes it, failure opens it again.
+* its circuit breaker (``circuit_breaker.py``) is closed, or half-open with
+  no trial in flight: ``breaker_failures`` consecutive failures open it for
+  ``breaker_cooldown_s``, then one request may try it; success closes it,
+  failure opens it again.
+
+A request holds an instance through a :class:`Lease` (``reserve``): the
+instance counts it in its load until the lease's one ``release(ok)``, which
+also tells the breaker what the instance did.
 
 A refused connection proves nothing listens there: a registered instance is
 removed at once (a live one comes back with its next heartbeat), a static one
@@ -31,7 +36,6 @@ time, an old frame's ``sent_at`` is outside discovery's clock window
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections import Counter
@@ -39,70 +43,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_disagg.router.circuit_breaker import (
+    BreakerConfig,
+    BreakerState,
+    CircuitBreaker,
+)
+from vllm_disagg.router.instance import Instance, Lease, compatible
+from vllm_disagg.router.instance_index import InstanceIndex
 from vllm_disagg.wire.clocks import CLOCK_SLACK_S, MAX_CLOCK_SKEW_S
 from vllm_disagg.wire.discovery import Register, Role
+from vllm_disagg.wire.logs import RateLimitedLog
 
 logger = logging.getLogger(__name__)
-
-# Which registered roles can serve which side of a request.
-_SERVES = {
-    Role.PREFILL: (Role.PREFILL, Role.BOTH),
-    Role.DECODE: (Role.DECODE, Role.BOTH),
-}
-
-
-class BreakerState(str, enum.Enum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
-
-
-@dataclass
-class Instance:
-    """One registered instance (one DP rank of one ``vllm serve``)."""
-
-    instance_id: str
-    role: Role
-    http_addr: str
-    kv_addr: str
-    model: str | None  # None: a static instance with no model given, serves any
-    dp_rank: int
-    dp_size: int
-    first_seen: float
-    last_seen: float
-    expires_after_s: float | None  # None: static, never expires
-    outstanding: int = 0
-    consecutive_failures: int = 0
-    opened_at: float | None = None  # breaker opened at (clock time); None: closed
-    trial_in_flight: bool = False
-    aliases: tuple[str, ...] = ()  # other names of its model
-    seq: int = 0  # the last accepted heartbeat's counter (replays are older)
-    sent_at: float = 0.0  # the last accepted heartbeat's sender clock
-    stalled_s: float = 0.0  # the last heartbeat's: engine held requests, no step
-    fingerprint: str = ""  # its model fingerprint ("": unknown, pairs with any)
-    stalled: bool = False  # stalled_s reached the registry's stall_timeout_s
-
-    @property
-    def static(self) -> bool:
-        return self.expires_after_s is None
-
-    def serves(self, side: Role) -> bool:
-        return self.role in _SERVES[side]
-
-    def answers_to(self, model: str | None) -> bool:
-        """Whether a request for ``model`` (None: any) may go here."""
-        return (
-            model is None
-            or self.model is None
-            or model == self.model
-            or (model in self.aliases)
-        )
-
-
-def compatible(a: Instance, b: Instance) -> bool:
-    """Whether KV of one is KV of the other: equal model fingerprints (an
-    instance that sent none, e.g. a static one, is taken at its word)."""
-    return not a.fingerprint or not b.fingerprint or a.fingerprint == b.fingerprint
 
 
 class RegistryRefused(RuntimeError):
@@ -141,15 +93,8 @@ class InstanceRegistry:
     clock: Callable[[], float] = time.monotonic
     max_instances: int = 4096
     _instances: dict[str, Instance] = field(default_factory=dict, init=False)
-    # http_addr -> instance ids there (normally one): registration without a scan
-    _by_http: dict[str, set[str]] = field(default_factory=dict, init=False)
-    _by_kv: dict[str, set[str]] = field(default_factory=dict, init=False)
-    # name (a model or an alias) -> {model it names: instances registering it}
-    _by_name: dict[str, Counter[str]] = field(default_factory=dict, init=False)
-    # Pairing index (role, model) and (role, model, fingerprint) -> count, so
-    # that "does anything pair with it" costs no scan.
-    _pair_model: Counter[tuple] = field(default_factory=Counter, init=False)
-    _pair_fp: Counter[tuple] = field(default_factory=Counter, init=False)
+    # Addresses, names and pairing, looked up without a scan.
+    _index: InstanceIndex = field(default_factory=InstanceIndex, init=False)
     # instance id -> until: incarnations a newer one replaced
     _retired: dict[str, float] = field(default_factory=dict, init=False)
     # instance id -> (until, its last seq, its last sent_at): removed instances
@@ -174,6 +119,14 @@ class InstanceRegistry:
         default_factory=list, init=False
     )
     stalls: int = field(default=0, init=False)
+    # Breaker state changes by (old, new) state, and leases collected unreleased.
+    breaker_transitions: Counter[tuple[str, str]] = field(
+        default_factory=Counter, init=False
+    )
+    leaked_leases: int = field(default=0, init=False)
+    _leak_log: RateLimitedLog = field(
+        default_factory=lambda: RateLimitedLog(logger), init=False, repr=False
+    )
 
     # --- membership ------------------------------------------------------
 
@@ -206,7 +159,7 @@ class InstanceRegistry:
             raise RegistryRefused(
                 "stale", f"{msg.instance_id}: registered with other addresses or names"
             )
-        if known is None and (name := self._name_conflict(msg)) is not None:
+        if known is None and (name := self._index.name_conflict(msg)) is not None:
             raise RegistryRefused(
                 "conflict",
                 f"{msg.instance_id}: the name {name!r} already names another model",
@@ -232,15 +185,7 @@ class InstanceRegistry:
         others = [
             self._instances[i]
             for i in sorted(
-                {
-                    i
-                    for index, addr in (
-                        (self._by_http, msg.http_addr),
-                        (self._by_kv, msg.kv_addr),
-                    )
-                    for i in index.get(addr, ())
-                }
-                - {msg.instance_id}
+                self._index.ids_at(msg.http_addr, msg.kv_addr) - {msg.instance_id}
             )
         ]
         for other in others:
@@ -262,9 +207,9 @@ class InstanceRegistry:
         expires_after_s = max(self.heartbeat_timeout_s, 3 * msg.interval_s)
         if known is not None:
             if known.role is not msg.role:
-                self._index(known, -1)
+                self._index.count_for_pairing(known, -1)
                 known.role = msg.role
-                self._index(known)
+                self._index.count_for_pairing(known)
             known.seq, known.sent_at = msg.seq, msg.sent_at
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.last_seen, known.expires_after_s = now, expires_after_s
@@ -285,9 +230,10 @@ class InstanceRegistry:
             seq=msg.seq,
             sent_at=msg.sent_at,
             fingerprint=msg.fingerprint,
+            breaker=self._new_breaker(msg.instance_id, msg.http_addr),
         )
         self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
-        self._index(instance)
+        self._index.add(instance)
         self._progress(instance, msg.stalled_s)
         logger.info(
             "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d",
@@ -300,12 +246,7 @@ class InstanceRegistry:
             msg.dp_size,
         )
         if not self.has_partner(instance):
-            # Distinct fingerprints of the other side, from the index keys.
-            others = {
-                fp[:12] or "none"
-                for (role, model, fp), n in self._pair_fp.items()
-                if n > 0 and model == instance.model and role is not instance.role
-            }
+            others = self._index.other_side_fingerprints(instance)
             if others:
                 logger.warning(
                     "instance %s (%s) is unpaired: its model fingerprint %s matches "
@@ -382,10 +323,20 @@ class InstanceRegistry:
         now = self.clock()
         instance_id = f"static-{role.value}-{http_addr}"
         instance = Instance(
-            instance_id, role, http_addr, kv_addr, model, 0, 1, now, now, None
+            instance_id,
+            role,
+            http_addr,
+            kv_addr,
+            model,
+            0,
+            1,
+            now,
+            now,
+            None,
+            breaker=self._new_breaker(instance_id, http_addr),
         )
         self._instances[instance_id] = instance
-        self._index(instance)
+        self._index.add(instance)
         return instance
 
     def deregister(self, instance_id: str) -> bool:
@@ -409,57 +360,16 @@ class InstanceRegistry:
 
     def mark_unreachable(self, http_addr: str) -> None:
         """Its connection was refused: stop sending there now."""
-        for instance_id in list(self._by_http.get(http_addr, ())):
+        for instance_id in sorted(self._index.ids_at(http_addr)):
             instance = self._instances[instance_id]
             if instance.static:
-                self._open(instance, self.clock())
+                instance.breaker.trip(self.clock())
             else:
                 self._remove(instance, "unreachable")
 
-    def _index(self, instance: Instance, sign: int = 1) -> None:
-        self._pair_model[(instance.role, instance.model)] += sign
-        self._pair_fp[(instance.role, instance.model, instance.fingerprint)] += sign
-        if sign < 0:
-            return
-        self._by_http.setdefault(instance.http_addr, set()).add(instance.instance_id)
-        self._by_kv.setdefault(instance.kv_addr, set()).add(instance.instance_id)
-        if instance.model is not None:
-            for name in (instance.model, *instance.aliases):
-                self._by_name.setdefault(name, Counter())[instance.model] += 1
-
-    def _name_conflict(self, msg: Register) -> str | None:
-        """A name of ``msg`` that already names another model: requests for
-        it would go to either model in turn."""
-        for name in (msg.model, *msg.aliases):
-            holders = self._by_name.get(name, {})
-            if any(model != msg.model for model in holders):
-                return name
-        return None
-
-    def _unindex(self, instance: Instance) -> None:
-        self._index(instance, -1)
-        for index, addr in (
-            (self._by_http, instance.http_addr),
-            (self._by_kv, instance.kv_addr),
-        ):
-            ids = index.get(addr)
-            if ids is not None:
-                ids.discard(instance.instance_id)
-                if not ids:
-                    del index[addr]
-        if instance.model is not None:
-            for name in (instance.model, *instance.aliases):
-                holders = self._by_name.get(name)
-                if holders is not None:
-                    holders[instance.model] -= 1
-                    if holders[instance.model] <= 0:
-                        del holders[instance.model]
-                    if not holders:
-                        del self._by_name[name]
-
     def _remove(self, instance: Instance, reason: str) -> None:
         del self._instances[instance.instance_id]
-        self._unindex(instance)
+        self._index.remove(instance)
         if not instance.static:
             self._remember_removed(instance, self.clock())
         self.removals[reason] += 1
@@ -486,70 +396,59 @@ class InstanceRegistry:
             if i.serves(side)
             and i.answers_to(model)
             and not i.stalled
-            and self._admits(i, now)
+            and i.breaker.admits(now)
         ]
 
     def serves_model(self, model: str) -> bool:
         """Whether any registered instance, healthy or not, serves ``model``."""
         return any(i.answers_to(model) for i in self._instances.values())
 
-    def begin(self, instance: Instance) -> None:
-        """A request was sent to ``instance``."""
+    def reserve(self, instance: Instance) -> Lease:
+        """A request is sent to ``instance``: it holds it until the lease's
+        ``release``, the only way the reservation ends."""
         instance.outstanding += 1
-        if self.breaker_state(instance) is BreakerState.HALF_OPEN:
-            instance.trial_in_flight = True
+        instance.breaker.request_started(self.clock())
+        return Lease(instance, self._end_lease)
 
-    def finish(self, instance: Instance, ok: bool | None) -> None:
-        """The request sent to ``instance`` ended: ``ok`` True (it answered),
-        False (it failed in a way only the instance can: refused, reset, 5xx)
-        or None (says nothing about the instance: the client left, or a
-        timeout a long request can cause too, see ``RequestProxy.suspect``)."""
+    def _end_lease(self, lease: Lease, ok: bool | None, leaked: bool) -> None:
+        instance = lease.instance
         instance.outstanding -= 1
-        instance.trial_in_flight = False
+        instance.breaker.request_ended()
+        if leaked:
+            self.leaked_leases += 1
+            self._leak_log.warning(
+                "leaked-lease",
+                "instance %s (%s): a request's lease was never released "
+                "(%d so far); released now with no verdict",
+                instance.instance_id,
+                instance.http_addr,
+                self.leaked_leases,
+            )
         if ok is not None:
             self.report(instance, ok)
 
     def report(self, instance: Instance, ok: bool) -> None:
         """What the instance did, for its breaker (no request accounting)."""
-        if ok:
-            instance.consecutive_failures = 0
-            instance.opened_at = None
-            return
-        instance.consecutive_failures += 1
-        now = self.clock()
-        half_open = self.breaker_state(instance, now) is BreakerState.HALF_OPEN
-        if half_open or (
-            instance.opened_at is None
-            and instance.consecutive_failures >= self.breaker_failures
-        ):
-            self._open(instance, now)
+        instance.breaker.record(ok, self.clock())
 
     def breaker_state(
         self, instance: Instance, now: float | None = None
     ) -> BreakerState:
-        if instance.opened_at is None:
-            return BreakerState.CLOSED
-        now = self.clock() if now is None else now
-        if now - instance.opened_at < self.breaker_cooldown_s:
-            return BreakerState.OPEN
-        return BreakerState.HALF_OPEN
+        return instance.breaker.state(self.clock() if now is None else now)
 
-    def _admits(self, instance: Instance, now: float) -> bool:
-        state = self.breaker_state(instance, now)
-        return state is BreakerState.CLOSED or (
-            state is BreakerState.HALF_OPEN and not instance.trial_in_flight
+    def _new_breaker(self, instance_id: str, http_addr: str) -> CircuitBreaker:
+        return CircuitBreaker(
+            BreakerConfig(self.breaker_failures, self.breaker_cooldown_s),
+            f"instance {instance_id} ({http_addr})",
+            self._breaker_transition,
         )
 
-    def _open(self, instance: Instance, now: float) -> None:
-        instance.opened_at = now
-        self.breaker_opens += 1
-        logger.warning(
-            "instance %s (%s): circuit breaker open for %.1fs after %d failure(s)",
-            instance.instance_id,
-            instance.http_addr,
-            self.breaker_cooldown_s,
-            instance.consecutive_failures,
-        )
+    def _breaker_transition(
+        self, breaker: CircuitBreaker, old: BreakerState, new: BreakerState
+    ) -> None:
+        self.breaker_transitions[(old.value, new.value)] += 1
+        if new is BreakerState.OPEN:
+            self.breaker_opens += 1
 
     # --- introspection -----------------------------------------------------
 
@@ -569,7 +468,7 @@ class InstanceRegistry:
     def model_names(self) -> list[str]:
         """Every name a request may use: models and their aliases, sorted."""
         self.expire()
-        return sorted(self._by_name)
+        return self._index.names()
 
     def partners(self, instance: Instance) -> list[Instance]:
         """Registered instances of the other side that may form a pair with
@@ -587,24 +486,7 @@ class InstanceRegistry:
 
     def has_partner(self, instance: Instance) -> bool:
         """:meth:`partners` is not empty, from the index (no scan)."""
-        if instance.role is Role.BOTH:
-            return True
-        other = Role.DECODE if instance.role is Role.PREFILL else Role.PREFILL
-        for role in (other, Role.BOTH):
-            if instance.model is None:
-                if any(n > 0 for (r, _), n in self._pair_model.items() if r is role):
-                    return True
-                continue
-            for model in (instance.model, None):
-                if not instance.fingerprint:
-                    if self._pair_model[(role, model)] > 0:
-                        return True
-                elif (
-                    self._pair_fp[(role, model, instance.fingerprint)] > 0
-                    or self._pair_fp[(role, model, "")] > 0
-                ):
-                    return True
-        return False
+        return self._index.has_partner(instance)
 
     def unpaired_counts(self) -> dict[str, int]:
         """Instances no instance of the other side can pair with, by role:

@@ -1,14 +1,23 @@
 """What the router must know of vLLM's request validation.
 
-The prefill leg sees a one-token, unstreamed copy of the body without the
-client's stop and streaming options (see ``proxy._PREFILL_DROPPED``), so it
-cannot refuse what vLLM would refuse in those fields. A request whose
-dropped fields vLLM would refuse goes to the decode alone, which refuses it
-in validation, before any compute, with vLLM's own error. The checks read
-values the way vLLM's pydantic models do (lax mode: ``"5"`` and ``5.0`` are
-5, ``"yes"`` and ``1.0`` are true, ``" true"`` and ``2`` are not booleans),
-and when in doubt say "invalid": a decode that accepts after all answers
-correctly by itself, only without a prefill instance's help.
+The prefill leg carries every field of the client's body that vLLM
+validates, but for those a one-token, unstreamed pass cannot carry (see
+``exchange._PREFILL_DROPPED``): the prefill instance validates the rest
+exactly as the decode would (stop strings, stop token ids against its
+vocabulary, logprobs, ``n``, ...) and answers vLLM's own 400 before
+computing anything. Of the fields it does not carry, a request vLLM would
+refuse goes to the decode alone, which refuses it in validation, before any
+compute, with vLLM's own error. ``stream_options`` is checked with a copy of
+vLLM's own pydantic model (``StreamOptions``; a test holds it equal to
+vLLM's); the numbers and flags are read the way vLLM's pydantic models read
+them (lax mode: ``"5"`` and ``5.0`` are 5, ``"yes"`` and ``1.0`` are true,
+``" true"`` and ``2`` are not booleans). When in doubt the answer is
+"invalid": a decode that accepts after all answers correctly by itself,
+only without a prefill instance's help.
+
+Beam search goes to the decode alone too: vLLM runs it as a series of
+one-token requests of its own, which carry none of the client's
+``kv_transfer_params``, so a prefill's KV would never be read.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
@@ -46,6 +57,28 @@ def lax_int(value: Any) -> Any:
     return _INVALID
 
 
+class StreamOptions(BaseModel):
+    """vLLM's ``StreamOptions`` (its OpenAI request models' type of
+    ``stream_options``): the same fields, types and defaults, extra keys
+    allowed as in every vLLM request model."""
+
+    model_config = ConfigDict(extra="allow")
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+def valid_stream_options(value: Any) -> bool:
+    """Whether vLLM's request models take ``value`` as ``stream_options``."""
+    if value is None:
+        return True
+    try:
+        StreamOptions.model_validate(value)
+    except ValidationError:
+        return False
+    return True
+
+
 def streams(body: Mapping[str, Any]) -> bool:
     """Whether vLLM streams the answer to ``body``."""
     return lax_bool(body.get("stream")) is True
@@ -57,10 +90,6 @@ def _optional(body: Mapping[str, Any], name: str, check) -> bool:
     return value is None or check(value)
 
 
-def _is_str_list(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(v, str) for v in value)
-
-
 def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
     """Why ``body`` goes to the decode alone, with no prefill leg (a
     ``decode_prefill_fallbacks`` label), or None.
@@ -69,6 +98,8 @@ def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
       return prompt logprobs (it reads no cached or transferred KV), so a
       prefill elsewhere would be work and buffer space for nothing.
     * ``invalid``: vLLM would refuse something the prefill leg cannot show.
+    * ``beam_search``: vLLM's beam search reads no transferred KV (its
+      one-token requests carry no ``kv_transfer_params``).
     """
     if body.get("prompt_logprobs") is not None or (
         lax_bool(body.get("echo")) is True and body.get("logprobs") is not None
@@ -86,20 +117,14 @@ def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
         and (low is None or low >= 0)
         and (low is None or limit is None or low <= limit)
         and _optional(body, "stream", lambda v: lax_bool(v) is not _INVALID)
-        and _optional(body, "stream_options", lambda v: isinstance(v, dict))
+        and valid_stream_options(body.get("stream_options"))
         # vLLM's own test (a "before" validator): the raw values, not coerced.
         and not (body.get("stream_options") and not body.get("stream"))
-        and _optional(body, "stop", lambda v: isinstance(v, str) or _is_str_list(v))
-        and _optional(
-            body,
-            "stop_token_ids",
-            lambda v: isinstance(v, list)
-            and all(lax_int(i) is not _INVALID for i in v),
-        )
-        and _optional(
-            body, "include_stop_str_in_output", lambda v: lax_bool(v) is not _INVALID
-        )
         and _optional(body, "best_of", lambda v: lax_int(v) is not _INVALID)
         and _optional(body, "use_beam_search", lambda v: lax_bool(v) is not _INVALID)
     )
-    return None if valid else "invalid"
+    if not valid:
+        return "invalid"
+    if lax_bool(body.get("use_beam_search")) is True:
+        return "beam_search"
+    return None

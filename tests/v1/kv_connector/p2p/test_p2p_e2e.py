@@ -32,6 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from vllm_disagg.testing import compare, openai_client
 from vllm_disagg.testing.p2p import P2pInstance, disaggregated_completion, peer_naming
@@ -690,3 +691,68 @@ def test_router_answers_like_vllm_serve_field_by_field(
             f"KNOWN_DIFFERENCES entries that no longer differ (remove them): {stale}"
         )
     assert not message, "\n".join(message) + f"\nboth sides' answers: {dump}"
+
+
+# Values vLLM refuses in fields the prefill leg used to drop: each was
+# prefilled, its KV sent, and only then refused by the decode.
+REFUSED_BEFORE_PREFILL = {
+    "stop empty": {"stop": ""},
+    "stop list with an empty string": {"stop": ["ok", ""]},
+    "stop_token_ids out of the vocabulary": {"stop_token_ids": [99999]},
+    "include_stop_str_in_output not a boolean": {"include_stop_str_in_output": "?"},
+    "stream_options include_usage not a boolean": {
+        "stream": True,
+        "stream_options": {"include_usage": "maybe"},
+    },
+}
+BEAM_SEARCH = {"use_beam_search": True, "n": 2, "temperature": 0, "max_tokens": 6}
+
+
+def _post(server, path: str, body: dict):
+    return requests.post(
+        server.url + path, json=body, timeout=openai_client.DEFAULT_TIMEOUT_S
+    )
+
+
+def _texts(answer: dict) -> list[str]:
+    return [
+        c["text"] if "text" in c else c["message"]["content"] for c in answer["choices"]
+    ]
+
+
+def test_router_refuses_before_any_prefill_and_beam_searches_like_the_decode(
+    put_async_set, routers
+):
+    """Through the 1P1D router, a request vLLM refuses gets the status and
+    error a plain decode server answers, with no prompt token computed on
+    the prefill (``vllm:prompt_tokens`` moves by the one valid request sent
+    last, and only by it); beam search answers what the decode alone
+    answers (two beams, completions and chat), without the prefill."""
+    router = routers["1p1d"]
+    prefill, decode = put_async_set["p1"], put_async_set["d1"].server
+    _wait_registered(router, 2)
+    bases = {
+        "/v1/completions": {"model": decode.model, "prompt": _COMPAT_PROMPT},
+        "/v1/chat/completions": {"model": decode.model, "messages": CHATS[0]},
+    }
+    before = metric(prefill, "vllm:prompt_tokens")
+    for path, base in bases.items():
+        for name, fields in REFUSED_BEFORE_PREFILL.items():
+            body = {**base, "max_tokens": 8, **fields}
+            via, alone = _post(router, path, body), _post(decode, path, body)
+            assert alone.status_code == 400, (path, name, alone.text)
+            assert via.status_code == alone.status_code, (path, name, via.text)
+            assert via.json()["error"] == alone.json()["error"], (path, name)
+        body = {**base, **BEAM_SEARCH}
+        via, alone = _post(router, path, body), _post(decode, path, body)
+        assert via.status_code == alone.status_code == 200, (path, via.text)
+        assert len(via.json()["choices"]) == 2, (path, via.text)
+        assert _texts(via.json()) == _texts(alone.json()), path
+    # The one request the prefill computes: a fresh prompt, through the router.
+    good = openai_client.complete(
+        router, _COMPAT_PROMPT + " once more", max_tokens=2, temperature=0.0
+    )
+    expected = before + good["usage"]["prompt_tokens"]
+    assert wait_metric(prefill, "vllm:prompt_tokens", expected) == expected
+    time.sleep(2.0)  # stats arrive with the engine's periodic outputs
+    assert metric(prefill, "vllm:prompt_tokens") == expected

@@ -147,7 +147,14 @@ def test_add_files_replaces_only_what_it_is_told_to(tmp_path):
 def test_the_commit_runs_the_router_tests_in_a_cpu_job():
     commit = by_slug("p2p-nccl-router-example")
     assert commit.relocate == "router-example" and commit.ci_job is not None
-    routed = {f"{L.INTEGRATION}/{n}" for n in ("test_p2p_e2e.py", "test_p2p_dp_e2e.py")}
+    routed = {
+        f"{L.INTEGRATION}/{n}"
+        for n in (
+            "test_p2p_e2e.py",
+            "test_p2p_dp_e2e.py",
+            "test_p2p_cpu_defaults_e2e.py",
+        )
+    }
     assert set(commit.ci_tests) == {L.ROUTER_TESTS, *routed}
     assert commit.ci_command().startswith("pytest -v -s -m 'cpu_test' ")
     # The -m cpu_test line selects them: every test module is marked.

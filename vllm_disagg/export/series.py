@@ -294,12 +294,6 @@ ROUTER_E2E = (
 OVERLAY_E2E = ("tests/v1/kv_connector/p2p_integration/test_p2p_get_put_e2e.py",)
 
 
-STEP_SYNC_E2E = "tests/v1/distributed/test_step_sync_dp.py"
-STEP_SYNC_E2E_MAIN = (
-    f"{STEP_SYNC_E2E}::test_200_mixed_requests_match_dp1_and_ranks_stay_in_lockstep"
-)
-
-
 @dataclass(frozen=True)
 class OverlayTests:
     """What the overlay check (tests/export/test_fork.py) does with the
@@ -342,10 +336,6 @@ def overlay_tests(*, full: bool = False) -> OverlayTests:
     run = [*written, layout.STEP_SYNC_UNIT]
     if full:
         run += [layout.UNIT, layout.ROUTER_TESTS]
-    else:
-        # Of the step-sync DP=2 module (about 6 min), its main test: 200 mixed
-        # requests equal to DP=1 with the ranks in lockstep (about 3.5 min).
-        run = [STEP_SYNC_E2E_MAIN if rel == STEP_SYNC_E2E else rel for rel in run]
     run = list(dict.fromkeys(run))
     # Collected: what is not run (INTEGRATION holds the two e2e files run).
     rest = [rel for rel in collected if rel not in run]

@@ -350,6 +350,11 @@ def run_set(
         build_hub_cache(work / "hf")
         for number, group in enumerate(groups):
             part = _run_group(test_set, mode, group, root, work, number, timeout_s, log)
+            if log_dir is not None:
+                log_dir.mkdir(parents=True, exist_ok=True)
+                kept = log_dir / f"{test_set.name}-{mode}-{number}.log"
+                shutil.copyfile(work / f"pytest-{number}.log", kept)
+                log(f"[{test_set.name}/{mode}] pytest output: {kept}")
             run.outcomes.update(part.outcomes)
             run.seconds.update(part.seconds)
             run.reports.update(part.reports)

@@ -306,6 +306,7 @@ def make_engine(config, rank, address, secret, shutdown_timeout=0):
     engine.pause_phase = PausePhase.RUNNING
     engine._pause_intent = 0
     engine._pause_reported = False
+    engine._resumed = None
     engine._leaving_since = None
     engine._left_alone = False
     engine.step_sync = Participant(

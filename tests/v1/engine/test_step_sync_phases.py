@@ -225,6 +225,32 @@ def _run_schedule_and_check(group, schedule):
                 )
 
 
+def test_resume_answers_once_every_rank_runs(make_group):
+    """A client that awaited resume on every rank finds none paused (upstream's
+    consensus is_scheduler_paused(), test_dp_pause_resume_basic): each rank's
+    resume is answered only once the group runs again."""
+    group = make_group()
+    t0, t1 = group.threads
+    for t in group.threads:
+        t.call("pause_scheduler", mode="abort", clear_cache=False)
+    wait_until(lambda: all(e.pause_phase == PausePhase.PAUSED for e in group.engines))
+    t0.call("resume_scheduler")
+    wait_until(lambda: t0.results and t0.results[-1][0] == "resume_scheduler")
+    answer = t0.results[-1][1]
+    assert isinstance(answer, Future)
+    time.sleep(0.3)
+    assert not answer.done()  # rank 1 has not resumed: the group is paused
+    assert group.engines[0].is_scheduler_paused()
+    t1.call("resume_scheduler")
+    wait_until(
+        lambda: answer.done()
+        and all(f.done() for t in group.threads for f in _futures(t)),
+        what=lambda: f"resumes: {[e.pause_phase for e in group.engines]}",
+    )
+    assert not any(e.is_scheduler_paused() for e in group.engines)
+    group.assert_healthy()
+
+
 def test_a_rank_pausing_again_before_its_peers_resumed_is_not_wedged(make_group):
     """The landed bug: rank 0 resumes and pauses again before rank 1's
     resume reaches the coordinator."""

@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -144,6 +145,8 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         self.pause_phase = PausePhase.RUNNING
         self._pause_intent = 0
         self._pause_reported = False
+        # resume_scheduler()'s answer: resolved once the whole group runs.
+        self._resumed: Future | None = None
         # Shutdown: when this rank drained and told the group it is leaving,
         # and whether it gave up waiting for the peers.
         self._leaving_since: float | None = None
@@ -378,6 +381,8 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         """pause_scheduler() set the local pause state; the pause completes
         (idle callbacks run) only once the whole group stopped at one step."""
         if self.pause_phase in (PausePhase.RUNNING, PausePhase.RESUMING):
+            # A resume still waiting for the group is superseded: answered.
+            self._settle_resume()
             self.pause_phase = PausePhase.PAUSING
             self._pause_reported = False
             self._pause_intent = self.step_sync.set_pause_intent(True)
@@ -418,8 +423,18 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             self.pause_phase = PausePhase.RUNNING
             EngineCoreProc.resume_scheduler(self)
             logger.info("step sync: dp_rank=%d group resumed", self.dp_rank)
+            self._settle_resume()
 
-    def resume_scheduler(self) -> None:
+    def _settle_resume(self) -> None:
+        resumed, self._resumed = self._resumed, None
+        if resumed is not None and not resumed.done():
+            resumed.set_result(None)
+
+    def resume_scheduler(self) -> Future | None:
+        """Resume with the group: the answer (a future, as upstream's pause
+        answers) comes once every rank runs again, so a client that awaited
+        resume_generation() finds no engine paused (upstream's consensus
+        is_scheduler_paused())."""
         if self.pause_phase == PausePhase.PAUSING:
             raise RuntimeError(
                 "resume_scheduler called while pause is still in flight. "
@@ -437,7 +452,10 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         # Scheduling restarts when every rank has resumed.
         self.pause_phase = PausePhase.RESUMING
         self._pause_intent = self.step_sync.set_pause_intent(False)
+        self._settle_resume()
+        resumed = self._resumed = Future()
         self._on_group_state()
+        return resumed
 
     def is_scheduler_paused(self) -> bool:
         return self.pause_phase != PausePhase.RUNNING or super().is_scheduler_paused()

@@ -189,14 +189,14 @@ def probes_enabled() -> bool:
     return _truthy(os.environ.get(VLLM_DISAGG_PROBE))
 
 
-def p2p_secret() -> bytes | None:
-    """The P2P control-plane secret as UTF-8 bytes, or None when unset or empty:
-    ``VLLM_DISAGG_P2P_SECRET``, else the file ``VLLM_DISAGG_P2P_SECRET_FILE``
-    names (ConfigError when that file cannot be read or is empty)."""
-    value = os.environ.get(VLLM_DISAGG_P2P_SECRET)
+def _secret(name: str, file_name: str) -> bytes | None:
+    """A secret as UTF-8 bytes, or None when unset or empty: variable ``name``,
+    else the file ``file_name`` names (ConfigError when that file cannot be
+    read or is empty)."""
+    value = os.environ.get(name)
     if value:
         return value.encode()
-    path = os.environ.get(VLLM_DISAGG_P2P_SECRET_FILE)
+    path = os.environ.get(file_name)
     if not path:
         return None
     from vllm_disagg.errors import ConfigError
@@ -205,36 +205,22 @@ def p2p_secret() -> bytes | None:
         with open(path, "rb") as f:
             secret = f.read(1 << 16).strip()
     except OSError as e:
-        raise ConfigError(
-            f"{VLLM_DISAGG_P2P_SECRET_FILE}: cannot read {path!r} ({e.strerror})"
-        ) from None
+        raise ConfigError(f"{file_name}: cannot read {path!r} ({e.strerror})") from None
     if not secret:
-        raise ConfigError(f"{VLLM_DISAGG_P2P_SECRET_FILE}: {path!r} is empty")
+        raise ConfigError(f"{file_name}: {path!r} is empty")
     return secret
+
+
+def p2p_secret() -> bytes | None:
+    """The P2P control-plane secret: ``VLLM_DISAGG_P2P_SECRET``, else the file
+    ``VLLM_DISAGG_P2P_SECRET_FILE`` names (see :func:`_secret`)."""
+    return _secret(VLLM_DISAGG_P2P_SECRET, VLLM_DISAGG_P2P_SECRET_FILE)
 
 
 def dp_secret() -> bytes | None:
-    """The step-sync DP secret as UTF-8 bytes, or None when unset or empty:
-    ``VLLM_DISAGG_DP_SECRET``, else the file ``VLLM_DISAGG_DP_SECRET_FILE``
-    names (ConfigError when that file cannot be read or is empty)."""
-    value = os.environ.get(VLLM_DISAGG_DP_SECRET)
-    if value:
-        return value.encode()
-    path = os.environ.get(VLLM_DISAGG_DP_SECRET_FILE)
-    if not path:
-        return None
-    from vllm_disagg.errors import ConfigError
-
-    try:
-        with open(path, "rb") as f:
-            secret = f.read(1 << 16).strip()
-    except OSError as e:
-        raise ConfigError(
-            f"{VLLM_DISAGG_DP_SECRET_FILE}: cannot read {path!r} ({e.strerror})"
-        ) from None
-    if not secret:
-        raise ConfigError(f"{VLLM_DISAGG_DP_SECRET_FILE}: {path!r} is empty")
-    return secret
+    """The step-sync DP secret: ``VLLM_DISAGG_DP_SECRET``, else the file
+    ``VLLM_DISAGG_DP_SECRET_FILE`` names (see :func:`_secret`)."""
+    return _secret(VLLM_DISAGG_DP_SECRET, VLLM_DISAGG_DP_SECRET_FILE)
 
 
 def dp_launch_secret() -> bytes | None:

@@ -293,6 +293,60 @@ def _register_p2p_connector(module: cst.Module, where: str) -> cst.Module:
     return module.with_changes(body=body)
 
 
+# --- cpu-moe-expert-map --------------------------------------------------------
+
+_EXPERT_MAP_PATCH = (
+    "vllm_disagg.patches.model_executor.layers.fused_moe.experts.cpu_moe"
+)
+_EXPERT_MAP_HELPERS = ("_local_expert_routes", "_honour_expert_map")
+
+
+def _cpu_experts_honour_expert_map(module: cst.Module, where: str) -> cst.Module:
+    """The patch module's two helpers go before the first experts class; the
+    ``apply`` of each class that takes ``expert_map`` gets the decorator."""
+    for name in _EXPERT_MAP_HELPERS:
+        if anchors.defines(module, name):
+            raise ExportError(f"{where}: {name} is defined already")
+    source = anchors.parse(_patch_module_source(_EXPERT_MAP_PATCH), _EXPERT_MAP_PATCH)
+    helpers = [
+        stmt
+        for stmt in source.body
+        if isinstance(stmt, cst.FunctionDef) and stmt.name.value in _EXPERT_MAP_HELPERS
+    ]
+    if len(helpers) != len(_EXPERT_MAP_HELPERS):
+        raise ExportError(f"{_EXPERT_MAP_PATCH}: {_EXPERT_MAP_HELPERS} not found")
+    decorator = cst.Decorator(cst.Name("_honour_expert_map"))
+    decorated = 0
+
+    def takes_expert_map(fn: cst.FunctionDef) -> bool:
+        return fn.name.value == "apply" and any(
+            p.name.value == "expert_map" for p in fn.params.params
+        )
+
+    body = list(module.body)
+    first_class = None
+    for i, stmt in enumerate(body):
+        if not isinstance(stmt, cst.ClassDef):
+            continue
+        members = list(stmt.body.body)
+        for j, member in enumerate(members):
+            if isinstance(member, cst.FunctionDef) and takes_expert_map(member):
+                members[j] = member.with_changes(
+                    decorators=[*member.decorators, decorator]
+                )
+                decorated += 1
+                first_class = i if first_class is None else first_class
+        body[i] = stmt.with_changes(body=stmt.body.with_changes(body=members))
+    if not decorated:
+        raise ExportError(f"{where}: no experts class has an apply taking expert_map")
+    spaced = [h.with_changes(leading_lines=[cst.EmptyLine()]) for h in helpers]
+    body[first_class:first_class] = spaced
+    module = module.with_changes(body=body)
+    for line in ("import functools", "import inspect"):
+        module = anchors.ensure_import(module, line, where)
+    return module
+
+
 _ENABLER_EDITS: tuple[Edit, ...] = (
     Edit(
         "cpu-collectives-v",
@@ -308,6 +362,12 @@ _ENABLER_EDITS: tuple[Edit, ...] = (
         "vllm/model_executor/layers/fused_moe/runner/moe_runner.py",
         "MoERunner._select_forward: the traced CPU path only without DP",
         _moe_cpu_branch_only_without_dp,
+    ),
+    Edit(
+        "cpu-moe-expert-map",
+        "vllm/model_executor/layers/fused_moe/experts/cpu_moe.py",
+        "the CPU experts classes' apply maps global expert ids to this rank's",
+        _cpu_experts_honour_expert_map,
     ),
     Edit(
         "cpu-ray-dp",

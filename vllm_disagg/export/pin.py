@@ -49,6 +49,9 @@ PINNED_FILES: dict[str, str] = {
     "vllm/entrypoints/serve/instrumentator/metrics.py": (
         "d511dd081071daeaf993a653e8716f73de9afbbece4c6eeacfe3a8c948a5bc74"
     ),
+    "vllm/model_executor/layers/fused_moe/experts/cpu_moe.py": (
+        "19128899c9878824b53dc0df7dc5f916cc7fab128742bc4285be6f96d1735d17"
+    ),
     "vllm/model_executor/layers/fused_moe/runner/moe_runner.py": (
         "20b69fe514bebd6723a1378f89a564c8fec4144c30244101f629c3f32c188183"
     ),

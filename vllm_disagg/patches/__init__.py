@@ -144,6 +144,39 @@ PATCHES: tuple[Patch, ...] = (
         related="none known; found by this project's DP=2 MoE test on CPU.",
     ),
     Patch(
+        name="cpu-moe-expert-map",
+        module="vllm_disagg.patches.model_executor.layers.fused_moe.experts.cpu_moe",
+        upstream=(
+            "vllm.model_executor.layers.fused_moe.experts.cpu_moe."
+            "CPUUnquantizedExperts.apply"
+        ),
+        kind="enabler",
+        why=(
+            "With --enable-expert-parallel each rank loads only its own experts, "
+            "but every CPU experts class's apply ignores expert_map and indexes "
+            "the weights with the router's global expert ids: the first forward "
+            "pass reads past the weights and the worker dies of a segmentation "
+            "fault in cpu_fused_moe while its DP peers wait in the MoE combine "
+            "(upstream's test_dp_pause_resume_basic[True] hangs or dies there)."
+        ),
+        how=(
+            "Wraps the apply of each experts class of the CPU module: routes to "
+            "local experts get their slot, routes to other ranks' experts slot 0 "
+            "with weight 0 (rows routed elsewhere zeroed where the kernel skips "
+            "the weights); the combine sums the ranks' partial outputs."
+        ),
+        drop_when="Upstream's CPU MoE kernels take expert_map.",
+        in_tree=InTree(
+            "edit",
+            "cpu_moe.py gains the route-mapping helper and a decorator on the apply "
+            "of each experts class that takes expert_map.",
+        ),
+        related=(
+            "none known for CPU; ROCm/aiter#3995 is the same fault (global ids "
+            "into per-rank weights) in another backend's routing."
+        ),
+    ),
+    Patch(
         name="cpu-ray-dp",
         module="vllm_disagg.patches.platforms.cpu",
         upstream="vllm.platforms.cpu.CpuPlatform.ray_device_key",

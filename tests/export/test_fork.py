@@ -70,10 +70,10 @@ def test_exported_tests_pass_on_the_wheel_without_the_plugin(fork, tmp_path, req
         where.stderr
     )
     # Bounded (CI): every test the series writes, what each commit's CI job
-    # runs but the router's tests (the P2P CPU end-to-end test and the
-    # step-sync DP=2 one: about 2 min each on 2 cores), and the step-sync unit
-    # tests; the relocated P2P and router unit tests and the other end-to-end
-    # tests are collected only. `--full-overlay` runs the unit tests too.
+    # runs but the P2P and router end-to-end tests (the step-sync DP=2 one:
+    # about 3 min on 2 cores), and the step-sync unit tests; the relocated P2P
+    # and router unit tests and the P2P end-to-end tests are collected only.
+    # `--full-overlay` runs the unit tests and the get/put end-to-end test too.
     full = request.config.getoption("--full-overlay") or request.config.getoption(
         "--full"
     )

@@ -295,10 +295,14 @@ def test_request_ahead_wakes_peers_before_the_first_pass(recorders):
 def test_only_an_ungranted_pass_waits_for_its_grant(recorders):
     coord, (r0, r1) = recorders(2)
     # Waking pass: nobody granted step 1 yet, so it waits for the round trip.
+    # (Not always: its wake-up message releases the GIL, and on a loaded
+    # machine the network and coordinator threads can deliver the grant
+    # before this thread checks for it; correct code then need not wait. It
+    # waits at most MAX_GRANT_WAIT_S: it may also return first, which is
+    # safe; the pass then waits for its peers instead.)
     r1.part.begin_forward(dummy=False)
-    assert r1.part.stats["grant_waits"] == 1
-    # (It waits at most MAX_GRANT_WAIT_S: on a loaded machine it may return
-    # first, which is safe; the pass then waits for its peers instead.)
+    waking_waits = r1.part.stats["grant_waits"]
+    assert waking_waits <= 1
     wait_until(lambda: r1.grants and r1.grants[-1] >= 1, what="the waking grant")
     r1.part.observe_grant(r1.grants[-1])
     # Steady work: renewals go out ahead of need, so later passes never wait.
@@ -310,7 +314,7 @@ def test_only_an_ungranted_pass_waits_for_its_grant(recorders):
             lambda: r1.part.delivered >= r1.part.requested, what="renewal granted"
         )
         r1.part.observe_grant(r1.grants[-1])
-    assert r1.part.stats["grant_waits"] == 1
+    assert r1.part.stats["grant_waits"] == waking_waits
     wait_until(
         lambda: r0.grants and r0.grants[-1] == coord.step >= 21, what="peer grants"
     )

@@ -173,8 +173,8 @@ async def test_load_sums_the_decodes_and_ping_is_readiness(start_router, fakes):
     status, body = await router.get("/load")
     assert status == 200 and json.loads(body) == {"server_load": 5}
     for method in ("GET", "POST"):
-        status, body, _ = await _request(router, method, "/ping")
-        assert (status, body) == (200, b"")
+        status, body, resp = await _request(router, method, "/ping")
+        assert (status, body) == (200, b"") and "Content-Type" not in resp.headers
 
 
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-be", "utf-32"])

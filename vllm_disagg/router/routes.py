@@ -226,7 +226,9 @@ def register(app: Quart, state) -> None:
     async def ping() -> Response:
         # vLLM's /ping is its /health: an empty 200 while it can serve.
         ready = registry.healthy(Role.PREFILL) and registry.healthy(Role.DECODE)
-        return Response(b"", status=200 if ready else 503)
+        answer = Response(b"", status=200 if ready else 503)
+        del answer.headers["Content-Type"]  # vLLM's empty answer names no type
+        return answer
 
 
 # --- CORS, as vLLM's default CORSMiddleware (no allowed origins) ------------

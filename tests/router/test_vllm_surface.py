@@ -150,6 +150,9 @@ async def test_a_stored_response_is_asked_of_each_decode_in_turn(start_router, f
     assert status == 200 and json.loads(body)["by"] == "d2"
     status, _ = await router.get("/v1/responses/resp_9")
     assert status == 404
+    d1.stored.add("a?b")  # an id is sent on as one, however it reads
+    status, body = await router.get("/v1/responses/a%3Fb")
+    assert status == 200 and json.loads(body)["path"] == "/v1/responses/a%3Fb"
 
 
 async def test_aborts_reach_every_instance(pd):

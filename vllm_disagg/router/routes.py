@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from urllib.parse import quote
 
 import msgspec
 from quart import Quart, Response, request
@@ -71,6 +72,8 @@ ANY_DECODE = {
     "/redoc": "docs",
     "/tokenizer_info": "tokenizer_info",
 }
+
+_PATH_SAFE = "/:@!$&'()*+,;=-._~"  # RFC 3986's path characters, unescaped
 
 # vLLM's answer to a body that is not JSON (its validate_json_request
 # dependency, rendered by its validation handler).
@@ -121,9 +124,10 @@ def error(
 
 
 def _target() -> str:
-    """The path and query the client asked for, as sent on."""
+    """The path and query the client asked for, as sent on: the path
+    percent-encoded again (a ``%3F`` in an id stays part of the id)."""
     query = request.query_string.decode("latin-1")
-    return request.path + (f"?{query}" if query else "")
+    return quote(request.path, safe=_PATH_SAFE) + (f"?{query}" if query else "")
 
 
 def register(app: Quart, state) -> None:

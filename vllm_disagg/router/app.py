@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 from quart import Quart, Response, request
-from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
+from werkzeug.exceptions import HTTPException
 
 from vllm_disagg import envs
+from vllm_disagg.router import routes
 from vllm_disagg.router.client_limits import ClientLimits, limited_protocol
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import DiscoveryServer
@@ -30,7 +31,7 @@ from vllm_disagg.router.metrics import CONTENT_TYPE, Outcome, RouterMetrics
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.proxy import RequestProxy
 from vllm_disagg.router.registry import InstanceRegistry
-from vllm_disagg.router.replies import JSON, VALIDATION_ERROR_TYPE, Reply, error_json
+from vllm_disagg.router.replies import JSON
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.logs import RateLimitedLog
 from vllm_disagg.wire.peers import format_addr, is_loopback
@@ -89,47 +90,6 @@ def _json(payload: object, status: int = 200) -> Response:
     return Response(msgspec.json.encode(payload), status=status, content_type=JSON)
 
 
-def _error(
-    status: int, message: str, param: str | None = None, error_type: str | None = None
-) -> Response:
-    return Response(
-        error_json(status, message, param, error_type), status=status, content_type=JSON
-    )
-
-
-def _response(reply: Reply) -> Response:
-    return Response(
-        reply.body,
-        status=reply.status,
-        content_type=reply.content_type,
-        headers=reply.headers,
-    )
-
-
-# vLLM's answer to a body that is not JSON (its validate_json_request
-# dependency, rendered by its validation handler).
-UNSUPPORTED_MEDIA_TYPE = (
-    "1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed"
-)
-
-
-def _decode_body(raw: bytes) -> tuple[object, str]:
-    """The parsed body (None when it is not JSON) and what is wrong with it
-    unless it is a JSON object."""
-    try:
-        return msgspec.json.decode(raw), "request body must be a JSON object"
-    except msgspec.DecodeError as e:
-        return None, f"request body is not JSON: {e}"
-    except UnicodeDecodeError:  # invalid UTF-8 inside a string
-        return None, "request body is not UTF-8"
-    except RecursionError:  # msgspec's own depth limit, not a router bug
-        return None, "request body is nested too deeply"
-
-
-def _is_json(content_type: str | None) -> bool:
-    return (content_type or "").split(";", 1)[0].strip().lower() == JSON
-
-
 def create_app(
     config: RouterConfig,
     registry: InstanceRegistry | None = None,
@@ -156,6 +116,8 @@ def create_app(
         # drops the connection; Quart's answers 408 and keeps it open.
         BODY_TIMEOUT=config.client_body_timeout_s + 5.0,
         RESPONSE_TIMEOUT=None,  # the router's own deadlines end responses
+        # OPTIONS is a method like any other, as in vLLM's FastAPI app (405).
+        PROVIDE_AUTOMATIC_OPTIONS=False,
     )
     app.extensions[STATE_KEY] = state
 
@@ -199,65 +161,15 @@ def create_app(
     async def stop() -> None:
         await proxy.close()
 
-    async def forward(endpoint: str) -> Response:
-        declared = request.content_length
-        if not _is_json(request.headers.get("Content-Type")):
-            metrics.requests.labels(endpoint, Outcome.BAD_REQUEST).inc()
-            return _error(400, UNSUPPORTED_MEDIA_TYPE, None, VALIDATION_ERROR_TYPE)
-        try:
-            if declared is not None and declared > config.max_body_bytes:
-                raise RequestEntityTooLarge()
-            raw = await request.get_data(cache=False)
-        except RequestEntityTooLarge:
-            metrics.requests.labels(endpoint, Outcome.BAD_REQUEST).inc()
-            return _error(
-                413, f"request body larger than {config.max_body_bytes} bytes", "body"
-            )
-        body, problem = _decode_body(raw)
-        if not isinstance(body, dict):
-            refused = await proxy.refused_by_decode(endpoint, request.path, raw)
-            if refused is not None:
-                return _response(refused)
-            metrics.requests.labels(endpoint, Outcome.BAD_REQUEST).inc()
-            return _error(400, problem, "body", VALIDATION_ERROR_TYPE)
-        return _response(
-            await proxy.handle(endpoint, request.path, body, request.headers)
-        )
-
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await forward("completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await forward("chat_completions")
+    app.before_request(routes.preflight)
+    app.after_request(routes.vary_origin)
+    routes.register(app, state)
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return _response(await proxy.list_models(request.headers.get("Authorization")))
-
-    async def relay_json(endpoint: str) -> Response:
-        """A JSON POST one decode answers alone (vLLM checks the body)."""
-        raw = await request.get_data(cache=False)
-        body, _ = _decode_body(raw)
-        if not isinstance(body, dict):
-            metrics.requests.labels(endpoint, Outcome.BAD_REQUEST).inc()
-            return _error(
-                400, "request body must be a JSON object", "body", VALIDATION_ERROR_TYPE
-            )
-        return _response(await proxy.relay(endpoint, "POST", request.path, body))
-
-    @app.post("/tokenize")
-    async def tokenize() -> Response:
-        return await relay_json("tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize() -> Response:
-        return await relay_json("detokenize")
-
-    @app.get("/version")
-    async def version() -> Response:
-        return _response(await proxy.relay("version", "GET", "/version", None))
+        return routes.response(
+            await proxy.list_models(request.headers.get("Authorization"))
+        )
 
     @app.get("/health")
     async def health() -> Response:
@@ -299,7 +211,7 @@ def create_app(
         unexpected_log.warning(
             "unexpected", "router: unexpected error on %s", request.path, exc_info=error
         )
-        return _error(500, f"router error: {type(error).__name__}")
+        return routes.error(500, f"router error: {type(error).__name__}")
 
     return app
 

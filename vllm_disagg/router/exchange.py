@@ -112,14 +112,36 @@ def _set_params(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str
     return body
 
 
-def prefill_body(body: Mapping[str, Any], peers: dict[str, str]) -> dict[str, Any]:
+def prefill_body(
+    body: Mapping[str, Any], peers: dict[str, str], path: str = "/v1/completions"
+) -> dict[str, Any]:
     """The body P gets: the prompt exactly as the client sent it, one token,
-    no streaming; the client's validated options (stop strings included)."""
+    no streaming; the client's validated options (stop strings included).
+    Where the token limit lives depends on the endpoint's request model
+    (``path``): ``/v1/responses`` has ``max_output_tokens`` (and stores
+    nothing, runs nothing in the background on P), ``/inference/v1/generate``
+    its ``sampling_params``; the others (``/invocations`` takes a completion
+    or a chat) ``max_tokens``."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
-    out.update(max_tokens=1, stream=False)
-    if "max_completion_tokens" in body:
-        out["max_completion_tokens"] = 1
-    return _set_params(out, _with_peers(body.get("kv_transfer_params"), peers))
+    params = _with_peers(body.get("kv_transfer_params"), peers)
+    out["stream"] = False
+    if path == "/v1/responses":
+        out.update(max_output_tokens=1, store=False, background=False)
+    elif path == "/inference/v1/generate":
+        sampling = body.get("sampling_params")
+        sampling = dict(sampling) if isinstance(sampling, Mapping) else {}
+        for name in _PREFILL_DROPPED:
+            sampling.pop(name, None)
+        out["sampling_params"] = {**sampling, "max_tokens": 1}
+    else:
+        out["max_tokens"] = 1
+        if "max_completion_tokens" in body:
+            out["max_completion_tokens"] = 1
+    if path == "/v1/messages" and params is not None:
+        # vLLM's own P/D marker: its Messages model then skips the
+        # thinking budget check (budget below max_tokens) on this leg only.
+        params["do_remote_decode"] = True
+    return _set_params(out, params)
 
 
 def decode_body(
@@ -146,6 +168,9 @@ class Exchange:
     # it, so it names neither instance nor the transfer key.
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     upstream_s: float = 0.0  # time spent waiting on instances, up to the first byte
+    # Why the endpoint goes to the decode alone whatever the body says
+    # (routes.py), or None: a generation the router disaggregates.
+    alone: str | None = None
     counted: bool = False
     _names: dict[tuple[str, str], tuple[str, dict[str, str]]] = field(
         default_factory=dict

@@ -118,7 +118,7 @@ class Legs:
             ) as t:
                 leg = _PrefillInFlight(t)
                 self._prefills.setdefault(prefill.instance_id, set()).add(leg)
-                body = prefill_body(ex.body, peers)
+                body = prefill_body(ex.body, peers, ex.path)
                 async with self.post(ex, prefill, body, request_id) as resp:
                     data = await resp.read()
             ok = resp.status < 500

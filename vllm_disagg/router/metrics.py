@@ -78,7 +78,9 @@ class RouterMetrics:
             "(--fallback-to-decode-prefill), by reason (no_prefill, prefill_failed, "
             "prompt_logprobs: vLLM computes such a prompt where it answers, invalid: "
             "vLLM refuses it in validation, beam_search: vLLM's beam search reads "
-            "no transferred KV).",
+            "no transferred KV, stored_response: it continues a response stored "
+            "on a decode, no_kv_transfer_params: vLLM's request model for it has "
+            "no kv_transfer_params).",
             ["reason"],
             registry=self.registry,
         )

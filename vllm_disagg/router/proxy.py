@@ -27,7 +27,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
-import msgspec
 
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.exchange import (
@@ -39,6 +38,7 @@ from vllm_disagg.router.health import InstanceHealth, LegFailure
 from vllm_disagg.router.legs import DecodeRefused, Legs
 from vllm_disagg.router.metrics import Outcome, RouterMetrics
 from vllm_disagg.router.models_cache import ModelsCache
+from vllm_disagg.router.passthrough import Passthrough
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease, compatible
 from vllm_disagg.router.replies import JSON, Reply, content_type
@@ -49,6 +49,9 @@ from vllm_disagg.wire.logs import RateLimitedLog
 logger = logging.getLogger(__name__)
 
 UPSTREAM_KEEPALIVE_S = 4.0
+# ``handle``'s ``alone`` for requests that generate nothing (/tokenize, the
+# render endpoints): one decode answers them, no prefill is skipped.
+NOT_GENERATION = "not_generation"
 EXPIRY_SWEEP_S = 1.0  # how often silent instances are looked for without traffic
 
 
@@ -86,6 +89,14 @@ class RequestProxy:
         )
         self.models = ModelsCache(
             registry, config.connect_timeout_s, lambda: self.session
+        )
+        self.passthrough = Passthrough(
+            registry,
+            metrics,
+            self.health,
+            config.connect_timeout_s,
+            lambda: self.session,
+            lambda candidates, body: policies.decode.select(candidates, body),
         )
         self._sweeper: asyncio.Task | None = None
 
@@ -125,8 +136,15 @@ class RequestProxy:
     # --- entry -----------------------------------------------------------
 
     async def handle(
-        self, endpoint: str, path: str, body: dict[str, Any], headers: Mapping[str, str]
+        self,
+        endpoint: str,
+        path: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str],
+        alone: str | None = None,
     ) -> Reply:
+        """Route one request. ``alone``: why the endpoint goes to the decode
+        alone whatever the body says (None: disaggregated where it can be)."""
         ex = self._exchange(
             endpoint,
             path,
@@ -134,6 +152,7 @@ class RequestProxy:
             forwarded_headers(headers),
             self.config.request_timeout_s,
         )
+        ex.alone = alone
         client_id = client_request_id(headers.get("X-Request-Id"))
         if client_id is not None:
             ex.request_id = client_id
@@ -153,6 +172,14 @@ class RequestProxy:
     ) -> Exchange:
         deadline = time.monotonic() + timeout_s
         return Exchange(endpoint, path, body, headers, deadline, self.metrics)
+
+    def unknown_model(self, endpoint: str, model: object) -> Reply | None:
+        """The 404 vLLM answers when ``model`` is a name no instance serves."""
+        if not isinstance(model, str):
+            return None
+        return self._unknown_model(
+            self._exchange(endpoint, "", {"model": model}, {}, 0)
+        )
 
     def _unknown_model(self, ex: Exchange) -> Reply | None:
         """Upstream vLLM's 404 when no instance serves the request's model."""
@@ -229,7 +256,7 @@ class RequestProxy:
                 f"{', '.join(self.registry.models())}",
                 "model",
             )
-        alone = decode_alone_reason(ex.body)
+        alone = ex.alone or decode_alone_reason(ex.body, ex.path)
         decode = self._pick(Role.DECODE, ex) if alone else self._pick_paired_decode(ex)
         if decode is None:
             return ex.error(
@@ -244,7 +271,8 @@ class RequestProxy:
         lease = self.registry.reserve(decode)
         try:
             if alone is not None:
-                self.metrics.decode_prefill_fallbacks.labels(alone).inc()
+                if alone != NOT_GENERATION:  # no prefill to fall back from
+                    self.metrics.decode_prefill_fallbacks.labels(alone).inc()
                 return await self.legs.decode(ex, lease, None)
             if self.config.handoff == "concurrent":
                 return await self._concurrent(ex, lease)
@@ -274,47 +302,6 @@ class RequestProxy:
         return ex.error(Outcome.UPSTREAM_ERROR, 502, refused.message)
 
     # --- endpoints one decode answers alone ---------------------------------
-
-    async def relay(
-        self, endpoint: str, method: str, path: str, body: dict | None
-    ) -> Reply:
-        """A request with no prefill leg (``/tokenize``, ``/detokenize``,
-        ``/version``): one healthy decode of the request's model answers it,
-        relayed as it is."""
-        ex = self._exchange(
-            endpoint, path, body or {}, {}, self.config.request_timeout_s
-        )
-        if (unknown := self._unknown_model(ex)) is not None:
-            return unknown
-        decode = self._pick(Role.DECODE, ex)
-        if decode is None:
-            return ex.error(
-                Outcome.NO_INSTANCE,
-                503,
-                "no healthy decode instance is registered",
-            )
-        data = None if body is None else msgspec.json.encode(body)
-        headers = {"Content-Type": JSON} if body is not None else {}
-        try:
-            async with asyncio.timeout(
-                min(self.config.connect_timeout_s + 30.0, ex.remaining())
-            ):
-                async with self.session.request(
-                    method,
-                    f"http://{decode.http_addr}{path}",
-                    data=data,
-                    headers=headers,
-                ) as resp:
-                    payload = await resp.read()
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            reason, _ = self.health.judge(decode, e)
-            return ex.error(
-                Outcome.UPSTREAM_ERROR,
-                502,
-                f"the decode instance failed ({reason})",
-            )
-        ex.count(Outcome.OK if resp.status < 400 else Outcome.UPSTREAM_CLIENT_ERROR)
-        return Reply(resp.status, content_type(resp), payload)
 
     async def refused_by_decode(
         self, endpoint: str, path: str, raw: bytes

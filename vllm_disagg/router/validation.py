@@ -90,7 +90,9 @@ def _optional(body: Mapping[str, Any], name: str, check) -> bool:
     return value is None or check(value)
 
 
-def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
+def decode_alone_reason(
+    body: Mapping[str, Any], path: str = "/v1/completions"
+) -> str | None:
     """Why ``body`` goes to the decode alone, with no prefill leg (a
     ``decode_prefill_fallbacks`` label), or None.
 
@@ -100,7 +102,29 @@ def decode_alone_reason(body: Mapping[str, Any]) -> str | None:
     * ``invalid``: vLLM would refuse something the prefill leg cannot show.
     * ``beam_search``: vLLM's beam search reads no transferred KV (its
       one-token requests carry no ``kv_transfer_params``).
+    * ``stored_response``: a ``/v1/responses`` request that continues a
+      stored response or conversation: its prompt is the stored history,
+      which only the decode holding it can render.
+
+    ``path`` names the request model: ``/v1/responses`` limits tokens with
+    ``max_output_tokens``, ``/inference/v1/generate`` keeps its sampling
+    options in ``sampling_params``.
     """
+    if path == "/v1/responses":
+        if body.get("previous_response_id") is not None or (
+            body.get("conversation") is not None
+        ):
+            return "stored_response"
+        body = {k: v for k, v in body.items() if k not in ("max_tokens", "min_tokens")}
+        if body.get("max_output_tokens") is not None:
+            body["max_tokens"] = body["max_output_tokens"]
+    elif path == "/inference/v1/generate":
+        sampling = body.get("sampling_params")
+        if sampling is None:
+            sampling = {}
+        if not isinstance(sampling, Mapping):
+            return "invalid"
+        body = {**sampling, "stream": body.get("stream")}
     if body.get("prompt_logprobs") is not None or (
         lax_bool(body.get("echo")) is True and body.get("logprobs") is not None
     ):

@@ -76,6 +76,8 @@ class FakeInstance:
         self.chunks = sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]})
         self.chunk_delay_s = 0.0
         self.handler: Handler | None = None
+        self.load = 0  # what /load answers
+        self.stored: set[str] = set()  # response ids /v1/responses/{id} knows
         self.disconnected = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self.port = port
@@ -101,11 +103,19 @@ class FakeInstance:
         app = web.Application()
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_post("/v1/chat/completions", self._handle)
+        # vLLM's other generations whose request models carry kv_transfer_params
+        for path in (
+            "/v1/responses",
+            "/v1/messages",
+            "/invocations",
+            "/inference/v1/generate",
+        ):
+            app.router.add_post(path, self._handle)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        for path in ("/tokenize", "/detokenize"):
-            app.router.add_post(path, self._echo_path)
         app.router.add_get("/version", self._echo_path)
+        app.router.add_get("/load", self._load)
+        app.router.add_route("*", "/{tail:.*}", self._echo_any)
         return app
 
     async def start(self) -> FakeInstance:
@@ -170,7 +180,35 @@ class FakeInstance:
         return web.json_response({"object": "list", "data": self.models})
 
     async def _echo_path(self, request: web.Request) -> web.Response:
-        return web.json_response({"path": request.path, "by": self.name})
+        return web.json_response({"path": request.path_qs, "by": self.name})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        return web.json_response({"server_load": self.load})
+
+    async def _echo_any(self, request: web.Request) -> web.Response:
+        """Any other request, recorded and described: what was asked, of
+        whom, with which body as it came. A stored response's routes answer
+        404 for ids not in ``stored``, as vLLM does."""
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            body = None
+        if self.record:
+            self.requests.append(Seen(request.path_qs, request.headers.copy(), body))
+        parts = request.path.split("/")
+        stored = parts[1:3] == ["v1", "responses"] and parts[3:] not in ([], ["render"])
+        if stored and parts[3] not in self.stored:
+            return web.json_response({"error": {"code": 404}}, status=404)
+        return web.json_response(
+            {
+                "path": request.path_qs,
+                "method": request.method,
+                "by": self.name,
+                "content_type": request.headers.get("Content-Type"),
+                "raw": raw.decode("latin-1"),
+            }
+        )
 
     async def _health(self, request: web.Request) -> web.Response:
         if self.hang:

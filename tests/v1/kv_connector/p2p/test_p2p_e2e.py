@@ -497,8 +497,12 @@ FIELDS_THAT_DIFFER_BY_NATURE = {
     # Unix timestamps of when each server answered (or, in /v1/models, when it
     # listed the model): only their type counts.
     "created": compare.type_name,
+    "created_at": compare.type_name,  # /v1/responses
 }
-COMPAT_RULES = compare.FieldRules(normalize=FIELDS_THAT_DIFFER_BY_NATURE)
+# vLLM's CORS middleware adds "Vary: Origin" to every answer.
+COMPAT_RULES = compare.FieldRules(
+    normalize=FIELDS_THAT_DIFFER_BY_NATURE, headers=("x-request-id", "vary")
+)
 
 # Case name -> (field paths that may differ, why). Paths as the assertion
 # message prints them; "*" is any characters but "." and a path covers
@@ -509,6 +513,11 @@ KNOWN_DIFFERENCES: dict[str, tuple[tuple[str, ...], str]] = {
         ("content_type", "body"),
         "the router's /health reports the fleet (ready, prefill and decode counts) as "
         "JSON; vLLM's is an empty 200",
+    ),
+    "responses": (
+        ("body.usage.input_tokens_details",),
+        "the decode reads the prompt's KV from the prefill and vLLM's Responses usage "
+        "counts it as cached tokens; a colocated server computes and writes it",
     ),
 }
 
@@ -639,6 +648,55 @@ def compat_cases(model: str, stop: str) -> list[compare.HttpCase]:
         case("health", "/health", method="GET"),
         case("tokenize", "/tokenize", {"model": model, "prompt": _COMPAT_PROMPT}),
         case("version", "/version", method="GET"),
+        *other_route_cases(model, cmpl, msgs),
+    ]
+
+
+def other_route_cases(model: str, cmpl: dict, msgs: dict) -> list[compare.HttpCase]:
+    """The routes of vLLM beyond completions and chats, and the body
+    encodings vLLM reads (Starlette's json.loads of the bytes)."""
+    case = compare.HttpCase
+    tokenize = {"model": model, "prompt": _COMPAT_PROMPT}
+    return [
+        case(
+            "responses",
+            "/v1/responses",
+            {
+                "model": model,
+                "input": _COMPAT_PROMPT,
+                "max_output_tokens": 8,
+                "temperature": 0.0,
+            },
+        ),
+        case("messages", "/v1/messages", {**msgs, "messages": CHATS[0]}),
+        case("invocations completion", "/invocations", cmpl),
+        case("invocations chat", "/invocations", msgs),
+        case(
+            "error generate without --enable-scale-out",
+            "/inference/v1/generate",
+            {"model": model, "token_ids": [1, 2, 3], "sampling_params": {}},
+        ),
+        case(
+            "error chat render without --enable-scale-out",
+            "/v1/chat/completions/render",
+            msgs,
+        ),
+        case("ping", "/ping", method="GET"),
+        case("ping POST", "/ping", method="POST"),
+        case("load", "/load", method="GET"),
+        case("completion UTF-8 BOM", raw=b"\xef\xbb\xbf" + json.dumps(cmpl).encode()),
+        case("completion UTF-16", raw=json.dumps(cmpl).encode("utf-16")),
+        case(
+            "error kv_transfer_params a list",
+            body={**cmpl, "kv_transfer_params": [1]},
+        ),
+        case(
+            "error tokenize text/plain",
+            "/tokenize",
+            tokenize,
+            headers={"Content-Type": "text/plain"},
+        ),
+        case("error tokenize bad JSON", "/tokenize", raw=b'{"model": "x",'),
     ]
 
 

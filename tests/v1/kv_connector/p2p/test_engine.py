@@ -35,6 +35,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import (
     logger as engine_logger,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound import (
+    InboundChannel,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Hello,
     LayoutSpec,
@@ -129,7 +132,7 @@ def open_keys(node: Node) -> dict[str, RecvState]:
     with node.engine._lock:
         return {
             k: e.state
-            for k, e in node.engine._recv.keys.items()
+            for k, e in node.engine.receiver.table.keys.items()
             if e.state is not RecvState.CLOSED
         }
 
@@ -142,7 +145,9 @@ def assert_nothing_held(node: Node) -> None:
 def assert_nothing_allocated(node: Node) -> None:
     assert node.occupancy() == (0, 0)
     with node.engine._lock:
-        assert not [k for k, e in node.engine._recv.keys.items() if e.slot is not None]
+        assert not [
+            k for k, e in node.engine.receiver.table.keys.items() if e.slot is not None
+        ]
 
 
 def send(
@@ -396,7 +401,7 @@ def test_an_expectation_nobody_serves_is_left_to_the_worker(make_engine):
     decode.expect("k", 1, deadline(0.1), get_from=None, prompt_digest=DIGEST)
     time.sleep(0.5)  # past the deadline and the hold timeout, two sweeps
     assert decode.poll("k") is None
-    assert decode.engine._recv.state("k") is RecvState.EXPECTED
+    assert decode.engine.receiver.table.state("k") is RecvState.EXPECTED
     decode.abandon("k")
     assert_nothing_held(decode)
 
@@ -411,21 +416,21 @@ def test_a_key_abandoned_while_its_offer_takes_room_is_refused_and_freed(
     prefill = make_engine(transport, "PUT_ASYNC", hold=5.0, seed=1)
     decode = make_engine(transport, "PUT_ASYNC", hold=30.0, seed=2)
     decode.expect("k", 0, deadline(30.0), get_from=None, prompt_digest=DIGEST)
-    allocate = decode.engine._allocate
+    allocate = decode.engine.receiver.room.allocate
 
     def allocate_then_give_up(nbytes):
         room = allocate(nbytes)
         decode.abandon("k")
         return room
 
-    decode.engine._allocate = allocate_then_give_up
+    decode.engine.receiver.room.allocate = allocate_then_give_up
     xfer = prefill.start_send(
         "k", "req-k", decode.addr, [1, 2, 3], all_saved=False, prompt_digest=DIGEST
     )
     assert not wait_done(xfer).ok
     assert "not_wanted" in xfer.reason.lower(), xfer.reason
     assert decode.occupancy() == (0, 0)
-    assert decode.engine._recv.state("k") is RecvState.CLOSED
+    assert decode.engine.receiver.table.state("k") is RecvState.CLOSED
 
 
 @pytest.mark.parametrize("abandon", [False, True], ids=["release", "abandon"])
@@ -449,14 +454,14 @@ def test_layers_never_saved_fail_at_the_sender_deadline(
     # The room is taken just before the slot is filed: wait for both, so that
     # abandon() meets a receiving slot (the other order has its own test).
     wait_for(
-        lambda: decode.engine._recv.state("k") is RecvState.RECEIVING,
+        lambda: decode.engine.receiver.table.state("k") is RecvState.RECEIVING,
         "the offer's slot",
     )
     if abandon:
         decode.abandon("k")  # while receiving: freed when the receive ends, not now
         with decode.engine._lock:
-            if decode.engine._recv.state("k") is RecvState.ABANDONING:
-                assert decode.engine._buffer_used == nbytes
+            if decode.engine.receiver.table.state("k") is RecvState.ABANDONING:
+                assert decode.engine.receiver.room.buffer_used == nbytes
 
     assert not wait_done(xfer).ok
     assert "never saved" in xfer.reason
@@ -579,7 +584,7 @@ def test_layout_mismatch_refuses_the_hello(
     )
     assert decode.totals()["rejected_messages"] == 1
     assert_nothing_allocated(decode)
-    assert not decode.engine._inbound
+    assert not decode.engine.receiver.inbound
 
 
 @pytest.mark.parametrize(
@@ -810,7 +815,9 @@ def test_an_engine_with_another_secret_is_refused(make_engine, intruder_secret):
     assert "no reply" in xfer.reason
     assert decode.totals()["rejected_messages"] == 1  # the Hello, unauthenticated
     assert decode.occupancy() == (0, 0)
-    assert not decode.engine._inbound and open_keys(decode) == {"k": RecvState.EXPECTED}
+    assert not decode.engine.receiver.inbound and open_keys(decode) == {
+        "k": RecvState.EXPECTED
+    }
     assert decode.poll("k") is None
     decode.abandon("k")
     assert_nothing_held(decode)
@@ -871,7 +878,7 @@ def test_an_outage_mid_transfer_fails_it_and_the_next_transfer_recovers(make_eng
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_receive_that_fails_after_the_sender_finished_does_not_wedge_the_peer(
-    make_engine, transport
+    make_engine, transport, monkeypatch
 ):
     # The receiver's end breaks after the sender has written every byte (its
     # receive deadline passed while the bytes sat in socket buffers, say): the
@@ -883,22 +890,25 @@ def test_a_receive_that_fails_after_the_sender_finished_does_not_wedge_the_peer(
     receive(decode, "a", [10, 11], 0)
     assert wait_done(x1).ok
 
-    real_recv_layer = decode.engine._recv_layer
+    real_recv_layer = InboundChannel._recv_layer
     x2_holder: list[SendTransfer] = []
 
-    def recv_after_the_sender_is_done(channel, slot, layer):
+    def recv_after_the_sender_is_done(inbound, slot, layer):
         if slot.key == "b":
             wait_for(lambda: x2_holder and x2_holder[0].done.is_set(), "the send of b")
             raise TransportError("injected: receive deadline passed")
-        real_recv_layer(channel, slot, layer)
+        real_recv_layer(inbound, slot, layer)
 
-    decode.engine._recv_layer = recv_after_the_sender_is_done
+    monkeypatch.setattr(InboundChannel, "_recv_layer", recv_after_the_sender_is_done)
     x2_holder.append(send(prefill, decode, "b", [3, 4], mode="PUT"))
     assert wait_done(x2_holder[0]).ok  # as far as the sender can tell
     slot = wait_slot(decode, "b")
     assert slot.state is SlotState.FAILED
     decode.release(slot)
-    wait_for(lambda: not decode.engine._inbound, "the receiver to drop its channel end")
+    wait_for(
+        lambda: not decode.engine.receiver.inbound,
+        "the receiver to drop its channel end",
+    )
 
     stale_channel = prefill.engine._peers[decode.addr].channel_id
     for key, dst in [("c", [12, 13]), ("d", [14, 15])]:

@@ -70,7 +70,7 @@ def test_a_refused_send_fails_the_load_at_once(make_engine, monkeypatch, early):
         # The abort came before the decode knew the request (PUT_ASYNC: the
         # prefill can finish first): remembered and applied at expect().
         deadline = time.monotonic() + WAIT_S
-        while "k" not in decode.engine._early_aborts:
+        while "k" not in decode.engine.receiver.early_aborts:
             assert time.monotonic() < deadline, "the abort never arrived"
             time.sleep(0.01)
         decode.expect(
@@ -138,7 +138,7 @@ def test_an_abort_from_another_host_changes_nothing(make_engine, monkeypatch):
     time.sleep(1.0)  # the abort (from 127.0.0.1) has long arrived
     assert decode.poll("k") is None
     with decode.engine._lock:
-        assert decode.engine._recv.state("k") is RecvState.EXPECTED
+        assert decode.engine.receiver.table.state("k") is RecvState.EXPECTED
 
 
 def test_aborts_of_unknown_keys_are_bounded(make_engine, monkeypatch):
@@ -155,7 +155,7 @@ def test_aborts_of_unknown_keys_are_bounded(make_engine, monkeypatch):
             assert sock.poll(int(WAIT_S * 1000)), "no answer to an Abort"
             reply = proto.open_frame(None, sock.recv_multipart())
             assert reply.status == proto.Status.OK
-        assert len(decode.engine._early_aborts) == 10
+        assert len(decode.engine.receiver.early_aborts) == 10
         too_many = [f"x{j}" for j in range(proto.MAX_ABORT_KEYS + 1)]
         with pytest.raises(proto.FrameError):
             proto.open_frame(
@@ -214,7 +214,7 @@ def test_a_slow_moment_costs_one_load_and_the_next_transfer_runs_at_once(
     decode.release(slot)
     # The late Hello's channel never connected and was dropped; nothing held.
     deadline = time.monotonic() + WAIT_S
-    while decode.engine._recv_threads > 1:
+    while decode.engine.receiver.recv_threads > 1:
         assert time.monotonic() < deadline, "the late Hello's thread never ended"
         time.sleep(0.05)
     assert decode.occupancy() == (0, 0)

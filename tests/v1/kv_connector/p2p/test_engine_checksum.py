@@ -277,7 +277,7 @@ def test_a_hello_with_another_algorithm_is_refused(
         for r in caplog.records
     )
     assert decode.totals()["rejected_messages"] == 1
-    assert not decode.engine._inbound
+    assert not decode.engine.receiver.inbound
     decode.abandon("k")
     assert_nothing_held(decode)
 

@@ -190,7 +190,7 @@ def test_a_hello_or_get_naming_another_machine_is_refused(make_engine):
         assert reply.status == Status.REJECTED and reply.reason == "address"
     finally:
         stranger.close()
-    assert not decode.engine._inbound
+    assert not decode.engine.receiver.inbound
 
 
 def test_a_refused_hello_names_the_kind_only(make_engine):
@@ -221,7 +221,7 @@ def test_a_hello_without_the_secret_gets_no_reply_and_no_thread(make_engine):
     finally:
         stranger.close()
     assert decode.totals()["rejected_messages"] == 1
-    assert threading.active_count() == threads and not decode.engine._inbound
+    assert threading.active_count() == threads and not decode.engine.receiver.inbound
 
 
 def test_hello_flood_is_capped(make_engine, monkeypatch):
@@ -238,7 +238,7 @@ def test_hello_flood_is_capped(make_engine, monkeypatch):
         stranger.close()
     assert [r.status for r in replies].count(Status.OK) == 8
     assert {r.reason for r in replies if r.status != Status.OK} == {"busy"}
-    assert len(decode.engine._inbound) == 8
+    assert len(decode.engine.receiver.inbound) == 8
     assert threading.active_count() <= threads + 8
 
 
@@ -265,14 +265,15 @@ def test_a_new_channel_from_a_sender_replaces_its_old_one_once_set_up(make_engin
         for i in range(5):  # a prefill that restarted five times
             joined_hello(stranger, decode, channel_id=f"c{i}")
             wait_for(
-                lambda i=i: list(decode.engine._inbound) == [f"c{i}"],
+                lambda i=i: list(decode.engine.receiver.inbound) == [f"c{i}"],
                 "one channel per sender",
             )
         # A Hello that never completes its set-up (a replay) replaces nothing.
         assert stranger.ask(hello(decode, channel_id="never")).status == Status.OK
         time.sleep(0.3)
         assert (
-            "c4" in decode.engine._inbound and not decode.engine._inbound["c4"].broken
+            "c4" in decode.engine.receiver.inbound
+            and not decode.engine.receiver.inbound["c4"].broken
         )
     finally:
         stranger.close()
@@ -354,7 +355,8 @@ def test_an_offer_must_come_on_its_channels_own_connection(make_engine):
     try:
         joined_hello(owner, decode, channel_id="theirs")
         wait_for(
-            lambda: decode.engine._inbound["theirs"].channel is not None, "channel up"
+            lambda: decode.engine.receiver.inbound["theirs"].channel is not None,
+            "channel up",
         )
         reply = thief.ask(
             Offer(
@@ -367,7 +369,7 @@ def test_an_offer_must_come_on_its_channels_own_connection(make_engine):
             )
         )
         assert reply.status == Status.REJECTED and reply.reason == "unknown_channel"
-        assert decode.engine._recv.state("stolen") is None
+        assert decode.engine.receiver.table.state("stolen") is None
     finally:
         owner.close()
         thief.close()
@@ -385,7 +387,7 @@ def test_a_channel_whose_sender_died_is_reclaimed(make_engine):
         receive(decode, f"k{seed}", [10, 11], 0)
         prefill.engine.close()  # its sockets close, as when the process dies
     wait_for(
-        lambda: not decode.engine._inbound,
+        lambda: not decode.engine.receiver.inbound,
         "inbound channels of dead senders closed",
         timeout=3 * limits.IDLE_CHECK_INTERVAL_S + 5,
     )
@@ -456,20 +458,23 @@ def test_an_offer_racing_a_channel_break_never_strands_its_slot(
     be failed or never made, and its bytes returned (was RECEIVING forever)."""
     decode = make_engine("fake", "PUT_ASYNC")
     stranger = Stranger(decode.addr)
-    real_allocate = decode.engine._allocate
+    real_allocate = decode.engine.receiver.room.allocate
 
     def allocate_while_breaking(nbytes):
         room = real_allocate(nbytes)
-        [inbound] = decode.engine._inbound.values()
-        inbound._break("broken during the offer")
+        [inbound] = decode.engine.receiver.inbound.values()
+        inbound.break_("broken during the offer")
         return room
 
     try:
         joined_hello(stranger, decode)
         wait_for(
-            lambda: decode.engine._inbound["c0ffee"].channel is not None, "channel up"
+            lambda: decode.engine.receiver.inbound["c0ffee"].channel is not None,
+            "channel up",
         )
-        monkeypatch.setattr(decode.engine, "_allocate", allocate_while_breaking)
+        monkeypatch.setattr(
+            decode.engine.receiver.room, "allocate", allocate_while_breaking
+        )
         reply = stranger.ask(
             Offer(
                 req_no=2,
@@ -484,7 +489,7 @@ def test_an_offer_racing_a_channel_break_never_strands_its_slot(
         stranger.close()
     assert reply.status == Status.REJECTED and reply.reason == "unknown_channel"
     with decode.engine._lock:
-        assert decode.engine._recv.state("k") is None  # never filed
+        assert decode.engine.receiver.table.state("k") is None  # never filed
     assert decode.occupancy() == (0, 0)
 
 
@@ -550,8 +555,8 @@ def test_an_unwanted_key_is_refused_or_freed_at_once(make_engine, arrived_first)
             send(prefill, decode, "k", [1, 2], mode="PUT", expect=False)
         ).ok
         wait_for(
-            lambda: decode.engine._recv.state("k") is not None
-            and decode.engine._recv.state("k").value == "ready",
+            lambda: decode.engine.receiver.table.state("k") is not None
+            and decode.engine.receiver.table.state("k").value == "ready",
             "the unexpected slot",
         )
         decode.abandon("k")

@@ -19,6 +19,7 @@ checksum.py) to the data channel named in the offer.
 from __future__ import annotations
 
 import array
+import enum
 import hashlib
 
 import msgspec
@@ -104,13 +105,15 @@ class Hello(_Msg, tag="hello"):
     checksum: str = "none"
 
 
-class Offer(_Msg, tag="offer"):
+class Offer(_Msg, tag="offer", kw_only=True):
     """The sender has (or will have, layer by layer) the KV of ``key``."""
 
     req_no: int
     channel_id: str
     key: str
-    xfer_id: int
+    # Reserved: always 0. Protocol 3 has the slot (array-like encoding), so
+    # it stays on the wire; nobody sets or reads it.
+    xfer_id: int = 0
     num_blocks: int  # blocks of the whole prompt
     prompt_digest: bytes  # prompt_digest() of the prompt whose KV this is
     request_id: str = ""  # sender's internal id, for logs only
@@ -140,22 +143,58 @@ MAX_ABORT_KEYS = 64
 
 
 class Reply(_Msg, tag="reply"):
-    """The answer to any request: ``status`` is one of the ``Status`` values."""
+    """The answer to any request: ``status`` is one of the ``Status`` values;
+    when it is ``REJECTED``, ``reason`` is a :class:`Refusal` kind."""
 
     req_no: int
-    status: str
+    status: str  # a Status value (any string decodes: an unknown one is a failure)
     reason: str = ""
     setup: bytes = b""  # Hello: the transport's reply
     skip_blocks: int = 0  # Offer: blocks the receiver already holds
 
 
-class Status:
+class Status(enum.StrEnum):
+    """What a Reply says; a str enum, so it encodes as the bare string."""
+
     OK = "ok"
     REJECTED = "rejected"  # permanent: bad message, version, layout, unknown channel
     NO_SPACE = "no_space"  # receive buffer and pool full: the receiver will recompute
     NOT_READY = "not_ready"  # GET before prefill finished: ask again
     GONE = "gone"  # GET for KV that was released or never existed
     NOT_WANTED = "not_wanted"  # Offer for a request the receiver gave up on
+
+
+class Refusal(enum.StrEnum):
+    """Why a request was REJECTED: the kind only (the details go to the
+    refusing side's log, never to a peer that may be a stranger). Sent as
+    the Reply's ``reason``, and counted as ``rejected_messages`` by kind."""
+
+    MALFORMED = "malformed"  # undecodable, out of bounds, a bad channel set-up
+    ADDRESS = "address"  # names an address it did not come from
+    VERSION = "version"
+    TRANSPORT = "transport"
+    LAYOUT = "layout"
+    MODEL = "model"  # another model fingerprint
+    SEND_TYPE = "send_type"
+    CHECKSUM = "checksum"  # another kv_checksum
+    STALE = "stale"  # a Hello too old (clock skew or a replay)
+    DUPLICATE = "duplicate"  # a channel id in use, a second offer of a key
+    BUSY = "busy"  # too many receive threads or keys
+    UNKNOWN_CHANNEL = "unknown_channel"  # an offer on no (or a closed) channel
+    OVERSIZED = "oversized"  # more blocks than the receiver's KV cache has
+    DIGEST = "digest"  # the KV of another prompt
+    NOT_YOURS = "not_yours"  # a Get from another host than the request named
+    INTERNAL = "internal"  # the handler failed (a bug)
+
+
+def refusal(reply: Reply) -> Refusal | None:
+    """The kind of a REJECTED reply; None for any other (or an unknown kind)."""
+    if reply.status != Status.REJECTED:
+        return None
+    try:
+        return Refusal(reply.reason)
+    except ValueError:
+        return None
 
 
 Message = Hello | Offer | Get | Abort | Reply

@@ -8,8 +8,9 @@ expectation nobody would ever fulfil. Here a key is in exactly one
 :class:`RecvState`; :meth:`RecvTable.apply` is the only place that changes
 it, refuses transitions the table does not list, and sets the deadline of
 the new state. :meth:`RecvTable.expire` moves every key whose deadline
-passed, so no key waits forever. No sockets, no threads, time passed in:
-the engine calls it under its lock, the unit tests drive it directly.
+passed, so no key waits forever. :func:`decide_offer` is what an offer of
+a key gets, from the key's entry alone. No sockets, no threads, time passed
+in: the engine calls it under its lock, the unit tests drive it directly.
 
 ::
 
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import Refusal
 
 
 class RecvState(enum.Enum):
@@ -189,3 +192,78 @@ class RecvTable:
             if before is RecvState.READY:
                 freed.append(entry)
         return freed
+
+
+class OfferAnswer(enum.Enum):
+    ACCEPT = "accept"  # take room for it and queue its slot (answered ok)
+    REFUSE = "refuse"  # a Refusal kind (answered rejected)
+    NOT_WANTED = "not_wanted"  # the worker gave up on the key (answered so)
+
+
+@dataclass(frozen=True)
+class OfferDecision:
+    answer: OfferAnswer
+    refusal: Refusal | None = None
+    detail: str = ""  # for this side's log only
+    fail_load: bool = False  # DIGEST from the named prefill: no other KV will come
+    skip_blocks: int = 0  # ACCEPT: blocks the decode holds itself
+    deadline: float | None = None  # ACCEPT: the decode's own (None: not expected)
+
+
+@dataclass(frozen=True)
+class OfferFacts:
+    """What an offer of ``key`` says, and what the listener knows of it."""
+
+    key: str
+    num_blocks: int
+    prompt_digest: bytes
+    channel: str  # its channel id
+    channel_ok: bool  # a live channel of the connection it came on
+    offered_by: str  # the host of the channel's sender (canonical)
+    max_blocks: int  # the receiver's KV cache
+    table_full: bool  # a new key would pass MAX_RECV_KEYS
+
+
+def decide_offer(entry: RecvKey | None, offer: OfferFacts) -> OfferDecision:
+    """What an offer gets, from the key's entry (None: unknown key): in order,
+    a bad channel, too many blocks, a second offer, a full table, a key given
+    up on, another prompt's KV; else accepted. A refused key is never filed
+    (a flood of offers must not grow the table)."""
+
+    def refuse(kind: Refusal, detail: str, fail: bool = False) -> OfferDecision:
+        return OfferDecision(OfferAnswer.REFUSE, kind, detail, fail_load=fail)
+
+    state = None if entry is None else entry.state
+    if not offer.channel_ok:
+        return refuse(
+            Refusal.UNKNOWN_CHANNEL, f"offer on unknown channel {offer.channel!r}"
+        )
+    if offer.num_blocks > offer.max_blocks:
+        return refuse(
+            Refusal.OVERSIZED,
+            f"offer of {offer.num_blocks} blocks, the KV cache has {offer.max_blocks}",
+        )
+    if state in (RecvState.RECEIVING, RecvState.ABANDONING, RecvState.READY):
+        return refuse(Refusal.DUPLICATE, f"second offer for {offer.key}")
+    if entry is None and offer.table_full:
+        return refuse(Refusal.BUSY, "too many keys already tracked")
+    if state is RecvState.CLOSED:
+        return OfferDecision(OfferAnswer.NOT_WANTED)
+    expected = entry if entry is not None and entry.expected else None
+    if expected is None:
+        return OfferDecision(OfferAnswer.ACCEPT)
+    if offer.prompt_digest != expected.prompt_digest:
+        # KV of another prompt under this key: never filed. From the host of
+        # the prefill the request named, no other KV will come: fail the load
+        # now; from anyone else, only refuse (the real one may).
+        return refuse(
+            Refusal.DIGEST,
+            f"offer of {offer.key}: prompt digest differs from the request's",
+            fail=bool(expected.prefill_host)
+            and offer.offered_by == expected.prefill_host,
+        )
+    return OfferDecision(
+        OfferAnswer.ACCEPT,
+        skip_blocks=min(expected.skip_blocks, offer.num_blocks - 1),
+        deadline=expected.load_deadline,
+    )

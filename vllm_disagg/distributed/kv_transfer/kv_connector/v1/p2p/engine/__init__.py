@@ -38,19 +38,22 @@ thread copies the buffer into the KV cache (:meth:`P2pEngine.copy_into_cache`).
 The pieces, one concern a module:
 
 * ``layout.py``: the local KV cache as blocks of bytes (:class:`KVLayout`).
-* ``core.py``: :class:`P2pEngine`: its state, the listener thread, the sweep.
-* ``receiver.py`` / ``sender.py``: its receive and send sides (API, handlers).
+* ``core.py``: :class:`P2pEngine`, composed of its two sides, the peer
+  threads and the listener; the worker's API.
+* ``receiver.py`` / ``sender.py``: the :class:`Receiver` and :class:`Sender`
+  it composes, each driving one table of the transfer core
+  (``../recv_state.py``, ``../send_state.py``: one explicit state per key
+  or transfer, pure decisions); ``room.py``: the receive buffer and pool.
 * ``inbound.py``: a peer's channel to us and its receive thread; ``peer.py``:
-  the thread that runs what we ask of one peer (offers, data, Gets).
+  the thread that runs what we ask of one peer (offers, data, Gets). Both
+  talk to the engine only through ``ports.py`` (typed Protocols).
+* ``transfers.py``: one transfer on each side (:class:`SendTransfer`,
+  :class:`RecvSlot`); ``local.py``: this worker as every part sees it.
 * ``limits.py``: every interval, timeout and cap, read at use time.
 """
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import (
     P2pEngine,
-)
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound import (
-    RecvSlot,
-    SlotState,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import (
     KVLayout,
@@ -59,13 +62,13 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout impor
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.peer import (
     zmq_endpoint,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender import (
-    HoldState,
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.transfers import (
+    RecvSlot,
     SendTransfer,
+    SlotState,
 )
 
 __all__ = [
-    "HoldState",
     "KVLayout",
     "P2pEngine",
     "RecvSlot",

@@ -1,9 +1,12 @@
-"""The P2P engine object: its state, the listener thread and the sweep.
+"""The P2P engine object: its two sides, the peer threads, the listener.
 
-:class:`P2pEngine` owns the locks, tables and sockets; its receive side
-(receiver.py) and send side (sender.py) are mixed in. The listener thread
-authenticates each control message, checks where it came from, hands it to
-its side's handler and answers; every 0.2 s it also sweeps what expired.
+:class:`P2pEngine` is composed around the transfer core (recv_state.py and
+send_state.py, driven by its :class:`~.receiver.Receiver` and
+:class:`~.sender.Sender`): it owns the one lock they share, the sockets and
+the peer threads, and is the :class:`~.ports.PeerOwner` those threads talk
+to. The listener thread authenticates each control message, checks where
+it came from, hands it to its side's handler and answers; every 0.2 s it
+also sweeps what expired.
 """
 
 from __future__ import annotations
@@ -20,24 +23,28 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.checksum import (
     make_checksum,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound import (
-    InboundChannel,
-)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.layout import (
     KVLayout,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.local import (
+    Local,
+    Rejects,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.peer import (
     Peer,
     zmq_endpoint,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.ports import (
+    IdlePeer,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.receiver import (
-    ReceiverMixin,
+    Receiver,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender import (
+    Sender,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.transfers import (
     GetJob,
-    Hold,
-    HoldState,
-    SenderMixin,
     SendTransfer,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
@@ -45,18 +52,12 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     Get,
     Hello,
     Offer,
+    Refusal,
     Reply,
     Status,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.recv_state import (
-    RecvTable,
-    Timeouts,
-)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
     P2pStatsRecorder,
-)
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import (
-    TensorMemoryPool,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     Transport,
@@ -65,7 +66,6 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
 )
 from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.frames import harden_listener
-from vllm_disagg.wire.logs import RateLimitedLog
 from vllm_disagg.wire.peers import (
     PeerInfoError,
     canonical_addr,
@@ -87,8 +87,13 @@ def _source_ip(frame: zmq.Frame) -> str | None:
         return None
 
 
-class P2pEngine(ReceiverMixin, SenderMixin):
-    """One worker's end of the P2P KV transfer network (see the package docstring)."""
+class P2pEngine:
+    """One worker's end of the P2P KV transfer network (see the package docstring).
+
+    The worker's API is its sides' methods: ``expect``, ``poll``,
+    ``copy_into_cache``, ``abandon``, ``release`` and ``occupancy`` of its
+    :class:`Receiver`; ``start_send``, ``hold`` and ``take_finished_sends``
+    of its :class:`Sender`."""
 
     def __init__(
         self,
@@ -114,17 +119,18 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                 f"transports); this worker's KV cache is on {layout.device} and its "
                 f"transport is {transport.name}: set kv_checksum to none"
             )
-        self.checksum = make_checksum(checksum)
-        self.checksum_name = checksum
-        self.layout = layout
-        self.addr = format_addr(host, port)
-        self.transport = transport
-        self.send_type = send_type
-        self.kv_buffer_size = kv_buffer_size
-        self.mem_pool_size_bytes = mem_pool_size_bytes
-        self.hold_timeout_s = hold_timeout_s
+        self.local = Local(
+            addr=format_addr(host, port),
+            layout=layout,
+            transport=transport,
+            send_type=send_type,
+            hold_timeout_s=hold_timeout_s,
+            model_fingerprint=model_fingerprint,
+            checksum=make_checksum(checksum),
+            checksum_name=checksum,
+        )
+        self.addr, self.layout, self.transport = self.local.addr, layout, transport
         self.secret = secret or None
-        self.model_fingerprint = model_fingerprint
         self.stats = stats or P2pStatsRecorder()
         transport.on_rejected = (
             self.stats.record_rejected
@@ -132,24 +138,33 @@ class P2pEngine(ReceiverMixin, SenderMixin):
         self.stopped = threading.Event()
         self.zmq_ctx = zmq.Context()
 
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # both sides' and the peer table's
         self._peers: dict[str, Peer] = {}
-        self._inbound: dict[str, InboundChannel] = {}
-        self._recv_threads = 0  # receive threads alive (at most MAX_INBOUND_CHANNELS)
-        self._seen_channels: dict[
-            str, float
-        ] = {}  # channel id -> forget after (replays)
-        self._early_aborts: dict[str, tuple[str, str, float]] = {}
-        # Receive side: one explicit state per key (recv_state.py).
-        self._recv = RecvTable(
-            Timeouts(hold_s=hold_timeout_s, closed_s=limits.TOMBSTONE_TTL_S)
+        self._rejects = Rejects(self.addr, self.stats, logger)
+        self.receiver = Receiver(
+            self.local,
+            lock=self._lock,
+            stopped=self.stopped,
+            stats=self.stats,
+            rejects=self._rejects,
+            submit=self._submit,
+            kv_buffer_size=kv_buffer_size,
+            mem_pool_size_bytes=mem_pool_size_bytes,
         )
-        # GET, send side: one HoldState per key (HELD -> SENDING -> RELEASED).
-        self._holds: dict[str, Hold] = {}
-        self._finished_sends: list[SendTransfer] = []
-        self._buffer_used = 0
-        self._pool: TensorMemoryPool | None = None
-        self._limited_log = RateLimitedLog(logger, limits.LOG_INTERVAL_S)
+        self.sender = Sender(
+            self.local,
+            lock=self._lock,
+            stats=self.stats,
+            rejects=self._rejects,
+            submit=self._submit,
+        )
+        # The worker's API is the two sides' (see their docstrings).
+        receiver, sender = self.receiver, self.sender
+        self.expect, self.poll = receiver.expect, receiver.poll
+        self.copy_into_cache, self.abandon = receiver.copy_into_cache, receiver.abandon
+        self.release, self.occupancy = receiver.room.release, receiver.room.occupancy
+        self.start_send, self.hold = sender.start_send, sender.hold
+        self.take_finished_sends = sender.take_finished
 
         self._router = self.zmq_ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -172,16 +187,42 @@ class P2pEngine(ReceiverMixin, SenderMixin):
         )
         self._listener.start()
 
+    @property
+    def model_fingerprint(self) -> bytes:
+        return self.local.model_fingerprint
+
+    @model_fingerprint.setter
+    def model_fingerprint(self, value: bytes) -> None:
+        self.local.model_fingerprint = value
+
     def close(self) -> None:
         self.stopped.set()
         self._listener.join(timeout=2)
         for peer in list(self._peers.values()):
             peer.thread.join(timeout=2)
-        for inbound in list(self._inbound.values()):
-            if inbound.channel is not None:
-                inbound.channel.close()
+        self.receiver.close()
         self.transport.close()
         self.zmq_ctx.term()
+
+    # --- what the peer threads ask (ports.PeerOwner) ---
+
+    def finish_send(self, xfer: SendTransfer, *, ok: bool, reason: str = "") -> None:
+        self.sender.finish(xfer, ok=ok, reason=reason)
+
+    def still_expected(self, key: str) -> bool:
+        return self.receiver.still_expected(key)
+
+    def retire_peer(self, peer: IdlePeer) -> bool:
+        """An idle peer thread asks to exit: yes unless a job arrived meanwhile."""
+        with self._lock:
+            if not peer.jobs.empty():
+                return False
+            if self._peers.get(peer.addr) is peer:
+                del self._peers[peer.addr]
+            return True
+
+    def reject(self, kind: str, detail: str) -> None:
+        self._rejects.reject(kind, detail)
 
     # --- internals ---
 
@@ -196,26 +237,7 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                 peer = self._peers[addr] = Peer(self, addr)
             peer.jobs.put(job)
 
-    def _retire_peer(self, peer: Peer) -> bool:
-        """An idle peer thread asks to exit: yes unless a job arrived meanwhile."""
-        with self._lock:
-            if not peer.jobs.empty():
-                return False
-            if self._peers.get(peer.addr) is peer:
-                del self._peers[peer.addr]
-            return True
-
-    def _reject(self, kind: str, detail: str) -> None:
-        self.stats.record_rejected(kind)
-        self._log_limited(
-            kind, f"P2P engine {self.addr} rejected a message ({kind}): {detail}"
-        )
-
-    def _log_limited(self, kind: str, line: str) -> None:
-        self._limited_log.warning(kind, "%s", line)
-
     # the listener thread
-
     def _listen(self) -> None:
         router = self._router
         last_sweep = time.monotonic()
@@ -234,14 +256,14 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                     msg = proto.open_frame(self.secret, body)
                     reply = self._handle(msg, route, source)
                 except proto.FrameError as e:
-                    self._reject(e.kind, str(e))
+                    self.reject(e.kind, str(e))
                     continue
                 except Exception:  # noqa: BLE001 - one bad message must not stop the listener
                     logger.exception("P2P listener failed to handle a message")
                     reply = Reply(
                         req_no=getattr(msg, "req_no", 0),
                         status=Status.REJECTED,
-                        reason="internal",
+                        reason=Refusal.INTERNAL,
                     )
                 if reply is not None:
                     router.send_multipart([route, *proto.seal(self.secret, reply)])
@@ -262,73 +284,28 @@ class P2pEngine(ReceiverMixin, SenderMixin):
                 named = canonical_host(split_addr(msg.sender_addr, "sender_addr")[0])
                 foreign = source not in addresses_of(named)
             except (PeerInfoError, TransportError) as e:
-                return self._refuse(
-                    msg.req_no, "malformed", f"{type(msg).__name__}: {e}"
+                return self._rejects.refuse(
+                    msg.req_no, Refusal.MALFORMED, f"{type(msg).__name__}: {e}"
                 )
             if foreign:
-                return self._refuse(
+                return self._rejects.refuse(
                     msg.req_no,
-                    "address",
+                    Refusal.ADDRESS,
                     f"{type(msg).__name__} from {source} names {msg.sender_addr}",
                 )
         if isinstance(msg, Hello):
-            return self._on_hello(msg, route)
+            return self.receiver.on_hello(msg, route)
         if isinstance(msg, Offer):
-            return self._on_offer(msg, route)
+            return self.receiver.on_offer(msg, route)
         if isinstance(msg, Get):
-            return self._on_get(msg)
+            return self.sender.on_get(msg)
         if isinstance(msg, Abort):
-            return self._on_abort(msg, source)
-        self._reject("unexpected", f"{type(msg).__name__} on the listener")
+            return self.receiver.on_abort(msg, source)
+        self.reject("unexpected", f"{type(msg).__name__} on the listener")
         return None
-
-    def _refuse(self, req_no: int, kind: str, reason: str) -> Reply:
-        """Refuse with the kind only: the details (the local layout, say) go
-        to this side's log, never to a peer that may be a stranger."""
-        self._reject(kind, reason)
-        return Reply(req_no=req_no, status=Status.REJECTED, reason=kind)
 
     def _sweep(self, now: float) -> None:
         """Expire holds nobody pulled, receive-side keys past their deadline
         (unclaimed slots freed), and old released keys."""
-        expired_holds = []
-        with self._lock:
-            for cid, until in list(self._seen_channels.items()):
-                if now > until:
-                    del self._seen_channels[cid]
-            for key, (_, _, until) in list(self._early_aborts.items()):
-                if now > until:
-                    del self._early_aborts[key]
-            for key, hold in list(self._holds.items()):
-                if now <= hold.until:
-                    continue
-                if hold.state is HoldState.HELD:  # nobody pulled it
-                    hold.state, hold.until = (
-                        HoldState.RELEASED,
-                        now + limits.TOMBSTONE_TTL_S,
-                    )
-                    expired_holds.append(hold.xfer)
-                elif hold.state is HoldState.RELEASED:
-                    del self._holds[key]
-                else:  # SENDING past its send's deadline: end it if its send did not
-                    hold.state, hold.until = (
-                        HoldState.RELEASED,
-                        now + limits.TOMBSTONE_TTL_S,
-                    )
-                    expired_holds.append(hold.xfer)
-            expired = self._recv.expire(now)
-            orphans = []
-            for entry in expired:
-                if entry.slot is not None:
-                    orphans.append((entry.expected, entry.slot))
-                    entry.slot = None
-        for xfer in expired_holds:
-            self._finish_send(
-                xfer, ok=False, reason="not pulled and sent before kv_hold_timeout_s"
-            )
-        for expected, slot in orphans:
-            if not expected:
-                logger.warning(
-                    "P2P: freeing KV of %s that no request claimed", slot.key
-                )
-            self.release(slot)
+        self.sender.sweep(now)
+        self.receiver.sweep(now)

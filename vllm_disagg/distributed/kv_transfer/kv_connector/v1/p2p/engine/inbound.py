@@ -1,19 +1,17 @@
-"""What arrives: room for one transfer, and the thread that fills it.
+"""What arrives: a peer's channel to us, and the thread that fills its slots.
 
 A peer's ``Hello`` makes an :class:`InboundChannel` with its own receive
-thread; each accepted ``Offer`` queues a :class:`RecvSlot` on it, and the
-thread fills the slots in order, one data message per layer (the n-th message
-on a channel belongs to the n-th accepted offer).
+thread; each accepted ``Offer`` queues a :class:`~.transfers.RecvSlot` on
+it, and the thread fills the slots in order, one data message per layer (the
+n-th message on a channel belongs to the n-th accepted offer). The thread
+talks to the receive side only through :class:`~.ports.InboundOwner`.
 """
 
 from __future__ import annotations
 
-import enum
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,59 +19,16 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.checksum import (
     DIGEST_BYTES,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import (
-    PoolAllocation,
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.ports import (
+    InboundOwner,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.transfers import (
+    RecvSlot,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     Channel,
     TransportError,
 )
-
-if TYPE_CHECKING:
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import (
-        P2pEngine,
-    )
-
-
-class SlotState(enum.Enum):
-    RECEIVING = "receiving"
-    COMPLETE = "complete"
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class RecvSlot:
-    """Room for one transfer: ``num_layers x (num_blocks - skip)`` pages."""
-
-    key: str
-    num_blocks: int  # blocks of the whole prompt on the sender
-    skip_blocks: int
-    page_bytes: int
-    num_layers: int
-    tensor: torch.Tensor  # uint8, the whole transfer, layer-major
-    pool_alloc: PoolAllocation | None
-    deadline: float
-    prompt_digest: bytes = b""  # the sender's: the worker copies only on a match
-    # kv_checksum: the sender's block digests, layer-major (checksum.py); None: off
-    digests: torch.Tensor | None = None
-    state: SlotState = SlotState.RECEIVING
-    reason: str = ""
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel()
-
-    @property
-    def blocks_held(self) -> int:
-        return self.num_blocks - self.skip_blocks
-
-    def layer(self, i: int) -> torch.Tensor:
-        n = self.blocks_held * self.page_bytes
-        return self.tensor[i * n : (i + 1) * n]
-
-    def layer_digests(self, i: int) -> torch.Tensor:
-        n = self.blocks_held * DIGEST_BYTES
-        return self.digests[i * n : (i + 1) * n]
 
 
 class InboundChannel:
@@ -81,16 +36,18 @@ class InboundChannel:
 
     def __init__(
         self,
-        engine: P2pEngine,
+        owner: InboundOwner,
         channel_id: str,
         peer: str,
         finish,
         deadline: float,
         route: bytes = b"",
+        peer_host: str = "",
     ):
-        self.engine = engine
+        self.owner = owner
         self.channel_id = channel_id
         self.peer = peer
+        self.peer_host = peer_host  # the host of ``peer`` (canonical)
         self.route = route  # the control connection its Hello came on: offers must too
         self.queue: queue.Queue[RecvSlot] = queue.Queue()
         self.channel: Channel | None = None
@@ -106,34 +63,20 @@ class InboundChannel:
         try:
             self._receive()
         finally:
-            with self.engine._lock:
-                self.engine._recv_threads -= 1
+            self.owner.thread_ended()
 
     def _receive(self) -> None:
-        engine = self.engine
+        owner = self.owner
         try:
             channel = self._finish(self._setup_deadline)
         except TransportError as e:
-            self._break(f"channel set-up failed: {e}")
+            self.break_(f"channel set-up failed: {e}")
             return
-        with engine._lock:
-            broken, self.channel = self.broken, channel
-            # A sender uses only its newest channel to us: an older one from
-            # the same address belongs to a sender that restarted or gave up
-            # on it. Replaced only now that this one is set up, so a replayed
-            # Hello that cannot complete breaks nothing.
-            stale = [
-                c
-                for c in engine._inbound.values()
-                if c.peer == self.peer and c is not self
-            ]
-        if broken:  # replaced or closed while it was being set up
+        if not owner.channel_up(self, channel):  # replaced or closed meanwhile
             channel.close()
             return
-        for old in stale:
-            old._break("the sender opened a new channel")
         next_check = time.monotonic() + limits.IDLE_CHECK_INTERVAL_S
-        while not engine.stopped.is_set() and not self.broken:
+        while not owner.stopped.is_set() and not self.broken:
             try:
                 slot = self.queue.get(timeout=limits.POLL_INTERVAL_S)
             except queue.Empty:
@@ -143,7 +86,7 @@ class InboundChannel:
                     if self.channel.peer_closed():
                         # The sender's process is gone (its socket closed):
                         # free the thread and the socket now, not never.
-                        self._break("the sender closed the channel")
+                        self.break_("the sender closed the channel")
                         return
                 continue
             start = time.monotonic()
@@ -151,36 +94,73 @@ class InboundChannel:
             try:
                 for i in range(slot.num_layers):
                     if corrupt is not None:
-                        engine._drain_layer(self.channel, slot)
+                        self._drain_layer(slot)
                         continue
-                    engine._recv_layer(self.channel, slot, i)
-                    corrupt = engine._corrupt_blocks(slot, i)
+                    self._recv_layer(slot, i)
+                    corrupt = self._corrupt_blocks(slot, i)
                     if corrupt is not None:
                         # Failed now, not after the sender's last layer.
-                        engine._discard_corrupt(slot, self.peer, corrupt)
+                        owner.discard_corrupt(slot, self.peer, corrupt)
             except TransportError as e:
                 if corrupt is None:
-                    engine._finish_slot(slot, ok=False, reason=f"receive failed: {e}")
-                self._break(str(e))
+                    owner.finish_slot(slot, ok=False, reason=f"receive failed: {e}")
+                self.break_(str(e))
                 return
             if corrupt is not None:
                 continue
-            engine.stats.record_recv(
+            owner.stats.record_recv(
                 slot.nbytes, slot.blocks_held, time.monotonic() - start
             )
-            engine._finish_slot(slot, ok=True)
+            owner.finish_slot(slot, ok=True)
 
-    def _break(self, reason: str) -> None:
-        engine = self.engine
-        with engine._lock:
-            # Under the engine lock: an offer either sees the channel broken,
-            # or is queued before the drain below and failed by it.
-            self.broken = True
-            if engine._inbound.get(self.channel_id) is self:
-                del engine._inbound[self.channel_id]
-        engine._log_limited(
-            "channel_closed", f"P2P channel from {self.peer} closed: {reason}"
+    def _recv_layer(self, slot: RecvSlot, layer: int) -> None:
+        local = self.owner.local
+        dst = slot.layer(layer)
+        # With kv_checksum, the layer's block digests come in the same message.
+        tail = [] if slot.digests is None else [slot.layer_digests(layer)]
+        if slot.pool_alloc is not None and not local.transport.receives_into_host:
+            staging = torch.empty(
+                dst.numel(), dtype=torch.uint8, device=local.layout.device
+            )
+            self.channel.recv([staging, *tail], slot.deadline)
+            dst.copy_(staging)
+        else:
+            self.channel.recv([dst, *tail], slot.deadline)
+
+    def _corrupt_blocks(self, slot: RecvSlot, layer: int) -> str | None:
+        """Why layer ``layer`` of ``slot`` (just received) must not be used:
+        blocks whose checksum is not the sender's; None when all match or
+        there is no checksum."""
+        checksum = self.owner.local.checksum
+        if checksum is None or slot.digests is None:
+            return None
+        bad = checksum.mismatches(
+            slot.layer(layer), slot.page_bytes, slot.layer_digests(layer)
         )
+        if not bad:
+            return None
+        shown = ", ".join(str(slot.skip_blocks + i) for i in bad[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        return (
+            f"checksum mismatch ({checksum.name}): layer {layer}, block "
+            f"{shown}{more} of the prompt"
+        )
+
+    def _drain_layer(self, slot: RecvSlot) -> None:
+        """Receive one more layer message of a discarded transfer and drop it,
+        so the channel's next message belongs to the next offer (the slot's
+        own memory is no longer this thread's)."""
+        held = slot.blocks_held
+        scratch = torch.empty(
+            held * (slot.page_bytes + DIGEST_BYTES), dtype=torch.uint8
+        )
+        self.channel.recv([scratch], slot.deadline)
+
+    def break_(self, reason: str) -> None:
+        """Close the channel and fail every slot queued on it: after
+        ``channel_down`` no offer is queued here, and the ones queued before
+        are failed by the drain below."""
+        self.owner.channel_down(self, reason)
         if self.channel is not None:
             self.channel.close()
         while True:
@@ -188,4 +168,4 @@ class InboundChannel:
                 slot = self.queue.get_nowait()
             except queue.Empty:
                 break
-            engine._finish_slot(slot, ok=False, reason=f"channel closed: {reason}")
+            self.owner.finish_slot(slot, ok=False, reason=f"channel closed: {reason}")

@@ -5,6 +5,7 @@ then one data message per layer on the channel it created) or a GET's ``Get``;
 "not ready" answers wait in a retry heap, not in the thread, so other jobs go
 first. A peer that leaves a request unanswered is not asked again for
 ``PEER_RETRY_AFTER_S``; an idle thread retires after ``PEER_IDLE_S`` (limits.py).
+The thread talks to the engine only through :class:`~.ports.PeerOwner`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import zmq
 
@@ -25,7 +25,10 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limit
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.placement import (
     place_current_thread,
 )
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.sender import (
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.ports import (
+    PeerOwner,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.transfers import (
     GetJob,
     SendTransfer,
 )
@@ -34,10 +37,11 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
     MAX_REASON_CHARS,
     Abort,
     Get,
-    Hello,
     Offer,
+    Refusal,
     Reply,
     Status,
+    refusal,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     Channel,
@@ -45,11 +49,6 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base impo
 )
 from vllm_disagg.logger import init_logger
 from vllm_disagg.wire.peers import split_addr
-
-if TYPE_CHECKING:
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.core import (
-        P2pEngine,
-    )
 
 # One logger for the engine package, named as the module it was split from.
 logger = init_logger(__package__)
@@ -62,8 +61,8 @@ def zmq_endpoint(addr: str) -> str:
 class Peer:
     """Everything we send to one peer worker: control requests and data, in order."""
 
-    def __init__(self, engine: P2pEngine, addr: str):
-        self.engine = engine
+    def __init__(self, owner: PeerOwner, addr: str):
+        self.owner = owner
         self.addr = addr
         self.jobs: queue.Queue[SendTransfer | GetJob] = queue.Queue()
         self.channel: Channel | None = None
@@ -90,7 +89,7 @@ class Peer:
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            sock = self.engine.zmq_ctx.socket(zmq.DEALER)
+            sock = self.owner.zmq_ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * proto.MAX_FRAME_BYTES)
             if self.addr.startswith("["):
@@ -115,12 +114,12 @@ class Peer:
         req_no = next(self._req_no)
         sock = self._socket()
         msg = make_msg(req_no)
-        sock.send_multipart(proto.seal(self.engine.secret, msg))
+        sock.send_multipart(proto.seal(self.owner.secret, msg))
         sent_at = time.monotonic()
         while True:
             now = time.monotonic()
             left_ms = int((deadline - now) * 1000)
-            if left_ms <= 0 or self.engine.stopped.is_set():
+            if left_ms <= 0 or self.owner.stopped.is_set():
                 self._reset_socket()
                 self.silent_until = now + limits.PEER_RETRY_AFTER_S
                 raise TransportError(
@@ -131,9 +130,9 @@ class Peer:
                 continue
             frames = sock.recv_multipart()
             try:
-                msg = proto.open_frame(self.engine.secret, frames)
+                msg = proto.open_frame(self.owner.secret, frames)
             except proto.FrameError as e:
-                self.engine._reject(e.kind, f"from {self.addr}: {e}")
+                self.owner.reject(e.kind, f"from {self.addr}: {e}")
                 continue
             if isinstance(msg, Reply) and msg.req_no == req_no:
                 return msg
@@ -144,9 +143,9 @@ class Peer:
     def _run(self) -> None:
         # Started from the model thread, whose core vLLM may have pinned.
         place_current_thread()
-        engine = self.engine
+        owner = self.owner
         idle_since = time.monotonic()
-        while not engine.stopped.is_set():
+        while not owner.stopped.is_set():
             now = time.monotonic()
             wait = limits.POLL_INTERVAL_S
             if self._later:
@@ -164,7 +163,7 @@ class Peer:
                 self._flush_aborts()
             if job is not None or self._later or self._aborts:
                 idle_since = now
-            elif now - idle_since > limits.PEER_IDLE_S and engine._retire_peer(self):
+            elif now - idle_since > limits.PEER_IDLE_S and owner.retire_peer(self):
                 break
         self._reset_socket()
         if self.channel is not None:
@@ -199,7 +198,7 @@ class Peer:
     def _give_up(self, xfer: SendTransfer, reason: str) -> None:
         """The send of ``xfer`` failed: end it, and tell the receiver, which
         would otherwise wait for this KV until its kv_load_timeout_s."""
-        self.engine._finish_send(xfer, ok=False, reason=reason)
+        self.owner.finish_send(xfer, ok=False, reason=reason)
         self._aborts[xfer.key] = (xfer.deadline, reason)
         self._abort_retry_at = 0.0  # at once, even if the peer went silent
 
@@ -229,14 +228,14 @@ class Peer:
     def _get(self, job: GetJob) -> None:
         """Ask once; a "not ready" answer puts the job back with a retry time,
         so a key the prefill never holds delays no other transfer."""
-        engine = self.engine
-        if not engine._still_expected(job.key):
+        owner = self.owner
+        if not owner.still_expected(job.key):
             return  # the KV arrived (or decode gave up): nothing left to ask for
         try:
             reply = self.request(
                 lambda n: Get(
                     req_no=n,
-                    sender_addr=engine.addr,
+                    sender_addr=owner.local.addr,
                     key=job.key,
                     skip_blocks=job.skip_blocks,
                 ),
@@ -246,7 +245,7 @@ class Peer:
             job.on_failure(str(e))
             return
         logger.debug(
-            "P2P %s: Get of %s answered %s", engine.addr, job.key, reply.status
+            "P2P %s: Get of %s answered %s", owner.local.addr, job.key, reply.status
         )
         if reply.status == Status.OK:
             # The offer follows on our listener; ask again if it has not
@@ -271,24 +270,13 @@ class Peer:
     def _ensure_channel(self, deadline: float) -> None:
         if self.channel is not None:
             return
-        engine = self.engine
-        setup, finish = engine.transport.initiate(peer_host=split_addr(self.addr)[0])
+        owner = self.owner
+        setup, finish = owner.local.transport.initiate(
+            peer_host=split_addr(self.addr)[0]
+        )
         channel_id = secrets.token_hex(8)
         reply = self.request(
-            lambda n: Hello(
-                version=proto.PROTOCOL_VERSION,
-                req_no=n,
-                sender_addr=engine.addr,
-                channel_id=channel_id,
-                transport=engine.transport.name,
-                setup=setup,
-                layout=engine.layout.spec,
-                send_type=engine.send_type,
-                sent_at=time.time(),
-                model=engine.model_fingerprint,
-                checksum=engine.checksum_name,
-            ),
-            deadline,
+            lambda n: owner.local.hello(n, channel_id, setup), deadline
         )
         if reply.status != Status.OK:
             raise TransportError(
@@ -297,7 +285,9 @@ class Peer:
             )
         self.channel = finish(reply.setup, deadline)
         self.channel_id = channel_id
-        logger.info("P2P channel to %s is up (%s)", self.addr, engine.transport.name)
+        logger.info(
+            "P2P channel to %s is up (%s)", self.addr, owner.local.transport.name
+        )
 
     def _close_channel(self) -> None:
         if self.channel is not None:
@@ -305,7 +295,7 @@ class Peer:
         self.channel = None
 
     def _send(self, xfer: SendTransfer) -> None:
-        engine = self.engine
+        owner = self.owner
         start = time.monotonic()
         sent_bytes = 0
         try:
@@ -316,17 +306,13 @@ class Peer:
                         req_no=n,
                         channel_id=self.channel_id,
                         key=xfer.key,
-                        xfer_id=0,
                         num_blocks=len(xfer.block_ids),
                         prompt_digest=xfer.prompt_digest,
                         request_id=xfer.request_id[:512],
                     ),
                     xfer.deadline,
                 )
-                if (
-                    reply.status == Status.REJECTED
-                    and reply.reason == "unknown_channel"
-                ):
+                if refusal(reply) is Refusal.UNKNOWN_CHANNEL:
                     # The receiver dropped its end of the channel (a receive of its
                     # failed after we had sent every byte): ours is useless, and kept
                     # it would get every later offer refused. Offer again on a new one.
@@ -336,7 +322,7 @@ class Peer:
                 break
             logger.debug(
                 "P2P %s: offer of %s to %s answered %s after %.3f s",
-                engine.addr,
+                owner.local.addr,
                 xfer.key,
                 self.addr,
                 reply.status,
@@ -344,7 +330,7 @@ class Peer:
             )
             if reply.status in (Status.NO_SPACE, Status.NOT_WANTED):
                 # The receiver knows: it failed the load itself, or gave up.
-                engine._finish_send(
+                owner.finish_send(
                     xfer, ok=False, reason=f"{reply.status} {reply.reason}"
                 )
                 return
@@ -356,10 +342,10 @@ class Peer:
                 self._give_up(xfer, f"peer claimed skip={skip}")
                 return
             blocks = xfer.block_ids[skip:]
-            checksum, page_bytes = engine.checksum, engine.layout.page_bytes
+            checksum, page_bytes = owner.local.checksum, owner.local.layout.page_bytes
             for layer in range(xfer.num_layers):
                 xfer.wait_layer(layer)
-                parts = engine.layout.read_blocks(layer, blocks)
+                parts = owner.local.layout.read_blocks(layer, blocks)
                 sent_bytes += sum(p.numel() for p in parts)
                 if checksum is not None:
                     # Over the very views handed to the transport: what the
@@ -370,5 +356,5 @@ class Peer:
             self._close_channel()
             self._give_up(xfer, str(e))
             return
-        engine.stats.record_send(sent_bytes, len(blocks), time.monotonic() - start)
-        engine._finish_send(xfer, ok=True)
+        owner.stats.record_send(sent_bytes, len(blocks), time.monotonic() - start)
+        owner.finish_send(xfer, ok=True)

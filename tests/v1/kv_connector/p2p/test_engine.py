@@ -391,6 +391,85 @@ def test_no_room_before_decode_expects_the_key_fails_its_load_at_once(make_engin
     assert_nothing_held(decode)
 
 
+def test_unclaimed_kv_makes_room_for_new_transfers_oldest_first(make_engine):
+    """Issue 34: KV whose request the decode never saw (refused, cancelled)
+    must not cost later transfers their room; the evicted key's request, if
+    it comes after all, fails its load at once; claimed KV is never freed."""
+    nbytes = LAYERS * 2 * PAGE
+    prefill = make_engine("fake", "PUT", seed=1)
+    decode = make_engine("fake", "PUT", buf=2 * nbytes, pool=0, seed=2)
+
+    def offer(key, blocks):
+        return prefill.start_send(
+            key, f"req-{key}", decode.addr, blocks, all_saved=True, prompt_digest=DIGEST
+        )
+
+    # Nobody claims a or b; c needs their room: a, the oldest, goes.
+    assert wait_done(offer("a", [1, 2])).ok
+    assert wait_done(offer("b", [3, 4])).ok
+    assert wait_done(offer("c", [5, 6])).ok
+    got = decode.totals()
+    assert got["unclaimed_evicted"] == 1 and got["dropped"] == 0
+    decode.expect("a", 0, time.monotonic() + 60, None, prompt_digest=DIGEST)
+    slot = wait_slot(decode, "a", timeout=5.0)
+    assert slot.state is SlotState.FAILED and "no request claimed" in slot.reason
+    decode.release(slot)
+    # b and c are intact; once claimed, neither is freed for a newcomer.
+    for key, src, dst in (("b", [3, 4], [20, 21]), ("c", [5, 6], [22, 23])):
+        decode.expect(key, 0, time.monotonic() + 60, None, prompt_digest=DIGEST)
+    slot_b = wait_slot(decode, "b")
+    decode.copy_into_cache(slot_b, [20, 21], 0)
+    decode.release(slot_b)
+    # c is expected (READY, not yet taken): d gets b's room, and once d is
+    # expected too, nothing is freed for e.
+    assert wait_done(offer("d", [7, 8])).ok
+    decode.expect("d", 0, time.monotonic() + 60, None, prompt_digest=DIGEST)
+    late = offer("e", [9, 10])
+    assert not wait_done(late).ok and Status.NO_SPACE in late.reason
+    got = decode.totals()
+    assert got["unclaimed_evicted"] == 1 and got["dropped"] == 1
+    for key, dst in (("c", [22, 23]), ("d", [24, 25])):
+        slot = wait_slot(decode, key)
+        assert slot.state is SlotState.COMPLETE
+        decode.copy_into_cache(slot, dst, 0)
+        decode.release(slot)
+    assert_blocks_equal(decode, [20, 21, 22, 23, 24, 25], prefill, [3, 4, 5, 6, 7, 8])
+
+
+def test_a_flood_of_unclaimed_kv_costs_honest_transfers_nothing(make_engine):
+    """Three unclaimed transfers (requests refused or cancelled after their
+    prefill) for every honest one, into room for four: every honest transfer
+    lands, and the room never holds more than it has."""
+    nbytes = LAYERS * 2 * PAGE
+    prefill = make_engine("fake", "PUT", seed=1)
+    decode = make_engine("fake", "PUT", buf=4 * nbytes, pool=0, seed=2)
+    for i in range(40):
+        for j in range(3):
+            flood = prefill.start_send(
+                f"flood-{i}-{j}",
+                "req",
+                decode.addr,
+                [1, 2],
+                all_saved=True,
+                prompt_digest=DIGEST,
+            )
+            assert wait_done(flood).ok
+        key = f"honest-{i}"
+        xfer = prefill.start_send(
+            key, "req", decode.addr, [3, 4], all_saved=True, prompt_digest=DIGEST
+        )
+        assert wait_done(xfer).ok
+        decode.expect(key, 0, time.monotonic() + 60, None, prompt_digest=DIGEST)
+        slot = wait_slot(decode, key)
+        assert slot.state is SlotState.COMPLETE, slot.reason
+        decode.copy_into_cache(slot, [30, 31], 0)
+        decode.release(slot)
+        assert decode.occupancy()[0] <= 4 * nbytes
+    assert_blocks_equal(decode, [30, 31], prefill, [3, 4])
+    got = decode.totals()
+    assert got["dropped"] == 0 and got["unclaimed_evicted"] >= 3 * 40 - 4
+
+
 # --- deadlines ---------------------------------------------------------------
 
 

@@ -119,3 +119,23 @@ def test_random_interleavings_keep_the_invariants():
             if table.state("k") is RecvState.ABANDONING:
                 table.apply("k", Event.RECEIVED, now)
         assert table.state("k") is None
+
+
+def test_the_oldest_unclaimed_ready_key_holding_bytes_goes_first():
+    class Slot:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+    table = RecvTable(T)
+    for t, key in enumerate(["old", "claimed", "empty", "new"]):
+        table.apply(key, Event.OFFER, float(t), deadline=100.0)
+        table.apply(key, Event.RECEIVED, float(t))
+        table.get(key).slot = Slot(0 if key == "empty" else 64)
+    table.apply("claimed", Event.EXPECT, 10.0, deadline=40.0)
+    table.apply("receiving", Event.OFFER, 0.0, deadline=100.0)
+    table.get("receiving").slot = Slot(64)
+    assert table.oldest_unclaimed().key == "old"
+    table.get("old").slot = Slot(0)  # freed: holds nothing any more
+    assert table.oldest_unclaimed().key == "new"
+    table.apply("new", Event.TAKEN, 11.0)
+    assert table.oldest_unclaimed() is None

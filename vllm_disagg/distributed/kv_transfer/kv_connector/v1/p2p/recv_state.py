@@ -175,6 +175,21 @@ class RecvTable:
             return given + t.grace_s
         return max(entry.deadline, now + t.hold_s) if entry.expected else now + t.hold_s
 
+    def oldest_unclaimed(self) -> RecvKey | None:
+        """The READY key no request expects yet, holding bytes, that arrived
+        first (READY's deadline is its arrival plus hold_s): KV whose request
+        was refused, cancelled or never sent, the first to go under pressure."""
+        oldest = None
+        for entry in self.keys.values():
+            if (
+                entry.state is RecvState.READY
+                and not entry.expected
+                and getattr(entry.slot, "nbytes", 0) > 0
+                and (oldest is None or entry.deadline < oldest.deadline)
+            ):
+                oldest = entry
+        return oldest
+
     def expire(self, now: float) -> list[RecvKey]:
         """Apply EXPIRE to every key past its deadline; forget closed ones.
         Returns the entries that expired out of READY (their slot to free)."""

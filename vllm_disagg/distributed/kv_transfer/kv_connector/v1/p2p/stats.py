@@ -29,6 +29,8 @@ COUNTERS = {
     "failed_loads": "KV loads that failed or timed out (recomputed locally)",
     "spills": "received transfers stored in the host tensor pool (receive buffer full)",
     "dropped": "offered transfers refused for lack of room (recomputed locally)",
+    "unclaimed_evicted": "received transfers no request had claimed, freed to make "
+    "room for a new one (a request that claims one later is recomputed)",
     "rejected_messages": (
         "control-plane messages rejected (malformed, unauthenticated, unknown)"
     ),
@@ -130,6 +132,9 @@ class P2pStatsRecorder:
 
     def record_dropped(self) -> None:
         self._add(dropped=1)
+
+    def record_unclaimed_evicted(self) -> None:
+        self._add(unclaimed_evicted=1)
 
     def record_rejected(self, kind: str) -> None:
         self._add(rejected_messages=1)

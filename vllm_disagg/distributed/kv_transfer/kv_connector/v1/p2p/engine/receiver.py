@@ -66,6 +66,11 @@ from vllm_disagg.wire.peers import PeerInfoError, canonical_host, split_addr
 # One logger for the engine package, named as the module it was split from.
 logger = init_logger(__package__)
 
+_EVICTED = (
+    "no request claimed this KV before the room was needed for another "
+    "transfer (unclaimed KV is freed first)"
+)
+
 
 def _is_host(source: str | None, host: str) -> bool:
     """Whether the address ``source`` a message came from is ``host``'s."""
@@ -443,9 +448,13 @@ class Receiver:
         return Reply(req_no=msg.req_no, status=Status.OK, skip_blocks=skip)
 
     def _take_room(self, msg: Offer, skip: int, deadline: float) -> RecvSlot | None:
-        """A slot for the accepted offer ``msg``; None (the load failed) when
-        neither the receive buffer nor the pool has room."""
-        slot = self.room.take(msg, skip, deadline, self.local.checksum is not None)
+        """A slot for the accepted offer ``msg``; when neither the receive
+        buffer nor the pool has room, KV no request claimed is freed for it,
+        oldest first; None (the load failed) when that is not enough either."""
+        digests = self.local.checksum is not None
+        slot = self.room.take(msg, skip, deadline, digests)
+        while slot is None and self._evict_oldest_unclaimed():
+            slot = self.room.take(msg, skip, deadline, digests)
         if slot is None:
             # Not a bad message: counted as dropped only. The load fails now
             # (or as soon as decode expects the key), not at its deadline.
@@ -461,6 +470,27 @@ class Receiver:
                 "the request will be recomputed",
             )
         return slot
+
+    def _evict_oldest_unclaimed(self) -> bool:
+        """Free the oldest received KV that no request claimed (its request
+        was refused, cancelled or never sent): a flood of such transfers must
+        not cost honest ones their room. The key stays READY with a failed
+        slot, so a request that does claim it later recomputes at once
+        instead of waiting for KV that will not come. False: none to free."""
+        with self.lock:
+            victim = self.table.oldest_unclaimed()
+            if victim is None:
+                return False
+            slot, victim.slot = victim.slot, RecvSlot.failed(victim.key, _EVICTED)
+            victim.reason = _EVICTED
+        self.room.release(slot)
+        self.stats.record_unclaimed_evicted()
+        self.rejects.log_limited(
+            "unclaimed_evicted",
+            f"P2P engine {self.local.addr} freed the KV of {slot.key}, which no "
+            "request claimed, to make room for a new transfer",
+        )
+        return True
 
     # --- the sweep, and closing ---
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_disagg.testing.transcripts import DRIVERS, run_transcript
+from vllm_disagg.testing.transcripts import DRIVERS, TranscriptError, run_transcript
 
 HERE = Path(__file__).parent
 FILES = sorted(HERE.glob("*/*.txt"))
@@ -43,3 +43,22 @@ def test_transcript(path: Path, request):
         "to accept it):\n" + "".join(diff),
         pytrace=False,
     )
+
+
+class _Echo:
+    def run(self, cmd):
+        return [f"{cmd.name} {' '.join(cmd.args)}"] if cmd.args else []
+
+
+def test_the_format_keeps_prose_and_rewrites_only_the_output_blocks():
+    text = "# note\n\nsay a b\n----\nstale\n\n# empty output\nsay\n----\n"
+    assert run_transcript(text, _Echo()) == (
+        "# note\n\nsay a b\n----\nsay a b\n\n# empty output\nsay\n----\n"
+    )
+    again = run_transcript(run_transcript(text, _Echo()), _Echo())
+    assert again == run_transcript(text, _Echo())
+
+
+def test_a_script_error_names_its_line():
+    with pytest.raises(TranscriptError, match="line 2: 'tick 1 typo=2'"):
+        run_transcript("\ntick 1 typo=2\n----\n", DRIVERS["p2p_send"]())

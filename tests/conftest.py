@@ -23,6 +23,12 @@ def pytest_addoption(parser):
         "overlay check",
     )
     parser.addoption(
+        "--rewrite-transcripts",
+        action="store_true",
+        help="tests/transcripts: write what the protocol cores produce now into "
+        "the transcript files instead of comparing (review the diff)",
+    )
+    parser.addoption(
         "--full-overlay",
         action="store_true",
         help="tests/export/test_fork.py: run every relocated unit test on the "

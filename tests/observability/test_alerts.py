@@ -137,3 +137,27 @@ def test_dashboard_queries_are_valid_promql(promtool, tmp_path):
     path = tmp_path / "dashboard_rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "d", "rules": records}]}))
     run([promtool, "check", "rules", str(path)])
+
+
+def test_the_operations_page_names_real_alerts_and_panels():
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text.split("## Alerts and dashboard", 1)[1].split("\n## ", 1)[0]
+    alerts = {rule["alert"] for rule in rules()}
+    named = set(re.findall(r"`(VllmDisagg\w+)`", section))
+    assert named - alerts == set()
+    assert alerts - named == set(), "every alert belongs to a row of the page"
+    titles = {title for title, _ in dashboard_exprs()}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 3 and "VllmDisagg" in cells[1]:
+            assert set(cells[2].split("; ")) - titles == set(), line
+        if (
+            line.startswith("| ")
+            and len(cells) == 2
+            and cells[0]
+            not in (
+                "panel",
+                "---",
+            )
+        ):
+            assert cells[0] in titles, line

@@ -134,7 +134,7 @@ async def eventually(check, what: str, deadline: float):
 
 async def test_dashboard_has_data_and_a_dead_decode_raises_its_alerts(
     prometheus,
-    start_router,
+    start_router,  # noqa: F811
     fakes,  # noqa: F811
 ):
     deadline = time.monotonic() + DEADLINE_S

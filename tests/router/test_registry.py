@@ -8,7 +8,12 @@ import sys
 
 import pytest
 
-from vllm_disagg.router.registry import BreakerState, InstanceRegistry, RegistryRefused
+from vllm_disagg.router.registry import (
+    REMOVAL_REASONS,
+    BreakerState,
+    InstanceRegistry,
+    RegistryRefused,
+)
 from vllm_disagg.wire.discovery import DISCOVERY_VERSION, Register, Role
 
 from .conftest import FakeClock
@@ -125,7 +130,10 @@ def test_deregister_and_unreachable_remove_at_once():
     assert registry.deregister("a") and not registry.deregister("a")
     registry.mark_unreachable("10.0.0.1:2")
     assert len(registry) == 0
-    assert registry.removals == {"deregistered": 1, "unreachable": 1}
+    assert +registry.removals == {"deregistered": 1, "unreachable": 1}
+    # Every reason is exported from the start (at 0), so an alert's increase()
+    # sees the first removal of each kind.
+    assert set(registry.removals) == set(REMOVAL_REASONS)
 
 
 def test_static_instances_never_expire_and_unreachable_opens_their_breaker():

@@ -112,6 +112,23 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.registry.register(_StateCollector(registry, discovery))
+        self._start_known_series_at_zero()
+
+    def _start_known_series_at_zero(self) -> None:
+        """Create the label values that alerts watch at 0: a series that
+        appears only with its first event hides that event from rate() and
+        increase()."""
+        for endpoint in ("/v1/completions", "/v1/chat/completions"):
+            for outcome in Outcome:
+                self.requests.labels(endpoint, outcome.value)
+        from vllm_disagg.router.health import LegFailure  # health imports this
+
+        for failure in LegFailure:
+            self.prefill_failures.labels(failure.value)
+        for reason in ("no_prefill", "prefill_failed"):
+            self.decode_prefill_fallbacks.labels(reason)
+        for result in ("ok", "failed"):
+            self.health_probes.labels(result)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -84,6 +84,10 @@ REMOVED_TTL_S = max(RETIRED_TTL_S, 2 * MAX_CLOCK_SKEW_S + CLOCK_SLACK_S)
 MAX_REMOVED = 4096
 
 
+# Why instances leave the registry (the reason label of instance_removals).
+REMOVAL_REASONS = ("replaced", "deregistered", "expired", "unreachable")
+
+
 @dataclass
 class InstanceRegistry:
     heartbeat_timeout_s: float = 10.0
@@ -107,7 +111,12 @@ class InstanceRegistry:
     _forgotten_sent_at: float = field(default=-1.0, init=False)
     _forgotten_until: float = field(default=-1.0, init=False)
     # What happened to instances, for /metrics: removals by reason, breaker opens.
-    removals: Counter[str] = field(default_factory=Counter, init=False)
+    # Every reason starts at 0: a series that appears only with its first
+    # event hides that event from rate() and increase() (and so from alerts).
+    removals: Counter[str] = field(
+        default_factory=lambda: Counter(dict.fromkeys(REMOVAL_REASONS, 0)),
+        init=False,
+    )
     breaker_opens: int = field(default=0, init=False)
     # Called with (instance, reason) after an instance is removed (the proxy
     # ends its legs to an instance whose heartbeats stopped).

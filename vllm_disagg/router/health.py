@@ -9,33 +9,14 @@ request cannot open a healthy instance's breaker for everyone.
 from __future__ import annotations
 
 import asyncio
-import enum
 import errno
 from collections.abc import Callable
 
 import aiohttp
 
-from vllm_disagg.router.metrics import RouterMetrics
+from vllm_disagg.router.metrics import LegFailure, RouterMetrics
 from vllm_disagg.router.registry import Instance, InstanceRegistry
 from vllm_disagg.wire.logs import RateLimitedLog
-
-
-class LegFailure(str, enum.Enum):
-    """Why a call to an instance failed: the ``reason`` label of
-    prefill_failures_total, and what log lines and errors name."""
-
-    REFUSED = "refused"  # nothing listens there
-    LOCAL = "local"  # the router's own shortage (descriptors, buffers)
-    CONNECT_TIMEOUT = "connect_timeout"
-    TIMEOUT = "timeout"
-    CONNECTION = "connection"  # reset or closed mid-request
-    ERROR = "error"
-    STATUS = "status"  # it answered 5xx
-    INSTANCE_REMOVED = "instance_removed"  # its heartbeats stopped mid-leg
-    INSTANCE_STALLED = "instance_stalled"  # its engine stopped stepping mid-leg
-
-    __str__ = str.__str__
-    __format__ = str.__format__
 
 
 def out_of_descriptors(error: BaseException) -> bool:

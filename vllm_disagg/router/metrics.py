@@ -45,6 +45,24 @@ class Outcome(str, enum.Enum):
     __format__ = str.__format__
 
 
+class LegFailure(str, enum.Enum):
+    """Why a call to an instance failed: the ``reason`` label of
+    prefill_failures_total, and what log lines and errors name."""
+
+    REFUSED = "refused"  # nothing listens there
+    LOCAL = "local"  # the router's own shortage (descriptors, buffers)
+    CONNECT_TIMEOUT = "connect_timeout"
+    TIMEOUT = "timeout"
+    CONNECTION = "connection"  # reset or closed mid-request
+    ERROR = "error"
+    STATUS = "status"  # it answered 5xx
+    INSTANCE_REMOVED = "instance_removed"  # its heartbeats stopped mid-leg
+    INSTANCE_STALLED = "instance_stalled"  # its engine stopped stepping mid-leg
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
 class RouterMetrics:
     def __init__(self, registry: InstanceRegistry, discovery: DiscoveryServer) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -121,8 +139,6 @@ class RouterMetrics:
         for endpoint in ("/v1/completions", "/v1/chat/completions"):
             for outcome in Outcome:
                 self.requests.labels(endpoint, outcome.value)
-        from vllm_disagg.router.health import LegFailure  # health imports this
-
         for failure in LegFailure:
             self.prefill_failures.labels(failure.value)
         for reason in ("no_prefill", "prefill_failed"):

@@ -5,12 +5,15 @@ naming the same peers.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from vllm_disagg.router.metrics import Outcome, RouterMetrics
 from vllm_disagg.router.registry import Instance
@@ -171,6 +174,8 @@ class Exchange:
     # Why the endpoint goes to the decode alone whatever the body says
     # (routes.py), or None: a generation the router disaggregates.
     alone: str | None = None
+    # The body is sent as Python's json encodes it (NaN, lone surrogates).
+    stdlib_json: bool = False
     counted: bool = False
     _names: dict[tuple[str, str], tuple[str, dict[str, str]]] = field(
         default_factory=dict
@@ -202,6 +207,12 @@ class Exchange:
     def stream(self) -> bool:
         # vLLM's pydantic model takes "true", 1, ... as true: stream those too.
         return streams(self.body)
+
+    def encode(self, body: dict[str, Any]) -> bytes:
+        """A leg's body as JSON: Python's ``json`` for a body only it read."""
+        if self.stdlib_json:
+            return json.dumps(body).encode()
+        return msgspec.json.encode(body)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

@@ -316,7 +316,7 @@ class RequestProxy:
         position), before any compute; None when no decode can say (then
         the router answers itself). Sent with the client's headers as every
         leg is (``forwarded_headers``: an ``--api-key`` decode checks the
-        key first); whatever the decode answers is relayed."""
+        key first, its 401 is relayed). Only a 4xx is relayed."""
         ex = self._exchange(endpoint, path, {}, {}, self.config.connect_timeout_s + 5.0)
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
@@ -331,7 +331,9 @@ class RequestProxy:
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             self.health.judge(decode, e)
             return None
-        ex.count(Outcome.OK if resp.status < 400 else Outcome.BAD_REQUEST)
+        if not 400 <= resp.status < 500:
+            return None
+        ex.count(Outcome.BAD_REQUEST)
         return Reply(resp.status, content_type(resp), payload, relayed_headers(resp))
 
     async def list_models(self, authorization: str | None = None) -> Reply:

@@ -110,6 +110,11 @@ def create_app(
     state = RouterState(config, registry, policies, discovery, metrics, proxy)
 
     app = Quart(__name__)
+    # No redirects: werkzeug would answer a path with "//" with a 308 to a
+    # Location built from the client's Host; vLLM's FastAPI answers 404.
+    app.url_map.merge_slashes = False
+    app.url_map.strict_slashes = True
+    app.url_map.redirect_defaults = False
     app.config.update(
         MAX_CONTENT_LENGTH=config.max_body_bytes,
         # Above the connection's own body deadline (client_limits.py), which

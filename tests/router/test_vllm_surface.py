@@ -256,3 +256,22 @@ async def test_a_double_slash_is_a_json_404_not_a_redirect(pd, path):
     assert json.loads(body) == {"detail": "Not Found"}  # vLLM's (FastAPI's)
     await _request(router, "GET", "/v1/responses/x")
     assert _paths(d) == ["/v1/responses/x"]  # the route still matches
+
+
+@pytest.mark.parametrize(
+    ("request_line", "path"),
+    [
+        (b"GET /v1/responses/%2E%2E", "/v1/responses/%2E%2E"),
+        (b"GET /v1/responses/.", "/v1/responses/%2E"),
+        (b"POST /v1/responses/../cancel", "/v1/responses/%2E%2E/cancel"),
+    ],
+)
+async def test_a_dot_segment_id_reaches_the_decode_as_that_id(pd, request_line, path):
+    """The router's yarl dropped dot segments: %2E%2E reached D as /v1/."""
+    router, p, d = await pd()
+    await _raw(
+        router,
+        request_line + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+        b"Connection: close\r\n\r\n",
+    )
+    assert [s.path for s in d.requests] == [path]  # vLLM decodes it to the id

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import aiohttp
 import msgspec
+from yarl import URL
 
 from vllm_disagg.router.exchange import forwarded_headers
 from vllm_disagg.router.health import InstanceHealth
@@ -88,7 +89,8 @@ class Passthrough:
             sent["Content-Type"] = headers["Content-Type"]
         try:
             async with asyncio.timeout(self.timeout_s):
-                url = f"http://{instance.http_addr}{target}"
+                # As encoded: yarl would decode %2E and drop dot segments.
+                url = URL(f"http://{instance.http_addr}{target}", encoded=True)
                 async with self._session().request(
                     method, url, data=raw, headers=sent
                 ) as resp:

@@ -74,6 +74,7 @@ ANY_DECODE = {
 }
 
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"  # RFC 3986's path characters, unescaped
+_DOT_SEGMENTS = {".": "%2E", "..": "%2E%2E"}
 
 # vLLM's answer to a body that is not JSON (its validate_json_request
 # dependency, rendered by its validation handler).
@@ -139,7 +140,13 @@ def _target() -> str:
     """The path and query the client asked for, as sent on: the path
     percent-encoded again (a ``%3F`` in an id stays part of the id)."""
     query = request.query_string.decode("latin-1")
-    return quote(request.path, safe=_PATH_SAFE) + (f"?{query}" if query else "")
+    # A "." or ".." segment is an id (vLLM's path parameter), not a step up:
+    # encoded, no client or server normalizes it away.
+    segments = [
+        _DOT_SEGMENTS.get(s) or quote(s, safe=_PATH_SAFE)
+        for s in request.path.split("/")
+    ]
+    return "/".join(segments) + (f"?{query}" if query else "")
 
 
 def register(app: Quart, state) -> None:

@@ -501,3 +501,34 @@ async def test_a_body_that_is_not_an_object_is_refused_with_the_legs_headers(pd)
     assert status == 400
     assert p.requests == []
     assert d.requests[0].headers["Authorization"] == "Bearer k"
+
+
+@pytest.mark.parametrize("path", [b"/v1/completions", b"/tokenize"])
+async def test_hop_by_hop_and_forwarding_headers_are_the_routers_own(pd, path):
+    """Headers named in Connection, Proxy-Connection and HTTP2-Settings
+    reached the instances, and so did the client's own X-Forwarded-For and
+    Forwarded (a vLLM trusting its proxy logs them as the peer)."""
+    router, p, d = await pd()
+    body = json.dumps(COMPLETION).encode()
+    request = (
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\nConnection: X-Hop, close\r\nX-Hop: 1\r\n"
+        b"Proxy-Connection: keep-alive\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n"
+        b"X-Forwarded-For: 6.6.6.6\r\nForwarded: for=6.6.6.6\r\n"
+        b"X-Real-IP: 6.6.6.6\r\nX-Kept: 1\r\n\r\n" % len(body)
+    ) + body
+    async with asyncio.timeout(WAIT_S):
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", router.state.http_port
+        )
+        writer.write(request)
+        assert (await reader.read()).startswith(b"HTTP/1.1 200")
+        writer.close()
+    for seen in [*p.requests, *d.requests]:
+        h = seen.headers
+        assert h["X-Kept"] == "1"
+        for name in ("X-Hop", "Proxy-Connection", "HTTP2-Settings", "Forwarded"):
+            assert name not in h, name
+        assert "X-Real-IP" not in h
+        assert h["X-Forwarded-For"] == "6.6.6.6, 127.0.0.1"
+    assert d.requests

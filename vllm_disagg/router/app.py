@@ -307,6 +307,9 @@ async def _serve_uvicorn(
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
         backlog=1024,
+        # The router is the proxy: the peer is the client, whatever a
+        # loopback client's X-Forwarded-For says (the legs get it appended).
+        proxy_headers=False,
     )
     server = uvicorn.Server(config)
 

@@ -47,6 +47,12 @@ _NOT_FORWARDED = frozenset(
         "expect",
         "x-request-id",
         "remote-addr",
+        "proxy-connection",
+        "http2-settings",
+        # The router's own view replaces the client's (forwarded_headers).
+        "x-forwarded-for",
+        "forwarded",
+        "x-real-ip",
     }
 )
 # Body fields a prefill-only pass cannot carry: it is not streamed
@@ -85,9 +91,24 @@ def client_request_id(value: str | None) -> str | None:
     return value
 
 
-def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The client's headers that both legs carry."""
-    return {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
+def forwarded_headers(
+    headers: Mapping[str, str], client: str | None = None
+) -> dict[str, str]:
+    """The client's headers that every leg carries: not the hop-by-hop ones
+    (those its ``Connection`` names too), and ``X-Forwarded-For`` as a proxy
+    sends it, the client's address (``client``) appended; no ``Forwarded``
+    or ``X-Real-IP`` (a vLLM trusting its proxy would log the client's own
+    claim as its address)."""
+    items = list(headers.items())  # every value of a repeated header
+    hop = set(_NOT_FORWARDED)
+    for name, value in items:
+        if name.lower() == "connection":
+            hop.update(n.strip().lower() for n in value.split(","))
+    sent = {k: v for k, v in items if k.lower() not in hop}
+    if client:
+        chain = [v for k, v in items if k.lower() == "x-forwarded-for"]
+        sent["X-Forwarded-For"] = ", ".join([*chain, client])
+    return sent
 
 
 def _with_peers(

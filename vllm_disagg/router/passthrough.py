@@ -50,6 +50,7 @@ class Asked:
     target: str  # path and query
     raw: bytes | None
     headers: Mapping[str, str]  # the client's (passed on as the legs' are)
+    client: str | None = None  # the client's address (X-Forwarded-For)
 
 
 class Passthrough:
@@ -84,7 +85,7 @@ class Passthrough:
             asked.raw,
             asked.headers,
         )
-        sent = forwarded_headers(headers)
+        sent = forwarded_headers(headers, asked.client)
         if raw is not None and "Content-Type" in headers:
             sent["Content-Type"] = headers["Content-Type"]
         try:

@@ -146,6 +146,7 @@ class RequestProxy:
         body: dict[str, Any],
         headers: Mapping[str, str],
         alone: str | None = None,
+        client: str | None = None,
     ) -> Reply:
         """Route one request. ``alone``: why the endpoint goes to the decode
         alone whatever the body says (None: disaggregated where it can be)."""
@@ -153,7 +154,7 @@ class RequestProxy:
             endpoint,
             path,
             body,
-            forwarded_headers(headers),
+            forwarded_headers(headers, client),
             self.config.request_timeout_s,
         )
         ex.alone = alone
@@ -309,7 +310,12 @@ class RequestProxy:
     # --- endpoints one decode answers alone ---------------------------------
 
     async def refused_by_decode(
-        self, endpoint: str, path: str, raw: bytes, headers: Mapping[str, str]
+        self,
+        endpoint: str,
+        path: str,
+        raw: bytes,
+        headers: Mapping[str, str],
+        client: str | None = None,
     ) -> Reply | None:
         """A body that is not a JSON object, answered by a decode exactly as
         ``vllm serve`` answers it (FastAPI's validation error names the
@@ -321,7 +327,7 @@ class RequestProxy:
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
             return None
-        sent = {**forwarded_headers(headers), "Content-Type": JSON}
+        sent = {**forwarded_headers(headers, client), "Content-Type": JSON}
         try:
             async with asyncio.timeout(ex.remaining()):
                 async with self.session.post(

@@ -183,7 +183,7 @@ def register(app: Quart, state) -> None:
         if not isinstance(body, dict) or not isinstance(params, dict | None):
             # vLLM's own 400 (FastAPI's error names the position or field).
             refused = await proxy.refused_by_decode(
-                endpoint, request.path, raw, request.headers
+                endpoint, request.path, raw, request.headers, request.remote_addr
             )
             if refused is not None:
                 return response(refused)
@@ -199,6 +199,7 @@ def register(app: Quart, state) -> None:
                 body,
                 request.headers,
                 STDLIB_JSON if stdlib_only else None,
+                request.remote_addr,
             )
         )
 
@@ -224,7 +225,14 @@ def register(app: Quart, state) -> None:
             metrics.decode_prefill_fallbacks.labels(reason).inc()
         return response(
             await passthrough.one(
-                Asked(endpoint, "POST", _target(), raw, request.headers),
+                Asked(
+                    endpoint,
+                    "POST",
+                    _target(),
+                    raw,
+                    request.headers,
+                    request.remote_addr,
+                ),
                 model if isinstance(model, str) else None,
             )
         )
@@ -238,7 +246,14 @@ def register(app: Quart, state) -> None:
             raw = await read_body(endpoint)
             if isinstance(raw, Response):
                 return raw
-        asked = Asked(endpoint, request.method, _target(), raw, request.headers)
+        asked = Asked(
+            endpoint,
+            request.method,
+            _target(),
+            raw,
+            request.headers,
+            request.remote_addr,
+        )
         return response(await how(asked))
 
     for path, endpoint in ANY_DECODE.items():

@@ -458,3 +458,77 @@ async def test_concurrent_hand_off_bad_stop_options_are_refused_by_both_legs(pd)
         assert "kv_transfer_params" in seen.body
     # P's legs may or may not have been sent: D's answer ends them.
     assert len(p.requests) <= len(BAD_STOP_OPTIONS)
+
+
+@pytest.mark.parametrize("value", [b"NaN", b"-Infinity", b'"\\ud800"'])
+async def test_json_only_python_reads_goes_to_a_decode_with_the_legs_headers(pd, value):
+    """Starlette's json.loads (vLLM's) takes NaN, Infinity and lone surrogate
+    escapes; msgspec does not. Such a body was sent raw to the decode,
+    without the client's Authorization and with its peer keys, and the
+    decode's answer was replaced by a 400 "not JSON"."""
+    router, p, d = await pd()
+    raw = (
+        b'{"model":"m","prompt":"hi","max_tokens":4,"x":' + value + b","
+        b'"kv_transfer_params":{"custom":1,"'
+        + PREFILL_ADDR_KEY.encode()
+        + b'":"6.6.6.6:1","'
+        + DECODE_ADDR_KEY.encode()
+        + b'":"6.6.6.7:1"}}'
+    )
+    status, body, _ = await router.post(
+        "/v1/completions", raw, headers={"Authorization": "Bearer right-key"}
+    )
+    assert status == 200, body
+    assert json.loads(body) == json.loads(d.answer())
+    assert p.requests == []
+    seen = d.requests[0]
+    assert seen.headers["Authorization"] == "Bearer right-key"
+    assert seen.body["kv_transfer_params"] == {"custom": 1}
+    assert repr(seen.body["x"]) == repr(json.loads(value))
+    assert (
+        router.metric(
+            "vllm_disagg_router_decode_prefill_fallbacks_total", reason="stdlib_json"
+        )
+        == 1
+    )
+
+
+async def test_a_body_that_is_not_an_object_is_refused_with_the_legs_headers(pd):
+    router, p, d = await pd()
+    status, _, _ = await router.post(
+        "/v1/completions", b"[NaN]", headers={"Authorization": "Bearer k"}
+    )
+    assert status == 400
+    assert p.requests == []
+    assert d.requests[0].headers["Authorization"] == "Bearer k"
+
+
+@pytest.mark.parametrize("path", [b"/v1/completions", b"/tokenize"])
+async def test_hop_by_hop_and_forwarding_headers_are_the_routers_own(pd, path):
+    """Headers named in Connection, Proxy-Connection and HTTP2-Settings
+    reached the instances, and so did the client's own X-Forwarded-For and
+    Forwarded (a vLLM trusting its proxy logs them as the peer)."""
+    router, p, d = await pd()
+    body = json.dumps(COMPLETION).encode()
+    request = (
+        b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\nConnection: X-Hop, close\r\nX-Hop: 1\r\n"
+        b"Proxy-Connection: keep-alive\r\nHTTP2-Settings: AAMAAABkAAQAAP__\r\n"
+        b"X-Forwarded-For: 6.6.6.6\r\nForwarded: for=6.6.6.6\r\n"
+        b"X-Real-IP: 6.6.6.6\r\nX-Kept: 1\r\n\r\n" % len(body)
+    ) + body
+    async with asyncio.timeout(WAIT_S):
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", router.state.http_port
+        )
+        writer.write(request)
+        assert (await reader.read()).startswith(b"HTTP/1.1 200")
+        writer.close()
+    for seen in [*p.requests, *d.requests]:
+        h = seen.headers
+        assert h["X-Kept"] == "1"
+        for name in ("X-Hop", "Proxy-Connection", "HTTP2-Settings", "Forwarded"):
+            assert name not in h, name
+        assert "X-Real-IP" not in h
+        assert h["X-Forwarded-For"] == "6.6.6.6, 127.0.0.1"
+    assert d.requests

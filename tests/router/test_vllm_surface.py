@@ -228,3 +228,50 @@ async def test_cors_as_vllms_default_middleware(pd):
     assert resp.headers["Vary"].startswith("Origin, Access-Control-Request-Method")
     status, _, _ = await _request(router, "OPTIONS", "/v1/completions")
     assert status == 405  # no preflight: a method the route does not take
+
+
+async def _raw(router, request: bytes) -> bytes:
+    """The answer to ``request`` sent as it is (aiohttp would normalize it)."""
+    port = router.state.http_port
+    async with asyncio.timeout(WAIT_S):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        answer = await reader.read()
+        writer.close()
+    return answer
+
+
+@pytest.mark.parametrize("path", [b"/v1/responses//x", b"/v1/responses/%2F%2Fx"])
+async def test_a_double_slash_is_a_json_404_not_a_redirect(pd, path):
+    """Werkzeug's merge_slashes answered a 308 to the client's Host."""
+    router, p, d = await pd()
+    answer = await _raw(
+        router,
+        b"GET " + path + b" HTTP/1.1\r\nHost: attacker.example\r\n"
+        b"Connection: close\r\n\r\n",
+    )
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404"), head
+    assert b"location" not in head.lower()
+    assert json.loads(body) == {"detail": "Not Found"}  # vLLM's (FastAPI's)
+    await _request(router, "GET", "/v1/responses/x")
+    assert _paths(d) == ["/v1/responses/x"]  # the route still matches
+
+
+@pytest.mark.parametrize(
+    ("request_line", "path"),
+    [
+        (b"GET /v1/responses/%2E%2E", "/v1/responses/%2E%2E"),
+        (b"GET /v1/responses/.", "/v1/responses/%2E"),
+        (b"POST /v1/responses/../cancel", "/v1/responses/%2E%2E/cancel"),
+    ],
+)
+async def test_a_dot_segment_id_reaches_the_decode_as_that_id(pd, request_line, path):
+    """The router's yarl dropped dot segments: %2E%2E reached D as /v1/."""
+    router, p, d = await pd()
+    await _raw(
+        router,
+        request_line + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+        b"Connection: close\r\n\r\n",
+    )
+    assert [s.path for s in d.requests] == [path]  # vLLM decodes it to the id

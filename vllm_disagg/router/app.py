@@ -110,6 +110,11 @@ def create_app(
     state = RouterState(config, registry, policies, discovery, metrics, proxy)
 
     app = Quart(__name__)
+    # No redirects: werkzeug would answer a path with "//" with a 308 to a
+    # Location built from the client's Host; vLLM's FastAPI answers 404.
+    app.url_map.merge_slashes = False
+    app.url_map.strict_slashes = True
+    app.url_map.redirect_defaults = False
     app.config.update(
         MAX_CONTENT_LENGTH=config.max_body_bytes,
         # Above the connection's own body deadline (client_limits.py), which
@@ -302,6 +307,9 @@ async def _serve_uvicorn(
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
         backlog=1024,
+        # The router is the proxy: the peer is the client, whatever a
+        # loopback client's X-Forwarded-For says (the legs get it appended).
+        proxy_headers=False,
     )
     server = uvicorn.Server(config)
 

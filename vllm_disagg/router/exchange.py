@@ -5,12 +5,15 @@ naming the same peers.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from vllm_disagg.router.metrics import Outcome, RouterMetrics
 from vllm_disagg.router.registry import Instance
@@ -44,6 +47,12 @@ _NOT_FORWARDED = frozenset(
         "expect",
         "x-request-id",
         "remote-addr",
+        "proxy-connection",
+        "http2-settings",
+        # The router's own view replaces the client's (forwarded_headers).
+        "x-forwarded-for",
+        "forwarded",
+        "x-real-ip",
     }
 )
 # Body fields a prefill-only pass cannot carry: it is not streamed
@@ -82,9 +91,24 @@ def client_request_id(value: str | None) -> str | None:
     return value
 
 
-def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The client's headers that both legs carry."""
-    return {k: v for k, v in headers.items() if k.lower() not in _NOT_FORWARDED}
+def forwarded_headers(
+    headers: Mapping[str, str], client: str | None = None
+) -> dict[str, str]:
+    """The client's headers that every leg carries: not the hop-by-hop ones
+    (those its ``Connection`` names too), and ``X-Forwarded-For`` as a proxy
+    sends it, the client's address (``client``) appended; no ``Forwarded``
+    or ``X-Real-IP`` (a vLLM trusting its proxy would log the client's own
+    claim as its address)."""
+    items = list(headers.items())  # every value of a repeated header
+    hop = set(_NOT_FORWARDED)
+    for name, value in items:
+        if name.lower() == "connection":
+            hop.update(n.strip().lower() for n in value.split(","))
+    sent = {k: v for k, v in items if k.lower() not in hop}
+    if client:
+        chain = [v for k, v in items if k.lower() == "x-forwarded-for"]
+        sent["X-Forwarded-For"] = ", ".join([*chain, client])
+    return sent
 
 
 def _with_peers(
@@ -171,6 +195,8 @@ class Exchange:
     # Why the endpoint goes to the decode alone whatever the body says
     # (routes.py), or None: a generation the router disaggregates.
     alone: str | None = None
+    # The body is sent as Python's json encodes it (NaN, lone surrogates).
+    stdlib_json: bool = False
     counted: bool = False
     _names: dict[tuple[str, str], tuple[str, dict[str, str]]] = field(
         default_factory=dict
@@ -202,6 +228,12 @@ class Exchange:
     def stream(self) -> bool:
         # vLLM's pydantic model takes "true", 1, ... as true: stream those too.
         return streams(self.body)
+
+    def encode(self, body: dict[str, Any]) -> bytes:
+        """A leg's body as JSON: Python's ``json`` for a body only it read."""
+        if self.stdlib_json:
+            return json.dumps(body).encode()
+        return msgspec.json.encode(body)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

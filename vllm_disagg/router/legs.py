@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
-import msgspec
 
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.exchange import Exchange, decode_body, prefill_body
@@ -87,7 +86,7 @@ class Legs:
         headers = {**ex.headers, "Content-Type": JSON, "X-Request-Id": request_id}
         return self._session().post(
             f"http://{instance.http_addr}{ex.path}",
-            data=msgspec.json.encode(body),
+            data=ex.encode(body),
             headers=headers,
         )
 

@@ -97,8 +97,9 @@ class RouterMetrics:
             "prompt_logprobs: vLLM computes such a prompt where it answers, invalid: "
             "vLLM refuses it in validation, beam_search: vLLM's beam search reads "
             "no transferred KV, stored_response: it continues a response stored "
-            "on a decode, no_kv_transfer_params: vLLM's request model for it has "
-            "no kv_transfer_params).",
+            "on a decode, stdlib_json: a body only Python's json reads "
+            "(NaN, lone surrogates), no_kv_transfer_params: vLLM's request "
+            "model for it has no kv_transfer_params).",
             ["reason"],
             registry=self.registry,
         )

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import aiohttp
 import msgspec
+from yarl import URL
 
 from vllm_disagg.router.exchange import forwarded_headers
 from vllm_disagg.router.health import InstanceHealth
@@ -49,6 +50,7 @@ class Asked:
     target: str  # path and query
     raw: bytes | None
     headers: Mapping[str, str]  # the client's (passed on as the legs' are)
+    client: str | None = None  # the client's address (X-Forwarded-For)
 
 
 class Passthrough:
@@ -83,12 +85,13 @@ class Passthrough:
             asked.raw,
             asked.headers,
         )
-        sent = forwarded_headers(headers)
+        sent = forwarded_headers(headers, asked.client)
         if raw is not None and "Content-Type" in headers:
             sent["Content-Type"] = headers["Content-Type"]
         try:
             async with asyncio.timeout(self.timeout_s):
-                url = f"http://{instance.http_addr}{target}"
+                # As encoded: yarl would decode %2E and drop dot segments.
+                url = URL(f"http://{instance.http_addr}{target}", encoded=True)
                 async with self._session().request(
                     method, url, data=raw, headers=sent
                 ) as resp:

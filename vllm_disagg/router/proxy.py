@@ -41,7 +41,7 @@ from vllm_disagg.router.models_cache import ModelsCache
 from vllm_disagg.router.passthrough import Passthrough
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease, compatible
-from vllm_disagg.router.replies import JSON, Reply, content_type
+from vllm_disagg.router.replies import JSON, Reply, content_type, relayed_headers
 from vllm_disagg.router.validation import decode_alone_reason
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.logs import RateLimitedLog
@@ -52,6 +52,10 @@ UPSTREAM_KEEPALIVE_S = 4.0
 # ``handle``'s ``alone`` for requests that generate nothing (/tokenize, the
 # render endpoints): one decode answers them, no prefill is skipped.
 NOT_GENERATION = "not_generation"
+# ``handle``'s ``alone`` for a body only Python's ``json`` reads (NaN,
+# Infinity, lone surrogate escapes): vLLM takes it, msgspec does not. The
+# decode answers it alone, sent as ``json`` encodes it.
+STDLIB_JSON = "stdlib_json"
 EXPIRY_SWEEP_S = 1.0  # how often silent instances are looked for without traffic
 
 
@@ -142,6 +146,7 @@ class RequestProxy:
         body: dict[str, Any],
         headers: Mapping[str, str],
         alone: str | None = None,
+        client: str | None = None,
     ) -> Reply:
         """Route one request. ``alone``: why the endpoint goes to the decode
         alone whatever the body says (None: disaggregated where it can be)."""
@@ -149,10 +154,11 @@ class RequestProxy:
             endpoint,
             path,
             body,
-            forwarded_headers(headers),
+            forwarded_headers(headers, client),
             self.config.request_timeout_s,
         )
         ex.alone = alone
+        ex.stdlib_json = alone == STDLIB_JSON
         client_id = client_request_id(headers.get("X-Request-Id"))
         if client_id is not None:
             ex.request_id = client_id
@@ -304,22 +310,28 @@ class RequestProxy:
     # --- endpoints one decode answers alone ---------------------------------
 
     async def refused_by_decode(
-        self, endpoint: str, path: str, raw: bytes
+        self,
+        endpoint: str,
+        path: str,
+        raw: bytes,
+        headers: Mapping[str, str],
+        client: str | None = None,
     ) -> Reply | None:
-        """A body that is not a JSON object, refused by a decode exactly as
-        ``vllm serve`` refuses it (FastAPI's validation error names the
+        """A body that is not a JSON object, answered by a decode exactly as
+        ``vllm serve`` answers it (FastAPI's validation error names the
         position), before any compute; None when no decode can say (then
-        the router answers itself). Only a 4xx is relayed."""
+        the router answers itself). Sent with the client's headers as every
+        leg is (``forwarded_headers``: an ``--api-key`` decode checks the
+        key first, its 401 is relayed). Only a 4xx is relayed."""
         ex = self._exchange(endpoint, path, {}, {}, self.config.connect_timeout_s + 5.0)
         decode = self._pick(Role.DECODE, ex)
         if decode is None:
             return None
+        sent = {**forwarded_headers(headers, client), "Content-Type": JSON}
         try:
             async with asyncio.timeout(ex.remaining()):
                 async with self.session.post(
-                    f"http://{decode.http_addr}{path}",
-                    data=raw,
-                    headers={"Content-Type": JSON},
+                    f"http://{decode.http_addr}{path}", data=raw, headers=sent
                 ) as resp:
                     payload = await resp.read()
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
@@ -328,7 +340,7 @@ class RequestProxy:
         if not 400 <= resp.status < 500:
             return None
         ex.count(Outcome.BAD_REQUEST)
-        return Reply(resp.status, content_type(resp), payload)
+        return Reply(resp.status, content_type(resp), payload, relayed_headers(resp))
 
     async def list_models(self, authorization: str | None = None) -> Reply:
         """``/v1/models`` of the fleet (``models_cache.py``)."""

@@ -31,7 +31,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from vllm_disagg.router.metrics import Outcome
 from vllm_disagg.router.passthrough import Asked
-from vllm_disagg.router.proxy import NOT_GENERATION
+from vllm_disagg.router.proxy import NOT_GENERATION, STDLIB_JSON
 from vllm_disagg.router.replies import JSON, VALIDATION_ERROR_TYPE, Reply, error_json
 from vllm_disagg.wire.discovery import Role
 
@@ -74,6 +74,7 @@ ANY_DECODE = {
 }
 
 _PATH_SAFE = "/:@!$&'()*+,;=-._~"  # RFC 3986's path characters, unescaped
+_DOT_SEGMENTS = {".": "%2E", "..": "%2E%2E"}
 
 # vLLM's answer to a body that is not JSON (its validate_json_request
 # dependency, rendered by its validation handler).
@@ -82,24 +83,36 @@ UNSUPPORTED_MEDIA_TYPE = (
 )
 
 
-def decode_body(raw: bytes) -> tuple[object, str]:
-    """The parsed body (None when it is not JSON) and what is wrong with it
-    unless it is a JSON object. Read as vLLM reads it (Starlette's
-    ``json.loads`` of the bytes): UTF-8, with or without a byte-order mark,
-    UTF-16 and UTF-32 (told apart as ``json.detect_encoding`` does)."""
+def decode_body(raw: bytes) -> tuple[object, str, bool]:
+    """The parsed body (None when it is not JSON), what is wrong with it
+    unless it is a JSON object, and whether only Python's ``json`` reads it.
+    Whether it is JSON is decided as vLLM decides (Starlette's
+    ``json.loads`` of the bytes: UTF-8, with or without a byte-order mark,
+    UTF-16 and UTF-32, ``NaN``/``Infinity``, lone surrogate escapes); msgspec
+    reads it where it can (faster), and a body only ``json`` reads is sent
+    to a decode alone, encoded by ``json`` again (``STDLIB_JSON``)."""
+    problem = "request body must be a JSON object"
     try:
         encoding = json.detect_encoding(raw)
         if encoding != "utf-8":  # a BOM, or the zero bytes of UTF-16/32
-            return msgspec.json.decode(
-                raw.decode(encoding, "surrogatepass")
-            ), "request body must be a JSON object"
-        return msgspec.json.decode(raw), "request body must be a JSON object"
-    except msgspec.DecodeError as e:
-        return None, f"request body is not JSON: {e}"
-    except UnicodeError:  # invalid UTF-8 inside a string, or a bad encoding
-        return None, "request body is not UTF-8"
+            return (
+                msgspec.json.decode(raw.decode(encoding, "surrogatepass")),
+                problem,
+                False,
+            )
+        return msgspec.json.decode(raw), problem, False
+    except (msgspec.DecodeError, UnicodeError):
+        pass
     except RecursionError:  # msgspec's own depth limit, not a router bug
-        return None, "request body is nested too deeply"
+        return None, "request body is nested too deeply", False
+    try:
+        return json.loads(raw), problem, True
+    except UnicodeError:  # invalid UTF-8 inside a string, or a bad encoding
+        return None, "request body is not UTF-8", False
+    except ValueError as e:
+        return None, f"request body is not JSON: {e}", False
+    except RecursionError:
+        return None, "request body is nested too deeply", False
 
 
 def is_json(content_type: str | None) -> bool:
@@ -127,7 +140,13 @@ def _target() -> str:
     """The path and query the client asked for, as sent on: the path
     percent-encoded again (a ``%3F`` in an id stays part of the id)."""
     query = request.query_string.decode("latin-1")
-    return quote(request.path, safe=_PATH_SAFE) + (f"?{query}" if query else "")
+    # A "." or ".." segment is an id (vLLM's path parameter), not a step up:
+    # encoded, no client or server normalizes it away.
+    segments = [
+        _DOT_SEGMENTS.get(s) or quote(s, safe=_PATH_SAFE)
+        for s in request.path.split("/")
+    ]
+    return "/".join(segments) + (f"?{query}" if query else "")
 
 
 def register(app: Quart, state) -> None:
@@ -159,11 +178,13 @@ def register(app: Quart, state) -> None:
         raw = await read_body(endpoint)
         if isinstance(raw, Response):
             return raw
-        body, problem = decode_body(raw)
+        body, problem, stdlib_only = decode_body(raw)
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not isinstance(body, dict) or not isinstance(params, dict | None):
             # vLLM's own 400 (FastAPI's error names the position or field).
-            refused = await proxy.refused_by_decode(endpoint, request.path, raw)
+            refused = await proxy.refused_by_decode(
+                endpoint, request.path, raw, request.headers, request.remote_addr
+            )
             if refused is not None:
                 return response(refused)
             metrics.requests.labels(endpoint, Outcome.BAD_REQUEST).inc()
@@ -172,7 +193,14 @@ def register(app: Quart, state) -> None:
                 return error(400, problem, "kv_transfer_params", VALIDATION_ERROR_TYPE)
             return error(400, problem, "body", VALIDATION_ERROR_TYPE)
         return response(
-            await proxy.handle(endpoint, request.path, body, request.headers)
+            await proxy.handle(
+                endpoint,
+                request.path,
+                body,
+                request.headers,
+                STDLIB_JSON if stdlib_only else None,
+                request.remote_addr,
+            )
         )
 
     def handler(name: str, answer: Callable[..., Awaitable[Response]], *args):
@@ -189,7 +217,7 @@ def register(app: Quart, state) -> None:
         raw = await read_body(endpoint)
         if isinstance(raw, Response):
             return raw
-        body, _ = decode_body(raw)
+        body, _, _ = decode_body(raw)
         model = body.get("model") if isinstance(body, dict) else None
         if (unknown := proxy.unknown_model(endpoint, model)) is not None:
             return response(unknown)
@@ -197,7 +225,14 @@ def register(app: Quart, state) -> None:
             metrics.decode_prefill_fallbacks.labels(reason).inc()
         return response(
             await passthrough.one(
-                Asked(endpoint, "POST", _target(), raw, request.headers),
+                Asked(
+                    endpoint,
+                    "POST",
+                    _target(),
+                    raw,
+                    request.headers,
+                    request.remote_addr,
+                ),
                 model if isinstance(model, str) else None,
             )
         )
@@ -211,7 +246,14 @@ def register(app: Quart, state) -> None:
             raw = await read_body(endpoint)
             if isinstance(raw, Response):
                 return raw
-        asked = Asked(endpoint, request.method, _target(), raw, request.headers)
+        asked = Asked(
+            endpoint,
+            request.method,
+            _target(),
+            raw,
+            request.headers,
+            request.remote_addr,
+        )
         return response(await how(asked))
 
     for path, endpoint in ANY_DECODE.items():

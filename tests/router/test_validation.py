@@ -178,3 +178,25 @@ def test_streaming_as_vllm_reads_stream():
         and not streams({"stream": " true"})
         and not streams({"stream": 0})
     )
+
+
+@pytest.mark.parametrize(
+    ("thinking", "max_tokens", "expected"),
+    [
+        ({"type": "enabled", "budget_tokens": 2048}, 2048, "invalid"),
+        ({"type": "enabled", "budget_tokens": 4096}, 1024, "invalid"),
+        ({"type": "enabled", "budget_tokens": 1024}, 2048, None),
+        ({"type": "disabled"}, 16, None),
+        ({"type": "adaptive"}, 16, None),
+        ({"type": "enabled", "budget_tokens": "x"}, 16, None),  # vLLM's 400 anyway
+    ],
+)
+def test_a_thinking_budget_vllm_refuses_skips_the_prefill_leg(
+    thinking, max_tokens, expected
+):
+    """vLLM skips this check on a leg marked do_remote_decode (the one-token
+    prefill leg): only the decode would refuse it, after the prefill."""
+    body = {"model": "m", "messages": [], "max_tokens": max_tokens}
+    body["thinking"] = thinking
+    assert decode_alone_reason(body, "/v1/messages") == expected
+    assert decode_alone_reason(body, "/v1/chat/completions") is None

@@ -90,6 +90,19 @@ def _optional(body: Mapping[str, Any], name: str, check) -> bool:
     return value is None or check(value)
 
 
+def _thinking_over_budget(body: Mapping[str, Any]) -> bool:
+    """vLLM's Messages check: enabled thinking whose budget_tokens is not
+    below max_tokens (other shapes are for its request model to refuse)."""
+    thinking = body.get("thinking")
+    if not isinstance(thinking, Mapping) or thinking.get("type") != "enabled":
+        return False
+    raw_budget, raw_limit = thinking.get("budget_tokens"), body.get("max_tokens")
+    if raw_budget is None or raw_limit is None:
+        return False
+    budget, limit = lax_int(raw_budget), lax_int(raw_limit)
+    return budget is not _INVALID and limit is not _INVALID and budget >= limit
+
+
 def decode_alone_reason(
     body: Mapping[str, Any], path: str = "/v1/completions"
 ) -> str | None:
@@ -118,6 +131,10 @@ def decode_alone_reason(
         body = {k: v for k, v in body.items() if k not in ("max_tokens", "min_tokens")}
         if body.get("max_output_tokens") is not None:
             body["max_tokens"] = body["max_output_tokens"]
+    elif path == "/v1/messages" and _thinking_over_budget(body):
+        # vLLM skips this check on a leg marked do_remote_decode (the
+        # one-token prefill leg), so only the decode would refuse it.
+        return "invalid"
     elif path == "/inference/v1/generate":
         sampling = body.get("sampling_params")
         if sampling is None:

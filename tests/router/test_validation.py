@@ -194,8 +194,8 @@ def test_streaming_as_vllm_reads_stream():
 def test_a_thinking_budget_vllm_refuses_skips_the_prefill_leg(
     thinking, max_tokens, expected
 ):
-    """vLLM skips this check on a leg marked do_remote_decode (the one-token
-    prefill leg): only the decode would refuse it, after the prefill."""
+    """On a leg marked do_remote_decode (the one-token prefill leg) vLLM
+    skips this check: only the decode would refuse it, after the prefill."""
     body = {"model": "m", "messages": [], "max_tokens": max_tokens}
     body["thinking"] = thinking
     assert decode_alone_reason(body, "/v1/messages") == expected

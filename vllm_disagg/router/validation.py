@@ -91,8 +91,9 @@ def _optional(body: Mapping[str, Any], name: str, check) -> bool:
 
 
 def _thinking_over_budget(body: Mapping[str, Any]) -> bool:
-    """vLLM's Messages check: enabled thinking whose budget_tokens is not
-    below max_tokens (other shapes are for its request model to refuse)."""
+    """Whether vLLM's Messages check refuses ``body``: enabled thinking whose
+    budget_tokens is not below max_tokens (other shapes are for its request
+    model to refuse)."""
     thinking = body.get("thinking")
     if not isinstance(thinking, Mapping) or thinking.get("type") != "enabled":
         return False

@@ -12,6 +12,7 @@ some 20 s on an idle 2-core machine.
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from pathlib import Path
 
@@ -70,7 +71,13 @@ def vllm_routes() -> dict[tuple[str, str], object]:
                 "--enable-scale-out",  # the real routes, not their 403 stand-ins
             ]
         )
-        app = launchers.build_app(args, ("generate", "transcription", "realtime"))
+        # build_app sets the root logger to ERROR; later tests in this
+        # process count warnings of loggers that inherit the root's level.
+        root_level = logging.getLogger().level
+        try:
+            app = launchers.build_app(args, ("generate", "transcription", "realtime"))
+        finally:
+            logging.getLogger().setLevel(root_level)
     routes = _routes_of(app.routes)
     for name in POOLING_ROUTERS:
         module = importlib.import_module(f"vllm.entrypoints.pooling.{name}.api_router")

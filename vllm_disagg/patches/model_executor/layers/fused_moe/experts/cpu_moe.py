@@ -47,14 +47,17 @@ def _local_expert_routes(
 def _honour_expert_map(apply_fn):
     """Wrap an experts ``apply`` that indexes its weights with global ids."""
     signature = inspect.signature(apply_fn)
+    map_at = list(signature.parameters).index("expert_map")
 
     @functools.wraps(apply_fn)
     def apply_local(*args, **kwargs):
+        # Without expert parallelism (no map): straight through, no binding.
+        given = args[map_at] if len(args) > map_at else kwargs.get("expert_map")
+        if given is None:
+            return apply_fn(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         arguments = bound.arguments
-        expert_map = arguments.get("expert_map")
-        if expert_map is None:
-            return apply_fn(*args, **kwargs)
+        expert_map = arguments["expert_map"]
         ids, weights, remote_rows = _local_expert_routes(
             arguments["topk_ids"], arguments["topk_weights"], expert_map
         )

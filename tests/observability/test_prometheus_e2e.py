@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import subprocess
 import time
 
@@ -21,6 +20,7 @@ import yaml
 
 from tests.observability.test_alerts import RULES, dashboard_exprs
 from tests.router.conftest import fakes, start_router  # noqa: F401 (fixtures)
+from vllm_disagg.testing.server import get_free_port
 from vllm_disagg.wire.discovery import Role
 
 pytestmark = pytest.mark.e2e
@@ -36,12 +36,6 @@ ROUTER_PANELS = {
     "Added latency (router)",
 }
 DEADLINE_S = 45
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -78,7 +72,7 @@ def prometheus(prometheus_binary, tmp_path):
             ],
         }
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-        port = free_port()
+        port = get_free_port()
         log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115
         procs.append(
             subprocess.Popen(

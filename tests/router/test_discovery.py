@@ -193,10 +193,12 @@ async def test_malformed_and_foreign_messages_are_rejected_and_counted(discovery
     assert ack.reason.startswith("stale")
     ack = await instance.message(register(seq=2**62))
     assert ack.reason.startswith("malformed") and "seq" in ack.reason
+    ack = await instance.message(register(max_model_len=-1))
+    assert ack.reason.startswith("malformed") and "max_model_len" in ack.reason
     assert len(router.registry) == 0
     assert (
         router.metric("vllm_disagg_router_discovery_rejected_total", kind="malformed")
-        == 7
+        == 8
     )
     assert (
         router.metric("vllm_disagg_router_discovery_rejected_total", kind="version")

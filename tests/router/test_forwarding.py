@@ -443,6 +443,47 @@ async def test_beam_search_goes_to_the_decode_alone(pd, path, base):
     )
 
 
+@pytest.mark.parametrize(
+    "path, base, limit",
+    [
+        ("/v1/completions", {"model": "m", "prompt": "a"}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            "max_completion_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            "max_tokens",
+        ),
+        ("/v1/responses", {"model": "m", "input": "hi"}, "max_output_tokens"),
+    ],
+)
+async def test_an_output_limit_over_max_model_len_costs_no_prefill(
+    pd, path, base, limit
+):
+    """An output limit larger than --max-model-len is refused by vLLM, but the
+    prefill leg asks for one token: only the decode would refuse, after the
+    prefill. The decode registered its max_model_len, so the router sends
+    such a request to it alone and relays its own 400."""
+    router, p, d = await pd()
+    router.add(d, Role.DECODE, max_model_len=64)
+    d.status = 400
+    status, _, _ = await router.post(path, {**base, limit: 65})
+    assert status == 400
+    assert not p.requests and d.requests[-1].body == {**base, limit: 65}
+    assert (
+        router.metric(
+            "vllm_disagg_router_decode_prefill_fallbacks_total", reason="invalid"
+        )
+        == 1
+    )
+    d.status = 200
+    status, _, _ = await router.post(path, {**base, limit: 64})
+    assert status == 200 and len(p.requests) == 1  # at the limit: disaggregated
+
+
 async def test_concurrent_hand_off_bad_stop_options_are_refused_by_both_legs(pd):
     """With --handoff concurrent D is asked at once too: both refuse in
     validation, before computing anything, and the client gets D's 400."""

@@ -219,6 +219,7 @@ def test_snapshot_shows_role_age_load_and_breaker():
         "state": "ready",
         "stalled_s": 0.0,
         "fingerprint": "",
+        "max_model_len": 0,  # not sent: not known
         "paired": False,  # no decode registered
     }
 

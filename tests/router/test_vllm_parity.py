@@ -10,6 +10,8 @@ machine): the router itself never does.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from vllm_disagg.router import validation
@@ -86,3 +88,40 @@ def test_the_prefill_leg_carries_the_stop_options(endpoint):
     request, _ = REQUESTS[endpoint]
     for name in ("stop", "stop_token_ids", "include_stop_str_in_output"):
         assert name in request.model_fields and name not in _PREFILL_DROPPED
+
+
+@pytest.mark.parametrize("endpoint", list(REQUESTS))
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"max_tokens": 63},
+        {"max_tokens": 64},
+        {"max_tokens": 65},
+        {"max_tokens": "65"},
+        {"max_tokens": 65.0},
+        {"max_tokens": None},
+        {"max_completion_tokens": 65},
+        {"max_completion_tokens": 64, "max_tokens": 65},
+        {"max_completion_tokens": 65, "max_tokens": 64},
+        {"max_completion_tokens": None, "max_tokens": 65},
+        {"max_tokens": 0},
+    ],
+)
+def test_over_context_as_vllms_request_models_say(endpoint, fields):
+    """``validation.over_context`` is the check of vLLM's ``build_tok_params``
+    (output limit against ``max_model_len``), field for field."""
+    request, base = REQUESTS[endpoint]
+    body = {**base, **fields}
+    try:
+        parsed = request.model_validate(body)
+    except (ValueError, exceptions.VLLMValidationError):
+        pytest.skip("vLLM's request model refuses the body before the check")
+    try:
+        parsed.build_tok_params(SimpleNamespace(max_model_len=64))
+        refused = False
+    except exceptions.VLLMValidationError:
+        refused = True
+    path = "/v1/completions" if endpoint == "completion" else "/v1/chat/completions"
+    assert validation.over_context(body, path, 64) is refused, fields
+    assert validation.over_context(body, path, 0) is False  # not known: never

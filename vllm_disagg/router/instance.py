@@ -38,6 +38,7 @@ class Instance:
     sent_at: float = 0.0  # the last accepted heartbeat's sender clock
     stalled_s: float = 0.0  # the last heartbeat's: engine held requests, no step
     fingerprint: str = ""  # its model fingerprint ("": unknown, pairs with any)
+    max_model_len: int = 0  # its --max-model-len (0: not known)
     stalled: bool = False  # stalled_s reached the registry's stall_timeout_s
     breaker: CircuitBreaker = field(
         default_factory=CircuitBreaker, repr=False, compare=False

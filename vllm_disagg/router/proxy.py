@@ -42,7 +42,7 @@ from vllm_disagg.router.passthrough import Passthrough
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease, compatible
 from vllm_disagg.router.replies import JSON, Reply, content_type, relayed_headers
-from vllm_disagg.router.validation import decode_alone_reason
+from vllm_disagg.router.validation import decode_alone_reason, over_context
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.logs import RateLimitedLog
 
@@ -270,6 +270,10 @@ class RequestProxy:
                 503,
                 self._no_decode_reason(ex),
             )
+        if alone is None and over_context(ex.body, ex.path, decode.max_model_len):
+            # vLLM answers its own 400 ("... cannot be greater than
+            # max_model_len=..."), from the decode, with no prefill spent.
+            alone = "invalid"
         # D counts as loaded from now on, prefill included: requests arriving
         # meanwhile see it, and a half-open D gets no second trial. The
         # decode leg releases the lease (or hands it to the stream relay);

@@ -221,6 +221,7 @@ class InstanceRegistry:
                 self._index.count_for_pairing(known)
             known.seq, known.sent_at = msg.seq, msg.sent_at
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
+            known.max_model_len = msg.max_model_len
             known.last_seen, known.expires_after_s = now, expires_after_s
             self._progress(known, msg.stalled_s)
             return False
@@ -239,6 +240,7 @@ class InstanceRegistry:
             seq=msg.seq,
             sent_at=msg.sent_at,
             fingerprint=msg.fingerprint,
+            max_model_len=msg.max_model_len,
             breaker=self._new_breaker(msg.instance_id, msg.http_addr),
         )
         self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
@@ -549,6 +551,7 @@ class InstanceRegistry:
                 "state": "stalled" if i.stalled else "ready",
                 "stalled_s": i.stalled_s,
                 "fingerprint": i.fingerprint,
+                "max_model_len": i.max_model_len,
                 # False: no instance of the other side has its fingerprint.
                 "paired": self.has_partner(i),
             }

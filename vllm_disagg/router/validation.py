@@ -170,3 +170,32 @@ def decode_alone_reason(
     if lax_bool(body.get("use_beam_search")) is True:
         return "beam_search"
     return None
+
+
+def output_limit(body: Mapping[str, Any], path: str) -> int | None:
+    """The output-token limit vLLM checks against ``--max-model-len`` for
+    ``body`` at ``path`` (its request models' ``build_tok_params``), or None
+    where it checks none or the value is not an int (its model refuses
+    that itself)."""
+    if path == "/inference/v1/generate":
+        return None  # a token-in API: vLLM checks no output limit there
+    if path == "/v1/responses":
+        raw = body.get("max_output_tokens")
+    elif path == "/v1/completions" or (
+        path == "/invocations" and "messages" not in body
+    ):
+        raw = body.get("max_tokens")
+    else:  # chat's request model; /v1/messages becomes a chat request
+        raw = body.get("max_completion_tokens")
+        if raw is None:
+            raw = body.get("max_tokens")
+    limit = lax_int(raw) if raw is not None else None
+    return limit if isinstance(limit, int) else None
+
+
+def over_context(body: Mapping[str, Any], path: str, max_model_len: int) -> bool:
+    """Whether vLLM refuses ``body`` because its output limit alone is
+    larger than ``max_model_len`` (0: not known, never). The prefill leg asks
+    for one token, so only the decode would refuse it: after the prefill."""
+    limit = output_limit(body, path)
+    return max_model_len > 0 and limit is not None and limit > max_model_len

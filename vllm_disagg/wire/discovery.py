@@ -54,6 +54,7 @@ MAX_ID_CHARS = 128
 MAX_MODEL_CHARS = 256
 MAX_ALIASES = 8
 MAX_REASON_CHARS = 300
+MAX_MODEL_LEN = 2**31 - 1  # vLLM's context lengths are int32 token counts
 MAX_SEQ = 2**53  # heartbeats every 50 ms for longer than the universe has existed
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]{1,128}$")
@@ -98,6 +99,10 @@ class Register(_Msg, tag="register"):
     # Its model fingerprint (hex; p2p/fingerprint.py): the router pairs a
     # prefill and a decode only when theirs are equal ("": not known).
     fingerprint: str = ""
+    # Its --max-model-len (0: not known): the router sends a request whose
+    # output limit vLLM refuses against it to the decode alone, at no
+    # prefill's cost.
+    max_model_len: int = 0
 
 
 class Deregister(_Msg, tag="deregister"):
@@ -203,6 +208,10 @@ def validate(msg: Message) -> None:
             len(msg.fingerprint) <= 64
             and all(c in "0123456789abcdef" for c in msg.fingerprint),
             "fingerprint must be at most 64 lower-case hex digits",
+        )
+        need(
+            0 <= msg.max_model_len <= MAX_MODEL_LEN,
+            f"max_model_len out of [0, {MAX_MODEL_LEN}]",
         )
     elif isinstance(msg, Ack):
         need(len(msg.reason) <= MAX_REASON_CHARS, "reason too long")

@@ -762,6 +762,12 @@ REFUSED_BEFORE_PREFILL = {
         "stream": True,
         "stream_options": {"include_usage": "maybe"},
     },
+    # The decode registered its --max-model-len (1024) with the router.
+    "max_tokens over --max-model-len": {"max_tokens": 1025},
+}
+# Chat's own output limit (completions take no such field).
+CHAT_REFUSED_BEFORE_PREFILL = {
+    "max_completion_tokens over --max-model-len": {"max_completion_tokens": 1025},
 }
 BEAM_SEARCH = {"use_beam_search": True, "n": 2, "temperature": 0, "max_tokens": 6}
 
@@ -795,7 +801,10 @@ def test_router_refuses_before_any_prefill_and_beam_searches_like_the_decode(
     }
     before = metric(prefill, "vllm:prompt_tokens")
     for path, base in bases.items():
-        for name, fields in REFUSED_BEFORE_PREFILL.items():
+        refused = dict(REFUSED_BEFORE_PREFILL)
+        if path == "/v1/chat/completions":
+            refused.update(CHAT_REFUSED_BEFORE_PREFILL)
+        for name, fields in refused.items():
             body = {**base, "max_tokens": 8, **fields}
             via, alone = _post(router, path, body), _post(decode, path, body)
             assert alone.status_code == 400, (path, name, alone.text)

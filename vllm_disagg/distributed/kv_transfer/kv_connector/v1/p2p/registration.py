@@ -119,6 +119,7 @@ class RegistrationClient:
         wait_for_http: bool = True,
         progress: EngineProgress | None = None,
         fingerprint: str = "",
+        max_model_len: int = 0,
     ):
         if not routers:
             raise ValueError("no router to register with")
@@ -138,6 +139,7 @@ class RegistrationClient:
             dp_size=dp_size,
             interval_s=interval_s,
             fingerprint=fingerprint,
+            max_model_len=max_model_len,
         )
         try:
             validate(self._template)
@@ -495,4 +497,5 @@ def start_registration(
         token=config.grant_token or envs.router_token(),
         progress=progress,
         fingerprint=fingerprint,
+        max_model_len=vllm_config.model_config.max_model_len or 0,
     ).start()

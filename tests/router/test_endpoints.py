@@ -293,3 +293,30 @@ async def test_instances_are_listed_to_the_routers_own_host_only(pd, monkeypatch
     monkeypatch.setattr(app_module, "is_loopback", lambda host: False)
     status, body = await router.get("/instances")
     assert status == 403 and json.loads(body) == {"detail": "Forbidden"}
+
+
+async def test_model_names_in_router_errors_only_to_clients_the_decodes_accept(
+    start_router, fakes
+):
+    """The router's own 404 (unknown model) and 400 (`model` missing among
+    several) name the fleet's models; with --api-key decodes, a client
+    without the key got those names, where vllm serve answers 401 first."""
+    router = await start_router()
+    decodes = {name: await fakes(f"d{name}") for name in ("a", "b")}
+    for name, d in decodes.items():
+        d.api_key = "k1"
+        d.models = [{"id": name, "object": "model", "root": "/m"}]
+        router.add(d, Role.DECODE, model=name)
+    body = {"prompt": "x", "max_tokens": 2}
+    for fields, known in (({"model": "zzz"}, 404), ({}, 400)):
+        status, answer, _ = await router.post("/v1/completions", {**body, **fields})
+        assert status == 401 and b"zzz" not in answer and b"a, b" not in answer
+        status, answer, _ = await router.post(
+            "/v1/completions",
+            {**body, **fields},
+            headers={"Authorization": "Bearer k1"},
+        )
+        assert status == known and b"a, b" in answer, answer
+    # /tokenize and the other routes one decode answers alone: the same.
+    status, answer, _ = await router.post("/tokenize", {"model": "zzz", "prompt": "x"})
+    assert status == 401 and b"a, b" not in answer

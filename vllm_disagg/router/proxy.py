@@ -179,19 +179,23 @@ class RequestProxy:
         deadline = time.monotonic() + timeout_s
         return Exchange(endpoint, path, body, headers, deadline, self.metrics)
 
-    def unknown_model(self, endpoint: str, model: object) -> Reply | None:
+    async def unknown_model(
+        self, endpoint: str, model: object, headers: Mapping[str, str]
+    ) -> Reply | None:
         """The 404 vLLM answers when ``model`` is a name no instance serves."""
         if not isinstance(model, str):
             return None
-        return self._unknown_model(
-            self._exchange(endpoint, "", {"model": model}, {}, 0)
+        return await self._unknown_model(
+            self._exchange(endpoint, "", {"model": model}, dict(headers), 0)
         )
 
-    def _unknown_model(self, ex: Exchange) -> Reply | None:
+    async def _unknown_model(self, ex: Exchange) -> Reply | None:
         """Upstream vLLM's 404 when no instance serves the request's model."""
         model = ex.model
         if model is None or not len(self.registry) or self.registry.serves_model(model):
             return None
+        if (refused := await self._may_not_list_models(ex)) is not None:
+            return refused
         return ex.error(
             Outcome.NO_INSTANCE,
             404,
@@ -199,6 +203,22 @@ class RequestProxy:
             f"{', '.join(self.registry.model_names())}.",
             "model",
         )
+
+    async def _may_not_list_models(self, ex: Exchange) -> Reply | None:
+        """The decodes' 401 or 403 when this client may not list models.
+
+        An error the router writes that names the fleet's models must not
+        tell them to a client an ``--api-key`` decode would have refused
+        first: ask one decode per model (``/v1/models``, cached per
+        ``Authorization``), as the client's request would have."""
+        authorization = next(
+            (v for k, v in ex.headers.items() if k.lower() == "authorization"), None
+        )
+        listed = await self.models.list_models(authorization)
+        if listed.status in (401, 403):
+            ex.count(Outcome.BAD_REQUEST)
+            return listed
+        return None
 
     def _pick(
         self,
@@ -250,11 +270,13 @@ class RequestProxy:
 
     async def _route(self, ex: Exchange) -> Reply:
         model = ex.model
-        if (unknown := self._unknown_model(ex)) is not None:
+        if (unknown := await self._unknown_model(ex)) is not None:
             return unknown
         if model is None and len(self.registry.models()) > 1:
             # vllm serve takes a request without `model` for its one model;
             # with several, any choice could answer with the wrong one.
+            if (refused := await self._may_not_list_models(ex)) is not None:
+                return refused
             return ex.error(
                 Outcome.BAD_REQUEST,
                 400,

@@ -219,7 +219,8 @@ def register(app: Quart, state) -> None:
             return raw
         body, _, _ = decode_body(raw)
         model = body.get("model") if isinstance(body, dict) else None
-        if (unknown := proxy.unknown_model(endpoint, model)) is not None:
+        unknown = await proxy.unknown_model(endpoint, model, request.headers)
+        if unknown is not None:
             return response(unknown)
         if reason != NOT_GENERATION:
             metrics.decode_prefill_fallbacks.labels(reason).inc()

@@ -223,6 +223,24 @@ def test_writer_publishes_at_most_every_interval(snapshot_mode):
     assert collected(snapshot_mode)[f"{PREFIX}forward_steps_total"] == {0: 2.0}
 
 
+def test_every_sample_names_its_group(snapshot_mode):
+    """With one ``vllm serve`` per DP rank each rank is a scrape target of
+    its own: only ``dp_group`` (the coordinator's address, the same on every
+    rank of a group) lets a rule compare a group's ranks across targets."""
+    group = "tcp://10.0.0.1:13345"
+    StepSyncMetricsWriter(1, lambda: {"local_step": 4}, dp_group=group).close()
+    registry = CollectorRegistry()
+    registry.register(StepSyncCollector(snapshot_mode))
+    [family] = [
+        f
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        if f.name == f"{PREFIX}local_step"
+    ]
+    [sample] = family.samples
+    assert sample.labels == {"dp_rank": "1", "dp_group": group}
+    assert sample.value == 4.0
+
+
 def test_collector_skips_foreign_and_torn_files(snapshot_mode):
     StepSyncMetricsWriter(1, lambda: {"dummy_steps": 3}).close()
     (snapshot_mode / "step_sync_dp7.json").write_text('{"dp_rank": 7, "stats": {"dumm')

@@ -158,7 +158,11 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         # ask for steps there, before execute_model can enter a collective.
         self._upstream_schedule = self.scheduler.schedule
         self.scheduler.schedule = self._schedule_and_account
-        self._metrics = StepSyncMetricsWriter(self.dp_rank, self._metrics_snapshot)
+        self._metrics = StepSyncMetricsWriter(
+            self.dp_rank,
+            self._metrics_snapshot,
+            dp_group=str(self.step_sync.coordinator_address),
+        )
         # The ports this group exposes (docs/step_sync.md, "Ports"), and where its
         # secret came from (never the secret).
         logger.info(

@@ -37,17 +37,13 @@ class ForwardProbe:
                 self._thread.start()
 
     def _flush_loop(self) -> None:
-        from vllm_disagg.logger import init_logger  # imports vLLM: not for readers
-
-        logger = init_logger(__name__)
         directory = envs.metrics_dir()
         if not directory:
-            logger.warning(
+            _logger().warning(
                 "probe: %s unset, counts go nowhere", envs.VLLM_DISAGG_METRICS_DIR
             )
             return
-        logger.info("probe: pid=%d writes its counts to %s", os.getpid(), directory)
-        last, failing = None, False
+        last, failing, announced = None, False, False
         while True:
             with self._lock:
                 snapshot = dict(self.counts, dp_rank=self.dp_rank, pid=os.getpid())
@@ -58,9 +54,22 @@ class ForwardProbe:
                     last, failing = snapshot, False
                 except OSError as e:  # measurement must never take the engine down
                     if not failing:
-                        logger.warning("probe: cannot write %s: %s", path, e)
+                        _logger().warning("probe: cannot write %s: %s", path, e)
                     failing = True
+                if not announced:
+                    # After the first write: the logger imports vLLM, which
+                    # takes seconds on a loaded host; counts must not wait.
+                    announced = True
+                    _logger().info(
+                        "probe: pid=%d writes its counts to %s", os.getpid(), directory
+                    )
             time.sleep(FLUSH_INTERVAL_S)
+
+
+def _logger():
+    from vllm_disagg.logger import init_logger  # imports vLLM: not for readers
+
+    return init_logger(__name__)
 
 
 PROBE = ForwardProbe()

@@ -38,6 +38,11 @@ logger = init_logger(__name__)
 
 WRITE_INTERVAL_S = 0.5
 PREFIX = "vllm_disagg:step_sync_"
+# dp_group: the group's coordinator address, the same on every rank of one
+# group whether its ranks share an API server (internal launch) or each has
+# its own ``vllm serve`` (one scrape target per rank): the label that lets
+# rules compare the ranks of a group across targets.
+LABELS = ("dp_rank", "dp_group")
 
 # snapshot key -> (metric name without prefix, type, help)
 METRICS: dict[str, tuple[str, str, str]] = {
@@ -180,17 +185,17 @@ def prometheus_multiprocess() -> bool:
 class _MultiprocessExporter:
     """Mirrors snapshots into prometheus_client metrics (multiprocess mode)."""
 
-    def __init__(self, dp_rank: int):
+    def __init__(self, dp_rank: int, dp_group: str):
         from prometheus_client import Counter, Gauge
 
-        self.label = str(dp_rank)
+        self.labels = (str(dp_rank), dp_group)
         self.metrics = {}
         for key, (name, kind, doc) in METRICS.items():
             if kind == "counter":
-                self.metrics[key] = Counter(PREFIX + name, doc, ["dp_rank"])
+                self.metrics[key] = Counter(PREFIX + name, doc, list(LABELS))
             else:
                 self.metrics[key] = Gauge(
-                    PREFIX + name, doc, ["dp_rank"], multiprocess_mode="livemax"
+                    PREFIX + name, doc, list(LABELS), multiprocess_mode="livemax"
                 )
         self.last: dict[str, int] = {}
 
@@ -199,7 +204,7 @@ class _MultiprocessExporter:
             metric = self.metrics.get(key)
             if metric is None:
                 continue
-            child = metric.labels(self.label)
+            child = metric.labels(*self.labels)
             if METRICS[key][1] == "counter":
                 delta = value - self.last.get(key, 0)
                 if delta > 0:
@@ -212,11 +217,19 @@ class _MultiprocessExporter:
 class StepSyncMetricsWriter:
     """Engine-core side: publishes this rank's counters, rate-limited."""
 
-    def __init__(self, dp_rank: int, snapshot: Callable[[], dict[str, int]]):
+    def __init__(
+        self,
+        dp_rank: int,
+        snapshot: Callable[[], dict[str, int]],
+        dp_group: str = "",
+    ):
         self.dp_rank = dp_rank
+        self.dp_group = dp_group
         self._snapshot = snapshot
         self._exporter = (
-            _MultiprocessExporter(dp_rank) if prometheus_multiprocess() else None
+            _MultiprocessExporter(dp_rank, dp_group)
+            if prometheus_multiprocess()
+            else None
         )
         directory = envs.metrics_dir()
         self._path = (
@@ -240,7 +253,10 @@ class StepSyncMetricsWriter:
             self._exporter.update(data)
             return
         try:
-            write_json_atomically(self._path, {"dp_rank": self.dp_rank, "stats": data})
+            write_json_atomically(
+                self._path,
+                {"dp_rank": self.dp_rank, "dp_group": self.dp_group, "stats": data},
+            )
         except OSError as e:  # metrics must never take the engine down
             logger.warning("step sync metrics: cannot write %s: %s", self._path, e)
 
@@ -254,11 +270,15 @@ class StepSyncCollector(Collector):
     def __init__(self, directory: Path):
         self.directory = directory
 
-    def read_snapshots(self) -> dict[int, dict[str, int]]:
-        snapshots: dict[int, dict[str, int]] = {}
+    def read_snapshots(self) -> dict[tuple[int, str], dict[str, int]]:
+        """{(dp_rank, dp_group): stats} of every rank's snapshot."""
+        snapshots: dict[tuple[int, str], dict[str, int]] = {}
         for doc in read_json_files(self.directory, "step_sync_dp*.json"):
             try:
-                snapshots[int(doc["dp_rank"])] = {
+                group = doc.get("dp_group", "")
+                if not isinstance(group, str):
+                    continue
+                snapshots[(int(doc["dp_rank"]), group)] = {
                     k: int(v) for k, v in doc["stats"].items() if k in METRICS
                 }
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -271,8 +291,8 @@ class StepSyncCollector(Collector):
             family_type = (
                 CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             )
-            family = family_type(PREFIX + name, doc, labels=["dp_rank"])
-            for dp_rank, stats in snapshots.items():
+            family = family_type(PREFIX + name, doc, labels=list(LABELS))
+            for (dp_rank, dp_group), stats in snapshots.items():
                 if key in stats:
-                    family.add_metric([str(dp_rank)], stats[key])
+                    family.add_metric([str(dp_rank), dp_group], stats[key])
             yield family

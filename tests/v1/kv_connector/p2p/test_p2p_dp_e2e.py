@@ -7,6 +7,11 @@ instance), every rank registered with the router as an instance of its own.
 * A rank waiting for remote KV must not stall step sync: while one request on
   decode rank 1 waits for KV that never comes, requests on both ranks
   complete, and the waiting one is recomputed after ``kv_load_timeout_s``.
+* Different DP sizes: the same DP=2 prefill also feeds a DP=1 decode
+  instance through a second router (2P1D: both prefill ranks feed its one
+  rank); its answers equal the colocated run and every one of its loads came
+  over the connector. The reverse (DP=1 prefills feeding each rank of a DP=2
+  decode) is the chaos fleet's steady state (tests/chaos/test_chaos.py).
 
 The colocated reference is prefill rank 0 answering requests that name no
 peers (float32: DP=2 under step sync equals DP=1, which
@@ -32,6 +37,8 @@ from vllm_disagg.testing.p2p import (
     peer_naming,
 )
 from vllm_disagg.testing.server import get_free_port
+
+from .e2e_common import metric, wait_metric
 
 pytestmark = pytest.mark.e2e
 
@@ -64,13 +71,17 @@ def _ids(response: dict) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def xpyd_dp(tiny_models, start_server, start_router):
-    """(router, [prefill rank 0, 1], [decode rank 0, 1]), every rank registered."""
+def dp_servers(tiny_models, start_server, start_router):
+    """Every server of the module, started at once: a DP=2 prefill, a DP=2
+    decode and a DP=1 decode instance (one `vllm serve` per rank), and two
+    routers: ``router`` knows both DP=2 instances, ``router_dp1`` the prefill's
+    ranks and the DP=1 decode."""
     model = tiny_models["tiny-mixtral"]
     router = start_router(name="router-dp", model=str(model))
+    router_dp1 = start_router(name="router-dp2-to-dp1", model=str(model))
     options = json.dumps({"step_sync_peer_timeout_s": 10})
 
-    def instance(role: str, **extra) -> list[P2pInstance]:
+    def instance(role: str, routers, **extra) -> list[P2pInstance]:
         kv_port, rpc_port = free_kv_port(), get_free_port()
         ranks = []
         for rank in (0, 1):
@@ -80,8 +91,7 @@ def xpyd_dp(tiny_models, start_server, start_router):
             config = kv_transfer_config(
                 role,
                 kv_port,
-                proxy_ip="127.0.0.1",
-                proxy_port=str(router.discovery_port),
+                proxy_ip=",".join(f"127.0.0.1:{r.discovery_port}" for r in routers),
                 http_port=str(http_port),
                 **extra,
             )
@@ -109,16 +119,52 @@ def xpyd_dp(tiny_models, start_server, start_router):
             ranks.append(P2pInstance(server, kv_port + rank))
         return ranks
 
-    prefills = instance("kv_producer")
-    decodes = instance("kv_consumer", kv_load_timeout_s=LOAD_TIMEOUT_S)
-    for inst in (*prefills, *decodes):
+    prefills = instance("kv_producer", (router, router_dp1))
+    decodes = instance("kv_consumer", (router,), kv_load_timeout_s=LOAD_TIMEOUT_S)
+    single = _dp1_instance(start_server, model, router_dp1)
+    for inst in (*prefills, *decodes, single):
         inst.server.wait_ready()
     router.wait_for_instances(
         lambda found: len(found) == 4, timeout_s=30, what="4 registered DP ranks"
     )
-    yield router, prefills, decodes
-    for inst in (*prefills, *decodes):
+    router_dp1.wait_for_instances(
+        lambda found: len(found) == 3, timeout_s=30, what="2 prefill ranks, 1 decode"
+    )
+    yield {
+        "router": router,
+        "prefills": prefills,
+        "decodes": decodes,
+        "router_dp1": router_dp1,
+        "dp1_decode": single,
+    }
+    for inst in (*prefills, *decodes, single):
         inst.server.stop()
+
+
+def _dp1_instance(start_server, model, router) -> P2pInstance:
+    """A DP=1 decode instance (no DP flags) registered with ``router`` only."""
+    kv_port, http_port = free_kv_port(), get_free_port()
+    config = kv_transfer_config(
+        "kv_consumer",
+        kv_port,
+        proxy_ip=f"127.0.0.1:{router.discovery_port}",
+        http_port=str(http_port),
+        kv_load_timeout_s=LOAD_TIMEOUT_S,
+    )
+    server = start_server(
+        model,
+        [*COMMON_ARGS, "--kv-transfer-config", config],
+        name="p2p-dp1-kv_consumer",
+        wait=False,
+        port=http_port,
+    )
+    return P2pInstance(server, kv_port)
+
+
+@pytest.fixture(scope="module")
+def xpyd_dp(dp_servers):
+    """(router, [prefill rank 0, 1], [decode rank 0, 1]), every rank registered."""
+    return dp_servers["router"], dp_servers["prefills"], dp_servers["decodes"]
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +295,45 @@ def test_dp2_decode_loads_remote_kv_and_a_waiting_rank_never_stalls_the_group(
     for d in decodes:
         received = d.server.metrics(prefix="vllm:p2p_bytes_received")
         assert sum(v for labels in received.values() for v in labels.values()) > 0
+
+
+def test_a_dp2_prefill_feeds_a_dp1_decode_both_ranks_into_one(dp_servers, reference):
+    """DP sizes differ (P=2, D=1) and two prefills feed one decode rank: the
+    router pairs any prefill rank with the decode; answers equal the colocated
+    run and the decode loaded every prompt's KV (none recomputed)."""
+    router, decode = dp_servers["router_dp1"], dp_servers["dp1_decode"]
+    prefills = dp_servers["prefills"]
+    sent_before = [metric(p, "vllm:p2p_bytes_sent") for p in prefills]
+    received_before = metric(decode, "vllm:p2p_bytes_received")
+    failed_before = metric(decode, "vllm:p2p_failed_loads")
+    hits_before = metric(decode, "vllm:external_prefix_cache_hits")
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(
+            pool.map(
+                lambda p: _ids(
+                    openai_client.complete(
+                        router,
+                        p,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0.0,
+                        return_token_ids=True,
+                    )
+                ),
+                PROMPTS,
+            )
+        )
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
+        assert out == reference[tuple(prompt)], f"completion {i}"
+    # Both prefill ranks sent KV to the one decode rank (round robin over P).
+    for rank, (p, before) in enumerate(zip(prefills, sent_before)):
+        assert wait_metric(p, "vllm:p2p_bytes_sent", before + 1) > before, rank
+    assert wait_metric(decode, "vllm:p2p_bytes_received", received_before + 1) > (
+        received_before
+    )
+    # Every prompt's KV arrived: the decode recomputed nothing, and its prefix
+    # cache counted the remote tokens as external hits.
+    assert metric(decode, "vllm:p2p_failed_loads") == failed_before
+    # Every prompt token but the last is loaded (decode computes the last one).
+    remote = sum(len(p) - 1 for p in PROMPTS)
+    hits = wait_metric(decode, "vllm:external_prefix_cache_hits", hits_before + remote)
+    assert hits - hits_before >= remote, (hits, hits_before, remote)

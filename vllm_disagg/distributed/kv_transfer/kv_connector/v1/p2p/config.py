@@ -470,8 +470,8 @@ OPTIONS: tuple[Option, ...] = (
         "IPv4, IPv6 (brackets optional), host name",
         "127.0.0.1",
         parse_advertised_host,
-        "address "
-        "the workers bind and put in their messages; must be reachable by peers",
+        "address peers are told (messages, registrations, grants); the workers bind it "
+        "too unless `kv_bind_ip` is set; must be reachable by peers",
         "wildcard, `_` in names, IPv6 zone ids, bad IPs",
         field="host",
         shown_default=(

@@ -12,6 +12,11 @@ instance), every rank registered with the router as an instance of its own.
   rank); its answers equal the colocated run and every one of its loads came
   over the connector. The reverse (DP=1 prefills feeding each rank of a DP=2
   decode) is the chaos fleet's steady state (tests/chaos/test_chaos.py).
+* Bind and advertised addresses: that DP=1 decode binds its KV ports on
+  127.0.0.2 (``kv_bind_ip``) and advertises 127.0.0.3 (``kv_ip``, registered
+  with the router), where only a TCP forwarder (the NAT) listens, and its
+  API server is advertised there too: all of its KV and requests came in
+  through the forwarders.
 
 The colocated reference is prefill rank 0 answering requests that name no
 peers (float32: DP=2 under step sync equals DP=1, which
@@ -28,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from vllm_disagg.testing import openai_client
+from vllm_disagg.testing.forwarder import Forwarder
 from vllm_disagg.testing.openai_client import complete
 from vllm_disagg.testing.p2p import (
     P2pInstance,
@@ -121,7 +127,7 @@ def dp_servers(tiny_models, start_server, start_router):
 
     prefills = instance("kv_producer", (router, router_dp1))
     decodes = instance("kv_consumer", (router,), kv_load_timeout_s=LOAD_TIMEOUT_S)
-    single = _dp1_instance(start_server, model, router_dp1)
+    single, nat = _dp1_instance(start_server, model, router_dp1)
     for inst in (*prefills, *decodes, single):
         inst.server.wait_ready()
     router.wait_for_instances(
@@ -136,20 +142,38 @@ def dp_servers(tiny_models, start_server, start_router):
         "decodes": decodes,
         "router_dp1": router_dp1,
         "dp1_decode": single,
+        "nat": nat,
     }
     for inst in (*prefills, *decodes, single):
         inst.server.stop()
+    for forwarder in nat.values():
+        forwarder.close()
 
 
-def _dp1_instance(start_server, model, router) -> P2pInstance:
-    """A DP=1 decode instance (no DP flags) registered with ``router`` only."""
-    kv_port, http_port = free_kv_port(), get_free_port()
+BOUND, ADVERTISED = "127.0.0.2", "127.0.0.3"  # the DP=1 decode's KV addresses
+
+
+def _dp1_instance(start_server, model, router) -> tuple[P2pInstance, dict]:
+    """A DP=1 decode instance (no DP flags) registered with ``router`` only,
+    its KV ports bound on BOUND and advertised on ADVERTISED, and the NAT
+    between them: {"control", "data", "http": Forwarder}; its API server is
+    advertised on ADVERTISED too."""
+    kv_port, data_port, http_port = free_kv_port(), get_free_port(), get_free_port()
+    nat = {
+        name: Forwarder((ADVERTISED, port), (BOUND, port))
+        for name, port in (("control", kv_port), ("data", data_port))
+    }
+    # vllm serve listens on 127.0.0.1; the routers are told ADVERTISED.
+    nat["http"] = Forwarder((ADVERTISED, http_port), ("127.0.0.1", http_port))
     config = kv_transfer_config(
         "kv_consumer",
         kv_port,
         proxy_ip=f"127.0.0.1:{router.discovery_port}",
         http_port=str(http_port),
         kv_load_timeout_s=LOAD_TIMEOUT_S,
+        kv_ip=ADVERTISED,  # and http_ip, by default
+        kv_bind_ip=BOUND,
+        kv_data_port=str(data_port),
     )
     server = start_server(
         model,
@@ -158,7 +182,7 @@ def _dp1_instance(start_server, model, router) -> P2pInstance:
         wait=False,
         port=http_port,
     )
-    return P2pInstance(server, kv_port)
+    return P2pInstance(server, kv_port), nat
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +329,8 @@ def test_a_dp2_prefill_feeds_a_dp1_decode_both_ranks_into_one(dp_servers, refere
     prefills = dp_servers["prefills"]
     sent_before = [metric(p, "vllm:p2p_bytes_sent") for p in prefills]
     received_before = metric(decode, "vllm:p2p_bytes_received")
+    through_nat = dp_servers["nat"]["data"].bytes_in
+    requests_before = dp_servers["nat"]["http"].connections
     failed_before = metric(decode, "vllm:p2p_failed_loads")
     hits_before = metric(decode, "vllm:external_prefix_cache_hits")
     with ThreadPoolExecutor(4) as pool:
@@ -327,9 +353,12 @@ def test_a_dp2_prefill_feeds_a_dp1_decode_both_ranks_into_one(dp_servers, refere
     # Both prefill ranks sent KV to the one decode rank (round robin over P).
     for rank, (p, before) in enumerate(zip(prefills, sent_before)):
         assert wait_metric(p, "vllm:p2p_bytes_sent", before + 1) > before, rank
-    assert wait_metric(decode, "vllm:p2p_bytes_received", received_before + 1) > (
-        received_before
-    )
+    received = wait_metric(decode, "vllm:p2p_bytes_received", received_before + 1)
+    assert received > received_before
+    # The decode is reached only at its advertised address, through the NAT.
+    crossed = dp_servers["nat"]["data"].bytes_in - through_nat
+    assert crossed >= received - received_before, (crossed, received)
+    assert dp_servers["nat"]["http"].connections > requests_before
     # Every prompt's KV arrived: the decode recomputed nothing, and its prefix
     # cache counted the remote tokens as external hits.
     assert metric(decode, "vllm:p2p_failed_loads") == failed_before

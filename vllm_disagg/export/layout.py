@@ -117,6 +117,7 @@ HELPERS: dict[str, str] = {
     "vllm_disagg.testing.openai_client": "p2p",
     "vllm_disagg.testing.tiny_models": "p2p",
     "vllm_disagg.testing.p2p": "p2p",
+    "vllm_disagg.testing.forwarder": "p2p",
     "vllm_disagg.testing.compare": "p2p",
     "vllm_disagg.testing.router": "router-example",
     "vllm_disagg.testing.hostile": "router-example",

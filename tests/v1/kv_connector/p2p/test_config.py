@@ -196,8 +196,11 @@ def test_default_host_is_the_address_vllm_serve_listens_on(monkeypatch):
     assert serve_host(["serve", "m", "--host=[::1]", "--port", "1"]) == "::1"
     assert serve_host(["serve", "m", "--host", "0.0.0.0"]) is None
     assert serve_host(["bench", "serve", "--host", "127.0.0.1"]) is None
-    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_HOST, raising=False)
-    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_PORT, raising=False)
+    for name in (envs.VLLM_DISAGG_SERVE_HOST, envs.VLLM_DISAGG_SERVE_PORT):
+        # setenv first, so that monkeypatch unsets what export_serve_host sets
+        # (a delenv of an unset variable records nothing to restore).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("VLLM_HOST_IP", "10.1.2.3")
     export_serve_host(["serve", "m", "--host", "127.0.0.1"])
     obj = {
@@ -216,8 +219,6 @@ def test_default_host_is_the_address_vllm_serve_listens_on(monkeypatch):
     assert (
         envs.serve_port() == 8000
     )  # vllm serve's default, exported for the start-up check
-    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_HOST)
-    monkeypatch.delenv(envs.VLLM_DISAGG_SERVE_PORT)
 
 
 def test_serve_port_is_the_one_vllm_serve_listens_on():

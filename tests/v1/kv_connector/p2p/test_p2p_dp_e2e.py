@@ -7,6 +7,16 @@ instance), every rank registered with the router as an instance of its own.
 * A rank waiting for remote KV must not stall step sync: while one request on
   decode rank 1 waits for KV that never comes, requests on both ranks
   complete, and the waiting one is recomputed after ``kv_load_timeout_s``.
+* Different DP sizes: the same DP=2 prefill also feeds a DP=1 decode
+  instance through a second router (2P1D: both prefill ranks feed its one
+  rank); its answers equal the colocated run and every one of its loads came
+  over the connector. The reverse (DP=1 prefills feeding each rank of a DP=2
+  decode) is the chaos fleet's steady state (tests/chaos/test_chaos.py).
+* Bind and advertised addresses: that DP=1 decode binds its KV ports on
+  127.0.0.2 (``kv_bind_ip``) and advertises 127.0.0.3 (``kv_ip``, registered
+  with the router), where only a TCP forwarder (the NAT) listens, and its
+  API server is advertised there too: all of its KV and requests came in
+  through the forwarders.
 
 The colocated reference is prefill rank 0 answering requests that name no
 peers (float32: DP=2 under step sync equals DP=1, which
@@ -29,6 +39,7 @@ from tests.observability.test_prometheus_e2e import (  # noqa: F401 (fixtures)
     prometheus_binary,
 )
 from vllm_disagg.testing import openai_client
+from vllm_disagg.testing.forwarder import Forwarder
 from vllm_disagg.testing.openai_client import complete
 from vllm_disagg.testing.p2p import (
     P2pInstance,
@@ -38,6 +49,8 @@ from vllm_disagg.testing.p2p import (
     peer_naming,
 )
 from vllm_disagg.testing.server import get_free_port
+
+from .e2e_common import metric, wait_metric
 
 pytestmark = pytest.mark.e2e
 
@@ -70,13 +83,17 @@ def _ids(response: dict) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def xpyd_dp(tiny_models, start_server, start_router):
-    """(router, [prefill rank 0, 1], [decode rank 0, 1]), every rank registered."""
+def dp_servers(tiny_models, start_server, start_router):
+    """Every server of the module, started at once: a DP=2 prefill, a DP=2
+    decode and a DP=1 decode instance (one `vllm serve` per rank), and two
+    routers: ``router`` knows both DP=2 instances, ``router_dp1`` the prefill's
+    ranks and the DP=1 decode."""
     model = tiny_models["tiny-mixtral"]
     router = start_router(name="router-dp", model=str(model))
+    router_dp1 = start_router(name="router-dp2-to-dp1", model=str(model))
     options = json.dumps({"step_sync_peer_timeout_s": 10})
 
-    def instance(role: str, **extra) -> list[P2pInstance]:
+    def instance(role: str, routers, **extra) -> list[P2pInstance]:
         kv_port, rpc_port = free_kv_port(), get_free_port()
         ranks = []
         for rank in (0, 1):
@@ -86,8 +103,7 @@ def xpyd_dp(tiny_models, start_server, start_router):
             config = kv_transfer_config(
                 role,
                 kv_port,
-                proxy_ip="127.0.0.1",
-                proxy_port=str(router.discovery_port),
+                proxy_ip=",".join(f"127.0.0.1:{r.discovery_port}" for r in routers),
                 http_port=str(http_port),
                 **extra,
             )
@@ -115,16 +131,70 @@ def xpyd_dp(tiny_models, start_server, start_router):
             ranks.append(P2pInstance(server, kv_port + rank))
         return ranks
 
-    prefills = instance("kv_producer")
-    decodes = instance("kv_consumer", kv_load_timeout_s=LOAD_TIMEOUT_S)
-    for inst in (*prefills, *decodes):
+    prefills = instance("kv_producer", (router, router_dp1))
+    decodes = instance("kv_consumer", (router,), kv_load_timeout_s=LOAD_TIMEOUT_S)
+    single, nat = _dp1_instance(start_server, model, router_dp1)
+    for inst in (*prefills, *decodes, single):
         inst.server.wait_ready()
     router.wait_for_instances(
         lambda found: len(found) == 4, timeout_s=30, what="4 registered DP ranks"
     )
-    yield router, prefills, decodes
-    for inst in (*prefills, *decodes):
+    router_dp1.wait_for_instances(
+        lambda found: len(found) == 3, timeout_s=30, what="2 prefill ranks, 1 decode"
+    )
+    yield {
+        "router": router,
+        "prefills": prefills,
+        "decodes": decodes,
+        "router_dp1": router_dp1,
+        "dp1_decode": single,
+        "nat": nat,
+    }
+    for inst in (*prefills, *decodes, single):
         inst.server.stop()
+    for forwarder in nat.values():
+        forwarder.close()
+
+
+BOUND, ADVERTISED = "127.0.0.2", "127.0.0.3"  # the DP=1 decode's KV addresses
+
+
+def _dp1_instance(start_server, model, router) -> tuple[P2pInstance, dict]:
+    """A DP=1 decode instance (no DP flags) registered with ``router`` only,
+    its KV ports bound on BOUND and advertised on ADVERTISED, and the NAT
+    between them: {"control", "data", "http": Forwarder}; its API server is
+    advertised on ADVERTISED too."""
+    kv_port, data_port, http_port = free_kv_port(), get_free_port(), get_free_port()
+    nat = {
+        name: Forwarder((ADVERTISED, port), (BOUND, port))
+        for name, port in (("control", kv_port), ("data", data_port))
+    }
+    # vllm serve listens on 127.0.0.1; the routers are told ADVERTISED.
+    nat["http"] = Forwarder((ADVERTISED, http_port), ("127.0.0.1", http_port))
+    config = kv_transfer_config(
+        "kv_consumer",
+        kv_port,
+        proxy_ip=f"127.0.0.1:{router.discovery_port}",
+        http_port=str(http_port),
+        kv_load_timeout_s=LOAD_TIMEOUT_S,
+        kv_ip=ADVERTISED,  # and http_ip, by default
+        kv_bind_ip=BOUND,
+        kv_data_port=str(data_port),
+    )
+    server = start_server(
+        model,
+        [*COMMON_ARGS, "--kv-transfer-config", config],
+        name="p2p-dp1-kv_consumer",
+        wait=False,
+        port=http_port,
+    )
+    return P2pInstance(server, kv_port), nat
+
+
+@pytest.fixture(scope="module")
+def xpyd_dp(dp_servers):
+    """(router, [prefill rank 0, 1], [decode rank 0, 1]), every rank registered."""
+    return dp_servers["router"], dp_servers["prefills"], dp_servers["decodes"]
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +325,53 @@ def test_dp2_decode_loads_remote_kv_and_a_waiting_rank_never_stalls_the_group(
     for d in decodes:
         received = d.server.metrics(prefix="vllm:p2p_bytes_received")
         assert sum(v for labels in received.values() for v in labels.values()) > 0
+
+
+def test_a_dp2_prefill_feeds_a_dp1_decode_both_ranks_into_one(dp_servers, reference):
+    """DP sizes differ (P=2, D=1) and two prefills feed one decode rank: the
+    router pairs any prefill rank with the decode; answers equal the colocated
+    run and the decode loaded every prompt's KV (none recomputed)."""
+    router, decode = dp_servers["router_dp1"], dp_servers["dp1_decode"]
+    prefills = dp_servers["prefills"]
+    sent_before = [metric(p, "vllm:p2p_bytes_sent") for p in prefills]
+    received_before = metric(decode, "vllm:p2p_bytes_received")
+    through_nat = dp_servers["nat"]["data"].bytes_in
+    requests_before = dp_servers["nat"]["http"].connections
+    failed_before = metric(decode, "vllm:p2p_failed_loads")
+    hits_before = metric(decode, "vllm:external_prefix_cache_hits")
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(
+            pool.map(
+                lambda p: _ids(
+                    openai_client.complete(
+                        router,
+                        p,
+                        max_tokens=MAX_TOKENS,
+                        temperature=0.0,
+                        return_token_ids=True,
+                    )
+                ),
+                PROMPTS,
+            )
+        )
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
+        assert out == reference[tuple(prompt)], f"completion {i}"
+    # Both prefill ranks sent KV to the one decode rank (round robin over P).
+    for rank, (p, before) in enumerate(zip(prefills, sent_before)):
+        assert wait_metric(p, "vllm:p2p_bytes_sent", before + 1) > before, rank
+    received = wait_metric(decode, "vllm:p2p_bytes_received", received_before + 1)
+    assert received > received_before
+    # The decode is reached only at its advertised address, through the NAT.
+    crossed = dp_servers["nat"]["data"].bytes_in - through_nat
+    assert crossed >= received - received_before, (crossed, received)
+    assert dp_servers["nat"]["http"].connections > requests_before
+    # Every prompt's KV arrived: the decode recomputed nothing, and its prefix
+    # cache counted the remote tokens as external hits.
+    assert metric(decode, "vllm:p2p_failed_loads") == failed_before
+    # Every prompt token but the last is loaded (decode computes the last one).
+    remote = sum(len(p) - 1 for p in PROMPTS)
+    hits = wait_metric(decode, "vllm:external_prefix_cache_hits", hits_before + remote)
+    assert hits - hits_before >= remote, (hits, hits_before, remote)
 
 
 # Panels that show nothing in a healthy fleet that lost no rank, and why.

@@ -33,6 +33,11 @@ Decisions:
   (``VLLM_HOST_IP``, else the address of the default route), what a
   multi-host deployment needs and what the old connector used; 127.0.0.1
   when the machine has no route.
+* ``kv_bind_ip`` splits what the workers bind from what they advertise
+  (``kv_ip``), for NAT and containers (Elasticsearch's ``bind_host`` /
+  ``publish_host``): unset, they bind ``kv_ip``. With the tcp transport,
+  ``kv_data_port`` fixes the data ports a NAT must forward. Security looks at
+  both addresses: loopback-only means bound *and* advertised on loopback.
 * The shared secret of the control plane is never read from the JSON (command
   lines are visible in ``ps``) but from ``VLLM_DISAGG_P2P_SECRET`` (or the
   file ``VLLM_DISAGG_P2P_SECRET_FILE`` names). Safe by default
@@ -264,6 +269,7 @@ def parse_advertised_host(key: str, value: Any) -> str:
         raise ConfigError(
             f"{key}: {_show(value)} is a wildcard address; give one that "
             "other machines can connect to"
+            + (" (kv_bind_ip binds a wildcard)" if key.endswith("kv_ip") else "")
         )
     return host
 
@@ -463,9 +469,9 @@ OPTIONS: tuple[Option, ...] = (
         "kv_ip",
         "IPv4, IPv6 (brackets optional), host name",
         "127.0.0.1",
-        parse_host,
-        "address "
-        "the workers bind and put in their messages; must be reachable by peers",
+        parse_advertised_host,
+        "address peers are told (messages, registrations, grants); the workers bind it "
+        "too unless `kv_bind_ip` is set; must be reachable by peers",
         "wildcard, `_` in names, IPv6 zone ids, bad IPs",
         field="host",
         shown_default=(
@@ -475,6 +481,30 @@ OPTIONS: tuple[Option, ...] = (
             "without a route)"
         ),
         absent=_default_host,
+    ),
+    Option(
+        "kv_bind_ip",
+        "as `kv_ip`, or a wildcard (`0.0.0.0`, `::`)",
+        None,
+        parse_host,
+        "address the workers' KV ports (control, and tcp data) bind, when it is not "
+        '`kv_ip` (which stays what peers are told): NAT, containers (see "Bind and '
+        'advertised addresses")',
+        "what `kv_ip` refuses but wildcards; with `transport` `gloo` or `nccl` when "
+        "it differs from `kv_ip`",
+        field="bind_host",
+        shown_default="`kv_ip`",
+    ),
+    Option(
+        "kv_data_port",
+        "port",
+        None,
+        parse_port,
+        "tcp transport: the first data port; worker i listens on `kv_data_port` + i, "
+        "as on `kv_port` (a NAT can forward them); unset: each picks a free port",
+        "with `transport` `gloo` or `nccl`; overlapping the `kv_port` range or "
+        "`http_port`",
+        shown_default="unset (a free port)",
     ),
     Option(
         "transport",
@@ -587,6 +617,27 @@ OPTION = {option.key: option for option in OPTIONS}
 EXTRA_CONFIG_KEYS = tuple(OPTION)
 
 
+def _check_bind_fields(fields: dict[str, Any], label: Callable[[str], str]) -> None:
+    """``kv_bind_ip`` other than ``kv_ip``, and ``kv_data_port``, are the tcp
+    transport's: gloo and nccl listen (and advertise) where they bind."""
+    transport = fields["transport"]
+    if transport not in ("gloo", "nccl"):
+        return
+    bind = fields["bind_host"]
+    if bind is not None and canonical_host(bind) != canonical_host(fields["host"]):
+        raise ConfigError(
+            f"{label('kv_bind_ip')}, {label('transport')}: a bind address other than "
+            f"kv_ip works with the tcp transport only ({transport} advertises the "
+            "address it binds); use transport tcp or drop kv_bind_ip"
+        )
+    if fields["kv_data_port"] is not None:
+        raise ConfigError(
+            f"{label('kv_data_port')}, {label('transport')}: kv_data_port is the tcp "
+            f"transport's data port; {transport} picks its own: use transport tcp or "
+            "drop kv_data_port"
+        )
+
+
 def _check_cross_fields(
     fields: dict[str, Any], label: Callable[[str], str]
 ) -> dict[str, Any]:
@@ -600,6 +651,7 @@ def _check_cross_fields(
             "host memory (tcp, gloo); nccl keeps it on the GPU: set kv_checksum to "
             "none"
         )
+    _check_bind_fields(fields, label)
     items, port = fields["proxy_ip"], fields["proxy_port"]
     ip_key, port_key = label("proxy_ip"), label("proxy_port")
     if items is None:
@@ -738,10 +790,13 @@ def _with_local_cookie(
     else to vouch for peers with, else a warning and today's behaviour (an
     unauthenticated P2P plane on loopback)."""
     host, http_ip = fields["host"], fields["http_ip"]
-    p2p_local = secret is None and is_loopback(host)
+    # Loopback-only: bound there too (binding 0.0.0.0 while advertising
+    # 127.0.0.1 is reachable from anywhere).
+    on_loopback = is_loopback(host) and is_loopback(fields["bind_host"] or host)
+    p2p_local = secret is None and on_loopback
     token_local = (
         grant_token is None
-        and is_loopback(host)
+        and on_loopback
         and (http_ip is None or is_loopback(http_ip))
         and all(is_loopback(router_host) for router_host, _ in routers)
     )
@@ -792,6 +847,8 @@ class P2pConfig:
     role: str  # kv_role
     base_port: int  # kv_port
     host: str = OPTION["kv_ip"].default
+    bind_host: str | None = None  # kv_bind_ip; None: bind host
+    kv_data_port: int | None = None
     send_type: SendType = OPTION["send_type"].default
     kv_buffer_size: int = OPTION["kv_buffer_size"].default
     mem_pool_size_bytes: int = OPTION["mem_pool_size_gb"].default
@@ -832,9 +889,22 @@ class P2pConfig:
             set_(self, name, getattr(self, name) or None)
 
     @property
+    def listen_host(self) -> str:
+        """Where the workers' KV ports bind: ``kv_bind_ip``, else ``kv_ip``."""
+        return self.bind_host or self.host
+
+    @property
     def binds_beyond_loopback(self) -> bool:
-        """Whether the workers' ports (kv_ip) can be reached from other machines."""
-        return not is_loopback(self.host)
+        """Whether the workers' ports can be reached from other machines: bound
+        (``kv_bind_ip``) or advertised (``kv_ip``, a forwarder may lead there)
+        beyond loopback."""
+        return not (is_loopback(self.host) and is_loopback(self.listen_host))
+
+    def _open_key(self) -> str:
+        """The key that makes the KV ports reachable beyond loopback."""
+        if is_loopback(self.host):
+            return f"{_EXTRA}.kv_bind_ip: {self.listen_host}"
+        return f"{_EXTRA}.kv_ip: {self.host}"
 
     def check_security(self) -> None:
         """Safe by default, checked at start-up (API server and engine core):
@@ -842,7 +912,7 @@ class P2pConfig:
         if self.binds_beyond_loopback and self.secret is None:
             if not self.allow_unauthenticated:
                 raise ConfigError(
-                    f"{_EXTRA}.kv_ip: {self.host} is reachable beyond loopback and the "
+                    f"{self._open_key()} is reachable beyond loopback and the "
                     "P2P control plane has no secret: set "
                     f"{envs.VLLM_DISAGG_P2P_SECRET} (or "
                     f"{envs.VLLM_DISAGG_P2P_SECRET_FILE}) to the same value on every "
@@ -855,7 +925,7 @@ class P2pConfig:
                     "%s: allow_unauthenticated is set: the P2P ports on %s accept KV "
                     "and control messages from anyone who can reach them (no %s)",
                     CONNECTOR_NAME,
-                    self.host,
+                    self.listen_host,
                     envs.VLLM_DISAGG_P2P_SECRET,
                 )
         if (
@@ -963,6 +1033,13 @@ class P2pConfig:
             )
         return port
 
+    def data_port(self, worker_port: int) -> int:
+        """The tcp data port of the worker whose control port is ``worker_port``
+        (same offset from ``kv_data_port``); 0 (a free port) when unset."""
+        if self.kv_data_port is None:
+            return 0
+        return self.kv_data_port + (worker_port - self.base_port)
+
     def instance_port(self, dp_rank: int, tp_size: int, pp_size: int) -> int:
         """The port of a DP rank's first worker (TP and PP rank 0): the one a
         proxy puts in the request id to name this instance."""
@@ -989,6 +1066,20 @@ class P2pConfig:
                 f"{_EXTRA}.http_port: {self.http_port} is one of the workers' KV "
                 f"ports ({ports[0]}..{ports[-1]}, from kv_port); choose ports apart"
             )
+        if self.kv_data_port is not None:
+            data = range(self.kv_data_port, self.kv_data_port + count)
+            if data[-1] > MAX_PORT:
+                raise ConfigError(
+                    f"{_EXTRA}.kv_data_port: {self.kv_data_port} needs ports "
+                    f"{data[0]}..{data[-1]} for {count} workers, beyond {MAX_PORT}"
+                )
+            clash = set(data) & (set(ports) | {self.http_port})
+            if clash:
+                raise ConfigError(
+                    f"{_EXTRA}.kv_data_port: ports {data[0]}..{data[-1]} overlap the "
+                    f"KV ports {ports[0]}..{ports[-1]} or http_port (port "
+                    f"{min(clash)}); choose ports apart"
+                )
         return ports
 
     def check_dp_load_balancing(self, parallel_config) -> None:

@@ -120,6 +120,7 @@ class RegistrationClient:
         progress: EngineProgress | None = None,
         fingerprint: str = "",
         max_model_len: int = 0,
+        listen_addr: str | None = None,
     ):
         if not routers:
             raise ValueError("no router to register with")
@@ -146,8 +147,11 @@ class RegistrationClient:
         except DiscoveryError as e:
             raise ConfigError(f"cannot register with the router: {e}") from None
         # The router forwards requests to http_addr as soon as it knows us, so
-        # the first Register waits until the API server accepts connections.
-        self._http_probe = split_addr(http_addr, "http_addr") if wait_for_http else None
+        # the first Register waits until the API server accepts connections:
+        # where it listens (``listen_addr``), which behind a NAT is not the
+        # advertised http_addr this host may not reach (no hairpin).
+        probe = listen_addr or http_addr
+        self._http_probe = split_addr(probe, "listen_addr") if wait_for_http else None
         # Once the API server answered, it is asked again before each round
         # of heartbeats: an engine core whose API server died (killed; the
         # engine core outlives it) must not keep the instance listed.
@@ -440,6 +444,17 @@ def advertised_http_problems(
     return problems
 
 
+def api_listen_addr(
+    http_addr: str, serve_host: str | None, serve_port: int | None
+) -> str:
+    """Where this host reaches its own API server: ``vllm serve --host``
+    and ``--port`` when the ``vllm`` command saw them (a wildcard or no
+    ``--host`` listens on loopback too), else the advertised ``http_addr``."""
+    if serve_port is None:  # not started by `vllm serve`: nothing else known
+        return http_addr
+    return format_addr(serve_host or "127.0.0.1", serve_port)
+
+
 def registers_for_its_api_server(parallel_config) -> bool:
     """One registration per API server, since a router knows an instance by
     its HTTP address (a new registration at a known address replaces the old
@@ -498,4 +513,7 @@ def start_registration(
         progress=progress,
         fingerprint=fingerprint,
         max_model_len=vllm_config.model_config.max_model_len or 0,
+        listen_addr=api_listen_addr(
+            config.http_addr, envs.serve_host(), envs.serve_port()
+        ),
     ).start()

@@ -117,10 +117,17 @@ class P2pWorkerConnector:
         # runs off the core vLLM pinned this model thread to (placement.py).
         warn_if_cores_are_shared()
         with placed():
-            transport = create_transport(config.transport, layout.device, config.host)
+            transport = create_transport(
+                config.transport,
+                layout.device,
+                config.listen_host,
+                advertise_host=config.host,
+                data_port=config.data_port(self.port),
+            )
             self.engine = P2pEngine(
                 layout=layout,
                 host=config.host,
+                bind_host=config.listen_host,
                 port=self.port,
                 transport=transport,
                 send_type=config.send_type.value,
@@ -132,10 +139,13 @@ class P2pWorkerConnector:
                 model_fingerprint=self.fingerprint.digest,
                 checksum=config.kv_checksum,
             )
+        bound = format_addr(config.listen_host, self.port)
         logger.info(
             "P2P engine listening on %s: role %s, send_type %s, transport %s, "
             "kv_checksum %s, %d layers x %d blocks of %d bytes",
-            self.engine.addr,
+            self.engine.addr
+            if bound == self.engine.addr
+            else f"{bound} (advertised as {self.engine.addr})",
             config.role,
             config.send_type.value,
             transport.name,

@@ -102,6 +102,7 @@ class P2pEngine:
         host: str,
         port: int,
         transport: Transport,
+        bind_host: str | None = None,
         send_type: str,
         kv_buffer_size: int,
         mem_pool_size_bytes: int,
@@ -169,15 +170,19 @@ class P2pEngine:
         self._router = self.zmq_ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         harden_listener(self._router, 2 * proto.MAX_FRAME_BYTES)
-        if ":" in host:
+        # ``host`` is what peers are told (kv_ip); ``bind_host`` where the
+        # control port listens (kv_bind_ip: a NAT or forwarder in between).
+        bind_addr = format_addr(bind_host or host, port)
+        if ":" in (bind_host or host):
             self._router.setsockopt(zmq.IPV6, 1)
         try:
-            self._router.bind(zmq_endpoint(self.addr))
+            self._router.bind(zmq_endpoint(bind_addr))
         except zmq.ZMQError as e:
             self._router.close(linger=0)
             self.zmq_ctx.term()
+            transport.close()  # a fixed data port it may already hold
             raise OSError(
-                f"P2pNcclConnector cannot listen on {self.addr} ({e}): the port is "
+                f"P2pNcclConnector cannot listen on {bind_addr} ({e}): the port is "
                 "taken; every worker of every DP rank needs its own port (kv_port + "
                 "dp_rank * tp_size * pp_size + pp_rank * tp_size + tp_rank), so give "
                 "each instance on a host a kv_port range of its own"

@@ -234,17 +234,27 @@ class _Listener:
     expects that token; everything else is closed."""
 
     def __init__(
-        self, host: str, on_rejected: Callable[[str], None] = lambda kind: None
+        self,
+        host: str,
+        on_rejected: Callable[[str], None] = lambda kind: None,
+        *,
+        port: int = 0,
+        advertise_host: str | None = None,
     ):
         self._on_rejected = on_rejected
-        family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[
+            0
+        ]
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind(addr)
             self._sock.listen(128)
             self._sock.setblocking(False)
-            self.endpoint = Endpoint(*self._sock.getsockname()[:2])
+            bound_host, bound_port = self._sock.getsockname()[:2]
+            # Peers are told the advertised host (kv_ip) with the bound port: a
+            # NAT forwards kv_data_port there unchanged.
+            self.endpoint = Endpoint(advertise_host or bound_host, bound_port)
         except OSError:
             self._sock.close()
             raise
@@ -359,11 +369,25 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, device: torch.device, bind_host: str):
-        super().__init__(device, check_host(bind_host))
+    def __init__(
+        self,
+        device: torch.device,
+        bind_host: str,
+        *,
+        advertise_host: str | None = None,
+        data_port: int = 0,
+    ):
+        # The bind host may be a wildcard when peers are told another one.
+        super().__init__(device, bind_host if advertise_host else check_host(bind_host))
+        self.advertise_host = check_host(advertise_host) if advertise_host else None
+        self.data_port = data_port
         self._listener: _Listener | None = None
         self._lock = threading.Lock()
         self._closed = False
+        if data_port:
+            # A fixed port (kv_data_port) that is taken fails at start, not
+            # at the first transfer.
+            self._get_listener()
 
     def initiate(self, peer_host: str | None = None) -> tuple[bytes, InitiateFinish]:
         token = secrets.token_bytes(TOKEN_BYTES)
@@ -407,11 +431,15 @@ class TcpTransport(Transport):
                 raise TransportError("transport closed")
             if self._listener is None:
                 try:
-                    self._listener = _Listener(self.bind_host, self.on_rejected)
+                    self._listener = _Listener(
+                        self.bind_host,
+                        self.on_rejected,
+                        port=self.data_port,
+                        advertise_host=self.advertise_host,
+                    )
                 except OSError as e:
-                    raise TransportError(
-                        f"cannot listen on {self.bind_host}: {e}"
-                    ) from e
+                    where = format_addr(self.bind_host, self.data_port)
+                    raise TransportError(f"cannot listen on {where}: {e}") from e
             return self._listener
 
     @staticmethod

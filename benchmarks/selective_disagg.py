@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import sys
@@ -231,8 +230,7 @@ def markdown(result: dict) -> list[str]:
             on=meta["machine"],
         ),
         "",
-        "Load during the run: "
-        + "; ".join(load_line(x) for x in result["load"]),
+        "Load during the run: " + "; ".join(load_line(x) for x in result["load"]),
         "",
     ]
     for conc in meta["concurrencies"]:
@@ -242,14 +240,15 @@ def markdown(result: dict) -> list[str]:
             cells = {r: s.get(f"{r}/{length}/{conc}") for r in ("off", "on", "alone")}
             if None in cells.values():
                 continue
+            off_p50 = cells["off"]["ttft_p50"]
             rows.append(
                 [
                     length,
                     ms(cells["off"]["ttft_p50"], 1),
                     ms(cells["on"]["ttft_p50"], 1),
                     ms(cells["alone"]["ttft_p50"], 1),
-                    f"{ratio(cells['on']['ttft_p50'], cells['off']['ttft_p50']):.2f}",
-                    f"{ratio(cells['alone']['ttft_p50'], cells['off']['ttft_p50']):.2f}",
+                    f"{ratio(cells['on']['ttft_p50'], off_p50):.2f}",
+                    f"{ratio(cells['alone']['ttft_p50'], off_p50):.2f}",
                     ms(cells["off"]["ttft_p90"], 1),
                     ms(cells["on"]["ttft_p90"], 1),
                     ms(cells["off"]["e2e_p50"], 1),

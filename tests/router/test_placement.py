@@ -228,8 +228,9 @@ async def test_the_router_sends_a_short_prompt_to_the_decode_alone(pd):
     status, _, _ = await router.post("/v1/completions", short)
     assert status == 200 and p.requests == [] and len(d.requests) == 1
     # Alone: no peers named, nothing for a prefill to send.
-    assert "kv_transfer_params" not in d.requests[0].body or not (
-        d.requests[0].body["kv_transfer_params"]
+    assert (
+        "kv_transfer_params" not in d.requests[0].body
+        or not (d.requests[0].body["kv_transfer_params"])
     )
     long = {"model": "m", "prompt": "b" * 400, "max_tokens": 4}  # 100 tokens
     status, _, _ = await router.post("/v1/completions", long)

@@ -59,7 +59,9 @@ class DpBalancedPolicy(Policy):
     def select(
         self, candidates: Sequence[Instance], body: Mapping[str, Any]
     ) -> Instance:
-        tokens, text = prompt_tokens(body, self.bytes_per_token, self.prefixes.max_chars)
+        tokens, text = prompt_tokens(
+            body, self.bytes_per_token, self.prefixes.max_chars
+        )
         cost = tokens + output_tokens(body)
         hashes = self.prefixes.chunk_hashes(text)
         self._turn += 1

@@ -21,7 +21,6 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_disagg.router.policy import render_prompt
 from vllm_disagg.router.validation import lax_int
 
 DEFAULT_BYTES_PER_TOKEN = 4.0
@@ -51,6 +50,9 @@ def prompt_tokens(
 
     Text beyond ``limit_chars`` is not looked at: a prompt that long counts
     as ``limit_chars`` characters, so compare only against smaller sizes."""
+    # Here, not at the top: policy.py loads placement.py, which loads us.
+    from vllm_disagg.router.policy import render_prompt
+
     text = render_prompt(body, limit_chars)
     exact = _token_id_prompt(body)
     if exact is not None:
@@ -88,7 +90,9 @@ def request_tokens(
 ) -> tuple[int, int]:
     """(prompt tokens, prompt + output limit): what a request puts in flight
     on its prefill and on its decode (which holds both until it ends)."""
-    prompt, _ = prompt_tokens(body, bytes_per_token, limit_chars)
+    prompt = _token_id_prompt(body)  # counted without rendering the ids
+    if prompt is None:
+        prompt, _ = prompt_tokens(body, bytes_per_token, limit_chars)
     return prompt, prompt + output_tokens(body, path)
 
 

@@ -149,6 +149,7 @@ class RegisterV3(msgspec.Struct, forbid_unknown_fields=True, tag="register"):
     sent_at: float = 0.0
     stalled_s: float = 0.0
     fingerprint: str = ""
+    max_model_len: int = 0
 
 
 GROUP = "0123456789abcdef"

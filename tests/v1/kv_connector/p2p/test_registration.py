@@ -309,7 +309,9 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
         http_port=http_port,
     )
     vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(served_model_name=["served", "alias"], model="/m"),
+        model_config=SimpleNamespace(
+            served_model_name=["served", "alias"], model="/m", max_model_len=512
+        ),
         parallel_config=SimpleNamespace(
             data_parallel_rank=1,
             data_parallel_size=2,

@@ -16,6 +16,7 @@ import zmq.asyncio
 from vllm_disagg import envs
 from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
+    MIN_DISCOVERY_VERSION,
     Ack,
     Deregister,
     Register,
@@ -129,6 +130,81 @@ async def test_register_heartbeat_deregister(discovery):
         router.metric("vllm_disagg_router_instance_removals_total", reason="expired")
         == 1
     )
+
+
+class RegisterV3(msgspec.Struct, forbid_unknown_fields=True, tag="register"):
+    """Register as a router speaking only version 3 decodes it."""
+
+    version: int
+    instance_id: str
+    role: Role
+    http_addr: str
+    kv_addr: str
+    model: str
+    aliases: tuple[str, ...] = ()
+    dp_rank: int = 0
+    dp_size: int = 1
+    seq: int = 0
+    interval_s: float = 3.0
+    sent_at: float = 0.0
+    stalled_s: float = 0.0
+    fingerprint: str = ""
+    max_model_len: int = 0
+
+
+GROUP = "0123456789abcdef"
+
+
+async def test_version_4_names_dp_groups_and_version_3_still_registers(discovery):
+    router, connect = await discovery()
+    instance = connect()
+    # A version-3 instance (no dp_group): taken, answered in version 3.
+    ack = await instance.message(register("old", version=MIN_DISCOVERY_VERSION))
+    assert ack == Ack(MIN_DISCOVERY_VERSION, "old", True)
+    # A DP=1 instance of this version sends 3, and a router speaking only 3
+    # (unknown fields forbidden) decodes its frame: dp_group is not in it.
+    payload = seal(None, register("new", version=MIN_DISCOVERY_VERSION))[0]
+    assert b"dp_group" not in payload
+    old_router = msgspec.msgpack.Decoder(RegisterV3 | Ack)
+    assert old_router.decode(payload).instance_id == "new"
+    # The ranks of one DP group, version 4: listed with their group.
+    for rank in (0, 1):
+        ack = await instance.message(
+            register(
+                f"r{rank}",
+                http_addr=f"127.0.0.1:{20010 + rank}",
+                kv_addr=f"127.0.0.1:{22010 + rank}",
+                dp_rank=rank,
+                dp_size=2,
+                dp_group=GROUP,
+            )
+        )
+        assert ack == Ack(DISCOVERY_VERSION, f"r{rank}", True)
+    listed = {i["instance_id"]: i["dp_group"] for i in router.registry.snapshot()}
+    assert listed == {"old": "", "r0": GROUP, "r1": GROUP}
+    assert router.registry.dp_groups() == {f"decode/{GROUP}": ["r0", "r1"]}
+    # Bounded: hex, at most 32 digits, only with DP above 1 and version 4.
+    for bad in (
+        {"dp_group": "x" * 8, "dp_size": 2},
+        {"dp_group": "a" * 33, "dp_size": 2},
+        {"dp_group": GROUP},  # dp_size 1
+        {"dp_group": GROUP, "dp_size": 2, "version": MIN_DISCOVERY_VERSION},
+    ):
+        ack = await instance.message(register("bad", **bad))
+        assert ack.reason.startswith("malformed") and "dp_group" in ack.reason, bad
+    # An incarnation keeps its group: a frame under its id naming another is
+    # not from it.
+    ack = await instance.message(
+        register(
+            "r0",
+            http_addr="127.0.0.1:20010",
+            kv_addr="127.0.0.1:22010",
+            dp_size=2,
+            dp_group="f" * 16,
+            seq=1,
+        )
+    )
+    assert not ack.accepted and ack.reason.startswith("stale")
 
 
 async def test_token_required_when_set(discovery):

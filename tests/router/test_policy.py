@@ -213,8 +213,13 @@ def test_policies_are_registered_by_name_next_to_their_classes():
         "round_robin",
         "least_outstanding",
         "prefix_aware",
+        "dp_balanced",  # placement.py: registered where it is defined
     )
-    assert policy_names(Role.DECODE) == ("round_robin", "least_outstanding")
+    assert policy_names(Role.DECODE) == (
+        "round_robin",
+        "least_outstanding",
+        "dp_balanced",
+    )
     assert isinstance(make_policy("prefix_aware", RouterConfig()), PrefixAwarePolicy)
     with pytest.raises(ValueError, match="unknown policy 'nope'; one of round_robin"):
         make_policy("nope", RouterConfig())

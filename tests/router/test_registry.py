@@ -210,6 +210,8 @@ def test_snapshot_shows_role_age_load_and_breaker():
         "aliases": [],
         "dp_rank": 1,
         "dp_size": 2,
+        "dp_group": "",
+        "tokens_in_flight": 0,
         "static": False,
         "age_s": 5.0,
         "last_heartbeat_s": 1.0,

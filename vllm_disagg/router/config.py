@@ -107,6 +107,10 @@ class RouterConfig:
     prefix_index_max_entries: int = 65536
     prefix_chunk_chars: int = 256
     prefix_balance_threshold: int = 16
+    # Selective disaggregation: a prompt whose uncached part is shorter than
+    # this many tokens goes to the decode alone (0: never; see selective.py).
+    decode_alone_below_tokens: int = 0
+    prompt_bytes_per_token: float = 4.0  # the router's token estimate for text
     # Kept out of repr: a token must not end up in a log line.
     registration_token: str | None = field(default=None, repr=False)
     # Without a token, accept registrations from other machines too.
@@ -161,6 +165,17 @@ class RouterConfig:
         self._int_range("prefix_index_max_entries", 1, 1 << 26)
         self._int_range("prefix_chunk_chars", 16, 1 << 20)
         self._int_range("prefix_balance_threshold", 0, 1 << 20)
+        self._int_range("decode_alone_below_tokens", 0, 1 << 24)
+        ratio = self.prompt_bytes_per_token
+        if not (
+            isinstance(ratio, int | float)
+            and not isinstance(ratio, bool)
+            and math.isfinite(ratio)
+            and 0.5 <= ratio <= 64
+        ):
+            raise ConfigError(
+                f"--prompt-bytes-per-token: {ratio!r} is not a number in 0.5..64"
+            )
         if self.registration_token is not None and not self.registration_token:
             raise ConfigError(
                 "--registration-token: must not be empty (leave it unset instead)"
@@ -312,6 +327,21 @@ def _add_selection_args(parser: argparse.ArgumentParser, d: RouterConfig) -> Non
         help="prefix_aware: the prefix holder is skipped when it has more than "
         "this many requests in flight above the least loaded prefill "
         "instance (default %(default)s)",
+    )
+    sel.add_argument(
+        "--decode-alone-below-tokens",
+        type=int,
+        default=d.decode_alone_below_tokens,
+        help="selective disaggregation: a prompt whose part the decode has "
+        "not cached is shorter than this many tokens (estimated) goes to the "
+        "decode alone, no prefill leg; 0: off (default %(default)s)",
+    )
+    sel.add_argument(
+        "--prompt-bytes-per-token",
+        type=float,
+        default=d.prompt_bytes_per_token,
+        help="the router's token estimate for text prompts: UTF-8 bytes per "
+        "token (default %(default)s; token-id prompts are counted exactly)",
     )
 
 

@@ -24,9 +24,9 @@ import zmq.asyncio
 from vllm_disagg import envs
 from vllm_disagg.router.registry import InstanceRegistry, RegistryRefused
 from vllm_disagg.wire.discovery import (
-    DISCOVERY_VERSION,
     MAX_FRAME_BYTES,
     MAX_REASON_CHARS,
+    MIN_DISCOVERY_VERSION,
     Ack,
     Deregister,
     DiscoveryError,
@@ -180,7 +180,9 @@ class DiscoveryServer:
             self._log.warning(e.kind, "discovery: rejected a frame: %s", e)
             reason = str(e)[:MAX_REASON_CHARS]
             return seal(
-                self._token, Ack(DISCOVERY_VERSION, UNKNOWN_SENDER, False, reason)
+                # The oldest version: every instance this router takes reads it.
+                self._token,
+                Ack(MIN_DISCOVERY_VERSION, UNKNOWN_SENDER, False, reason),
             )
         if isinstance(msg, Register):
             try:
@@ -193,7 +195,7 @@ class DiscoveryServer:
                 return seal(
                     self._token,
                     Ack(
-                        DISCOVERY_VERSION,
+                        msg.version,
                         msg.instance_id,
                         False,
                         f"{e.kind}: {e}"[:MAX_REASON_CHARS],
@@ -203,4 +205,5 @@ class DiscoveryServer:
         else:
             self.registry.deregister(msg.instance_id)
             self.accepted["deregister"] += 1
-        return seal(self._token, Ack(DISCOVERY_VERSION, msg.instance_id, True))
+        # Answered in the sender's version: an older instance reads it.
+        return seal(self._token, Ack(msg.version, msg.instance_id, True))

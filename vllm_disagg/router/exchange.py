@@ -192,6 +192,10 @@ class Exchange:
     # it, so it names neither instance nor the transfer key.
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     upstream_s: float = 0.0  # time spent waiting on instances, up to the first byte
+    # Its estimated prompt + output tokens (prompt_size.py): the load its
+    # leases add to instances' tokens_in_flight.
+    load_tokens: int = 0
+    prompt_tokens: int = 0  # the part its prefill leg adds
     # Why the endpoint goes to the decode alone whatever the body says
     # (routes.py), or None: a generation the router disaggregates.
     alone: str | None = None

@@ -33,6 +33,13 @@ class Instance:
     last_seen: float
     expires_after_s: float | None  # None: static, never expires
     outstanding: int = 0  # requests holding a lease on it (the policies' load)
+    # Prompt + output tokens of the requests holding a lease on it (estimates,
+    # prompt_size.py): what a DP group's step costs grow with.
+    tokens_in_flight: int = 0
+    # The DP group whose ranks step together ("": none, or DP=1); the registry
+    # keeps ``group`` (the registered ranks of that group) up to date.
+    dp_group: str = ""
+    group: DpGroup | None = field(default=None, repr=False, compare=False)
     aliases: tuple[str, ...] = ()  # other names of its model
     seq: int = 0  # the last accepted heartbeat's counter (replays are older)
     sent_at: float = 0.0  # the last accepted heartbeat's sender clock
@@ -65,6 +72,26 @@ class Instance:
         )
 
 
+@dataclass(eq=False)
+class DpGroup:
+    """The registered ranks of one DP group: with step sync they step
+    together, so each step costs what the busiest rank's batch costs."""
+
+    group_id: str
+    members: list[Instance] = field(default_factory=list)
+
+    def max_tokens_in_flight(self, without: Instance | None = None) -> int:
+        return max(
+            (m.tokens_in_flight for m in self.members if m is not without), default=0
+        )
+
+
+def group_of(instance: Instance) -> DpGroup | None:
+    """``instance``'s DP group, when it has other ranks registered."""
+    group = instance.group
+    return group if group is not None and len(group.members) > 1 else None
+
+
 class Lease:
     """A request's hold on one instance, from :meth:`InstanceRegistry.reserve`.
 
@@ -77,12 +104,16 @@ class Lease:
     says nothing about the instance), counted and logged.
     """
 
-    __slots__ = ("instance", "_end", "_released")
+    __slots__ = ("instance", "tokens", "_end", "_released")
 
     def __init__(
-        self, instance: Instance, end: Callable[[Lease, bool | None, bool], None]
+        self,
+        instance: Instance,
+        end: Callable[[Lease, bool | None, bool], None],
+        tokens: int = 0,
     ) -> None:
         self.instance = instance
+        self.tokens = tokens  # counted in instance.tokens_in_flight while held
         self._end = end
         self._released = False
 
@@ -105,7 +136,7 @@ class Lease:
         if self._released:
             raise RuntimeError("transfer of a released lease")
         self._released = True
-        return Lease(self.instance, self._end)
+        return Lease(self.instance, self._end, self.tokens)
 
     def __del__(self) -> None:
         if not self._released:

@@ -110,7 +110,7 @@ class Legs:
         started = time.monotonic()
         ok: bool | None = None
         leg: _PrefillInFlight | None = None
-        lease = self.registry.reserve(prefill)
+        lease = self.registry.reserve(prefill, ex.prompt_tokens)
         try:
             async with asyncio.timeout(
                 min(self.config.prefill_timeout_s, ex.remaining())

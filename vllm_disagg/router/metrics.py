@@ -103,6 +103,15 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.routes = Counter(
+            f"{PREFIX}_routes",
+            "Generation requests by the way they went: route disaggregated "
+            "(reason long_prompt: over --decode-alone-below-tokens, always: "
+            "the threshold is off) or decode_alone (reason short_prompt, or "
+            "any reason of decode_prefill_fallbacks).",
+            ["route", "reason"],
+            registry=self.registry,
+        )
         self.concurrent_prefill_failures = Counter(
             f"{PREFIX}_concurrent_prefill_failures",
             "Concurrent hand-off: prefill failed after decode started (decode "
@@ -146,6 +155,17 @@ class RouterMetrics:
             self.decode_prefill_fallbacks.labels(reason)
         for result in ("ok", "failed"):
             self.health_probes.labels(result)
+        for route, reason in (
+            ("disaggregated", "long_prompt"),
+            ("disaggregated", "always"),
+            ("decode_alone", "short_prompt"),
+        ):
+            self.routes.labels(route, reason)
+
+    def count_route(self, route: str, reason: str) -> None:
+        """One generation request went ``route`` (disaggregated or
+        decode_alone) for ``reason``."""
+        self.routes.labels(route, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

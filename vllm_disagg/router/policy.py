@@ -339,3 +339,8 @@ def make_policy(name: str, config: RouterConfig) -> Policy:
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; one of {', '.join(_POLICIES)}")
     return cls.from_config(config)
+
+
+# Policies defined in modules of their own register when this one is loaded
+# (the command line lists what is registered); they import from here.
+from vllm_disagg.router import placement as _placement  # noqa: E402, F401

@@ -40,8 +40,10 @@ from vllm_disagg.router.metrics import Outcome, RouterMetrics
 from vllm_disagg.router.models_cache import ModelsCache
 from vllm_disagg.router.passthrough import Passthrough
 from vllm_disagg.router.policy import Policies
+from vllm_disagg.router.prompt_size import request_tokens
 from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease, compatible
 from vllm_disagg.router.replies import JSON, Reply, content_type, relayed_headers
+from vllm_disagg.router.selective import SelectiveDisaggregation
 from vllm_disagg.router.validation import decode_alone_reason, over_context
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.logs import RateLimitedLog
@@ -101,6 +103,12 @@ class RequestProxy:
             config.connect_timeout_s,
             lambda: self.session,
             lambda candidates, body: policies.decode.select(candidates, body),
+        )
+        self.selective = SelectiveDisaggregation(
+            config.decode_alone_below_tokens,
+            config.prompt_bytes_per_token,
+            config.prefix_index_max_entries,
+            config.prefix_chunk_chars,
         )
         self._sweeper: asyncio.Task | None = None
 
@@ -296,15 +304,22 @@ class RequestProxy:
             # vLLM answers its own 400 ("... cannot be greater than
             # max_model_len=..."), from the decode, with no prefill spent.
             alone = "invalid"
+        if alone is None:
+            alone = self.selective.reason(ex.body, decode)
+        if alone != NOT_GENERATION:
+            ex.prompt_tokens, ex.load_tokens = request_tokens(
+                ex.body, self.config.prompt_bytes_per_token, ex.path
+            )
         # D counts as loaded from now on, prefill included: requests arriving
         # meanwhile see it, and a half-open D gets no second trial. The
         # decode leg releases the lease (or hands it to the stream relay);
         # a request that never gets there releases it here, with no verdict.
-        lease = self.registry.reserve(decode)
+        lease = self.registry.reserve(decode, ex.load_tokens)
         try:
             if alone is not None:
                 if alone != NOT_GENERATION:  # no prefill to fall back from
                     self.metrics.decode_prefill_fallbacks.labels(alone).inc()
+                    self.metrics.count_route("decode_alone", alone)
                 return await self.legs.decode(ex, lease, None)
             if self.config.handoff == "concurrent":
                 return await self._concurrent(ex, lease)
@@ -328,7 +343,9 @@ class RequestProxy:
             tried.add(other.instance_id)
             self.metrics.decode_retries.inc()
             try:
-                return await self.legs.decode(ex, self.registry.reserve(other), None)
+                return await self.legs.decode(
+                    ex, self.registry.reserve(other, ex.load_tokens), None
+                )
             except DecodeRefused as again:
                 refused = again
         return ex.error(Outcome.UPSTREAM_ERROR, 502, refused.message)
@@ -391,6 +408,7 @@ class RequestProxy:
             result = await self.legs.prefill(ex, prefill, decode)
             ex.upstream_s += result.elapsed_s
             if result.ok:
+                self._count_disaggregated()
                 return await self.legs.decode(ex, lease, prefill)
             if result.reply is not None:
                 ex.count(result.outcome)
@@ -411,6 +429,7 @@ class RequestProxy:
         )
         if prefill is None:
             return await self._without_prefill(ex, lease, [])
+        self._count_disaggregated()
         task = asyncio.create_task(self._concurrent_prefill(ex, prefill, decode))
         return await self.legs.decode(ex, lease, prefill, task)
 
@@ -429,6 +448,10 @@ class RequestProxy:
                 decode.http_addr,
             )
 
+    def _count_disaggregated(self) -> None:
+        reason = "long_prompt" if self.selective.enabled else "always"
+        self.metrics.count_route("disaggregated", reason)
+
     async def _without_prefill(
         self, ex: Exchange, lease: Lease, failures: list[str]
     ) -> Reply:
@@ -437,6 +460,7 @@ class RequestProxy:
         reason = "prefill_failed" if failures else "no_prefill"
         if self.config.fallback_to_decode_prefill:
             self.metrics.decode_prefill_fallbacks.labels(reason).inc()
+            self.metrics.count_route("decode_alone", reason)
             self.limited_log.warning(
                 "fallback",
                 "%s: %s prefills the request itself (%s)",

@@ -48,7 +48,7 @@ from vllm_disagg.router.circuit_breaker import (
     BreakerState,
     CircuitBreaker,
 )
-from vllm_disagg.router.instance import Instance, Lease, compatible
+from vllm_disagg.router.instance import DpGroup, Instance, Lease, compatible
 from vllm_disagg.router.instance_index import InstanceIndex
 from vllm_disagg.wire.clocks import CLOCK_SLACK_S, MAX_CLOCK_SKEW_S
 from vllm_disagg.wire.discovery import Register, Role
@@ -128,6 +128,8 @@ class InstanceRegistry:
         default_factory=list, init=False
     )
     stalls: int = field(default=0, init=False)
+    # DP group id -> its registered ranks (Instance.group)
+    _groups: dict[str, DpGroup] = field(default_factory=dict, init=False)
     # Breaker state changes by (old, new) state, and leases collected unreleased.
     breaker_transitions: Counter[tuple[str, str]] = field(
         default_factory=Counter, init=False
@@ -154,6 +156,7 @@ class InstanceRegistry:
                 msg.model,
                 tuple(msg.aliases),
                 msg.fingerprint,
+                msg.dp_group,
             )
             != (
                 known.http_addr,
@@ -161,6 +164,7 @@ class InstanceRegistry:
                 known.model,
                 known.aliases,
                 known.fingerprint,
+                known.dp_group,
             )
         ):
             # An incarnation keeps its addresses and names: another frame
@@ -217,8 +221,10 @@ class InstanceRegistry:
         if known is not None:
             if known.role is not msg.role:
                 self._index.count_for_pairing(known, -1)
+                self._leave_group(known)
                 known.role = msg.role
                 self._index.count_for_pairing(known)
+                self._join_group(known)
             known.seq, known.sent_at = msg.seq, msg.sent_at
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.max_model_len = msg.max_model_len
@@ -241,13 +247,15 @@ class InstanceRegistry:
             sent_at=msg.sent_at,
             fingerprint=msg.fingerprint,
             max_model_len=msg.max_model_len,
+            dp_group=msg.dp_group if msg.dp_size > 1 else "",
             breaker=self._new_breaker(msg.instance_id, msg.http_addr),
         )
         self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
         self._index.add(instance)
+        self._join_group(instance)
         self._progress(instance, msg.stalled_s)
         logger.info(
-            "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d",
+            "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d%s",
             msg.instance_id,
             msg.role.value,
             msg.http_addr,
@@ -255,6 +263,7 @@ class InstanceRegistry:
             msg.model,
             msg.dp_rank,
             msg.dp_size,
+            f" group={instance.dp_group}" if instance.dp_group else "",
         )
         if not self.has_partner(instance):
             others = self._index.other_side_fingerprints(instance)
@@ -271,6 +280,28 @@ class InstanceRegistry:
                     ", ".join(sorted(others)),
                 )
         return True
+
+    def _join_group(self, instance: Instance) -> None:
+        """Ranks of one DP group (same role: a prefill and a decode never
+        share one) are placed as one (``policy.py``: dp_balanced)."""
+        if not instance.dp_group:
+            return
+        key = f"{instance.role.value}/{instance.dp_group}"
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = DpGroup(instance.dp_group)
+        group.members.append(instance)
+        instance.group = group
+
+    def _leave_group(self, instance: Instance) -> None:
+        group = instance.group
+        if group is None:
+            return
+        group.members.remove(instance)
+        instance.group = None
+        if not group.members:
+            key = f"{instance.role.value}/{instance.dp_group}"
+            self._groups.pop(key, None)
 
     def _refuse_removed(self, msg: Register, now: float) -> None:
         """Refuse an old frame of an instance that was removed."""
@@ -381,6 +412,7 @@ class InstanceRegistry:
     def _remove(self, instance: Instance, reason: str) -> None:
         del self._instances[instance.instance_id]
         self._index.remove(instance)
+        self._leave_group(instance)
         if not instance.static:
             self._remember_removed(instance, self.clock())
         self.removals[reason] += 1
@@ -414,16 +446,19 @@ class InstanceRegistry:
         """Whether any registered instance, healthy or not, serves ``model``."""
         return any(i.answers_to(model) for i in self._instances.values())
 
-    def reserve(self, instance: Instance) -> Lease:
+    def reserve(self, instance: Instance, tokens: int = 0) -> Lease:
         """A request is sent to ``instance``: it holds it until the lease's
-        ``release``, the only way the reservation ends."""
+        ``release``, the only way the reservation ends. ``tokens``: its
+        estimated size, counted in ``tokens_in_flight`` meanwhile."""
         instance.outstanding += 1
+        instance.tokens_in_flight += tokens
         instance.breaker.request_started(self.clock())
-        return Lease(instance, self._end_lease)
+        return Lease(instance, self._end_lease, tokens)
 
     def _end_lease(self, lease: Lease, ok: bool | None, leaked: bool) -> None:
         instance = lease.instance
         instance.outstanding -= 1
+        instance.tokens_in_flight -= lease.tokens
         instance.breaker.request_ended()
         if leaked:
             self.leaked_leases += 1
@@ -519,6 +554,14 @@ class InstanceRegistry:
                 counts[instance.role.value] += 1
         return counts
 
+    def dp_groups(self) -> dict[str, list[str]]:
+        """DP group -> the instance ids of its registered ranks, by rank."""
+        self.expire()
+        return {
+            key: [m.instance_id for m in sorted(group.members, key=lambda m: m.dp_rank)]
+            for key, group in sorted(self._groups.items())
+        }
+
     def counts(self) -> dict[str, int]:
         """Registered instances by role (``prefill``, ``decode``, ``both``)."""
         self.expire()
@@ -545,6 +588,9 @@ class InstanceRegistry:
                 "age_s": round(now - i.first_seen, 3),
                 "last_heartbeat_s": None if i.static else round(now - i.last_seen, 3),
                 "outstanding": i.outstanding,
+                "tokens_in_flight": i.tokens_in_flight,
+                # Ranks of one DP group step together ("": none).
+                "dp_group": i.dp_group,
                 "breaker": self.breaker_state(i, now).value,
                 "consecutive_failures": i.consecutive_failures,
                 # "stalled": its engine held requests stalled_s without a step.

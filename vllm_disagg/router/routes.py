@@ -224,6 +224,7 @@ def register(app: Quart, state) -> None:
             return response(unknown)
         if reason != NOT_GENERATION:
             metrics.decode_prefill_fallbacks.labels(reason).inc()
+            metrics.count_route("decode_alone", reason)
         return response(
             await passthrough.one(
                 Asked(

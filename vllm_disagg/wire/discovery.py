@@ -43,7 +43,13 @@ from vllm_disagg.wire.peers import PeerInfoError, split_addr
 #   2: Register.aliases (vllm serve --served-model-name's other names).
 #   3: Register.stalled_s (seconds the engine held requests without a step),
 #      Register.fingerprint (the model fingerprint: pairs form only within one).
-DISCOVERY_VERSION = 3
+#   4: Register.dp_group (the DP group whose ranks step together). A router
+#      speaking 4 takes 3 too (and answers in the sender's version); an
+#      instance sends 3 unless it has a group to name, so a DP=1 instance
+#      still registers with a router speaking 3. Fields a version does not
+#      have are omitted from its frames (omit_defaults), never sent empty.
+DISCOVERY_VERSION = 4
+MIN_DISCOVERY_VERSION = 3  # the oldest this side still takes
 
 DEFAULT_DISCOVERY_PORT = 30001
 DEFAULT_HTTP_PORT = 10001
@@ -55,6 +61,7 @@ MAX_MODEL_CHARS = 256
 MAX_ALIASES = 8
 MAX_REASON_CHARS = 300
 MAX_MODEL_LEN = 2**31 - 1  # vLLM's context lengths are int32 token counts
+MAX_DP_GROUP_CHARS = 32
 MAX_SEQ = 2**53  # heartbeats every 50 ms for longer than the universe has existed
 
 _ID_RE = re.compile(r"^[A-Za-z0-9._:@\[\]-]{1,128}$")
@@ -74,7 +81,7 @@ class Role(str, enum.Enum):
         }[kv_role]
 
 
-class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True):
+class _Msg(msgspec.Struct, forbid_unknown_fields=True, tag=True, omit_defaults=True):
     pass
 
 
@@ -103,6 +110,10 @@ class Register(_Msg, tag="register"):
     # output limit vLLM refuses against it to the decode alone, at no
     # prefill's cost.
     max_model_len: int = 0
+    # Version 4: the DP group whose ranks step together (hex, the same on
+    # every rank of one group; ""  when dp_size is 1). The router places a
+    # request on the rank that keeps the group's busiest rank least loaded.
+    dp_group: str = ""
 
 
 class Deregister(_Msg, tag="deregister"):
@@ -145,10 +156,11 @@ def open_frame(
         if e.kind == "unauthenticated":  # what an operator must fix
             raise FrameError(e.kind, "bad or missing registration token") from None
         raise
-    if msg.version != DISCOVERY_VERSION:
+    if not MIN_DISCOVERY_VERSION <= msg.version <= DISCOVERY_VERSION:
         raise FrameError(
             "version",
-            f"discovery protocol {msg.version}, this side speaks {DISCOVERY_VERSION}",
+            f"discovery protocol {msg.version}, this side speaks "
+            f"{MIN_DISCOVERY_VERSION} to {DISCOVERY_VERSION}",
         )
     validate(msg)
     if not isinstance(msg, Ack):
@@ -203,6 +215,15 @@ def validate(msg: Message) -> None:
         need(
             math.isfinite(msg.stalled_s) and 0 <= msg.stalled_s <= 1e9,
             "stalled_s out of [0, 1e9]",
+        )
+        need(
+            len(msg.dp_group) <= MAX_DP_GROUP_CHARS
+            and all(c in "0123456789abcdef" for c in msg.dp_group),
+            f"dp_group must be at most {MAX_DP_GROUP_CHARS} lower-case hex digits",
+        )
+        need(
+            not msg.dp_group or (msg.version >= 4 and msg.dp_size > 1),
+            "dp_group needs discovery version 4 and dp_size above 1",
         )
         need(
             len(msg.fingerprint) <= 64

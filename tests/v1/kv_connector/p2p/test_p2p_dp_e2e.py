@@ -2,8 +2,10 @@
 tiny MoE (one `vllm serve` per DP rank, step sync between the ranks of each
 instance), every rank registered with the router as an instance of its own.
 
-* Through the router, which knows nothing of DP: completions, streams and
-  chats equal the colocated run, and every rank of both instances serves.
+* Through the router: completions, streams and chats equal the colocated
+  run, and every rank of both instances serves. The router learned the DP
+  groups from registration (``/instances``: the ranks of each instance share
+  one ``dp_group``) and places decodes with ``dp_balanced``.
 * A rank waiting for remote KV must not stall step sync: while one request on
   decode rank 1 waits for KV that never comes, requests on both ranks
   complete, and the waiting one is recomputed after ``kv_load_timeout_s``.
@@ -89,7 +91,9 @@ def dp_servers(tiny_models, start_server, start_router):
     routers: ``router`` knows both DP=2 instances, ``router_dp1`` the prefill's
     ranks and the DP=1 decode."""
     model = tiny_models["tiny-mixtral"]
-    router = start_router(name="router-dp", model=str(model))
+    router = start_router(
+        name="router-dp", model=str(model), args=["--policy-decode", "dp_balanced"]
+    )
     router_dp1 = start_router(name="router-dp2-to-dp1", model=str(model))
     options = json.dumps({"step_sync_peer_timeout_s": 10})
 
@@ -223,8 +227,17 @@ def _served(inst: P2pInstance) -> float:
     return sum(v for labels in values.values() for v in labels.values())
 
 
-def test_the_router_serves_xpyd_on_dp_engines_without_knowing_dp(xpyd_dp, reference):
+def test_the_router_serves_xpyd_on_dp_engines_placing_each_group_as_one(
+    xpyd_dp, reference
+):
     router, prefills, decodes = xpyd_dp
+    groups: dict[str, set[str]] = {}
+    for listed in router.instances():
+        groups.setdefault(listed["role"], set()).add(listed["dp_group"])
+    # One group per instance (both ranks name it), the two instances' differ.
+    assert len(groups["prefill"]) == len(groups["decode"]) == 1, groups
+    assert "" not in groups["prefill"] | groups["decode"]
+    assert groups["prefill"] != groups["decode"]
     ranks = [*prefills, *decodes]
     before = [_served(r) for r in ranks]
     with ThreadPoolExecutor(4) as pool:

@@ -275,6 +275,74 @@ def test_router_completions_streams_and_chats_equal_colocated(
         assert _served(member) > served_before[id(member)], f"{name_} served nothing"
 
 
+def _router_counter(router, name: str, **labels: str) -> float:
+    """One sample of the router's /metrics (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in requests.get(router.url + "/metrics", timeout=10).text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample == f"{name}{{{want}}}":
+            return float(value)
+    return 0.0
+
+
+def test_selective_disaggregation_sends_short_prompts_to_the_decode_alone(
+    tiny_models, start_router, put_async_set, reference
+):
+    """With --decode-alone-below-tokens 64, the prompts of 1 and 32 tokens go
+    to the decode alone: the prefill serves nothing for them and the router
+    counts them decode_alone/short_prompt; the prompts of 101 and 327 tokens
+    still go through the prefill, their KV over the connector. Every output
+    equals the colocated run. A router of its own over the set's p1 and d1
+    (named on its command line): no new vLLM server."""
+    p, d = put_async_set["p1"], put_async_set["d1"]
+    router = start_router(
+        name="router-selective",
+        model=str(tiny_models["tiny-llama"]),
+        args=[
+            "--decode-alone-below-tokens",
+            "64",
+            "--static-prefill",
+            f"127.0.0.1:{p.server.port},{p.kv_addr}",
+            "--static-decode",
+            f"127.0.0.1:{d.server.port},{d.kv_addr}",
+        ],
+    )
+    short = [q for q in LENGTH_PROMPTS if len(q) < 64]
+    long = [q for q in LENGTH_PROMPTS if len(q) >= 64]
+    assert len(short) == 2 and len(long) == 2
+
+    def completion(prompt):
+        return ids(
+            openai_client.complete(
+                router,
+                prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                return_token_ids=True,
+            )
+        )
+
+    prefilled, decoded = _served(p), _served(d)
+    received = metric(d, "vllm:p2p_bytes_received")
+    for prompt in short:
+        assert completion(prompt) == reference[key(prompt)], len(prompt)
+    # D's counter moves when its answer is sent; P's would have moved before.
+    wait_metric(d, "vllm:request_success", decoded + len(short))
+    assert _served(p) == prefilled, "a short prompt reached the prefill"
+    assert metric(d, "vllm:p2p_bytes_received") == received
+    routes = "vllm_disagg_router_routes_total"
+    alone = {"route": "decode_alone", "reason": "short_prompt"}
+    assert _router_counter(router, routes, **alone) == len(short)
+    for prompt in long:
+        assert completion(prompt) == reference[key(prompt)], len(prompt)
+    wait_metric(p, "vllm:request_success", prefilled + len(long))
+    assert metric(d, "vllm:p2p_bytes_received") > received  # the KV came over
+    disaggregated = {"route": "disaggregated", "reason": "long_prompt"}
+    assert _router_counter(router, routes, **disaggregated) == len(long)
+    assert _router_counter(router, routes, **alone) == len(short)
+    router.stop()
+
+
 # One client, a pause between its requests: traffic flows, but leaves the
 # joining server CPU to start on a 2-core machine (busy workers starve it).
 JOIN_TRAFFIC_PACE_S = 2.0

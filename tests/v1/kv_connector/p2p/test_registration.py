@@ -27,6 +27,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import
 from vllm_disagg.wire.discovery import (
     DISCOVERY_VERSION,
     MAX_ID_CHARS,
+    MIN_DISCOVERY_VERSION,
     Ack,
     Deregister,
     DiscoveryError,
@@ -170,7 +171,8 @@ def test_registers_within_one_interval_and_deregisters_on_close(routers, clients
     [msg] = router.receive(1, timeout_s=5.0)
     assert time.monotonic() - started < 5.0  # at once, not after the first interval
     assert msg == Register(
-        version=DISCOVERY_VERSION,
+        # No DP group named: the oldest version that carries the message.
+        version=MIN_DISCOVERY_VERSION,
         instance_id=client.instance_id,
         role=Role.DECODE,
         http_addr=HTTP_ADDR,
@@ -311,7 +313,11 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
             served_model_name=["served", "alias"], model="/m", max_model_len=512
         ),
         parallel_config=SimpleNamespace(
-            data_parallel_rank=1, data_parallel_size=2, data_parallel_external_lb=True
+            data_parallel_rank=1,
+            data_parallel_size=2,
+            data_parallel_external_lb=True,
+            data_parallel_master_ip="10.0.0.7",
+            data_parallel_rpc_port=13345,
         ),
     )
     assert (
@@ -330,6 +336,7 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
             msg.kv_addr,
             msg.dp_rank,
             msg.dp_size,
+            msg.version,
         ) == (
             Role.PREFILL,
             "served",
@@ -337,7 +344,9 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
             "127.0.0.1:21002",
             1,
             2,
+            DISCOVERY_VERSION,  # it names a DP group
         )
+        assert msg.dp_group == registration.dp_group_of(vllm_config.parallel_config)
         assert msg.aliases == ("alias",)  # --served-model-name's other names route too
     finally:
         client.close()
@@ -364,6 +373,29 @@ def test_one_registration_per_api_server(
         data_parallel_rank_local=local_rank,
     )
     assert registration.registers_for_its_api_server(parallel) is registers
+
+
+def test_the_ranks_of_one_dp_group_name_the_same_group_and_no_other():
+    def parallel(rank=0, size=2, ip="10.0.0.7", port=13345):
+        return SimpleNamespace(
+            data_parallel_rank=rank,
+            data_parallel_size=size,
+            data_parallel_master_ip=ip,
+            data_parallel_rpc_port=port,
+        )
+
+    group = registration.dp_group_of(parallel(0))
+    assert len(group) == 16 and group == registration.dp_group_of(parallel(1))
+    assert registration.dp_group_of(parallel(size=1)) == ""  # no group at DP=1
+    others = {
+        registration.dp_group_of(p)
+        for p in (parallel(port=13346), parallel(ip="10.0.0.8"), parallel(size=4))
+    }
+    assert group not in others and len(others) == 3
+    # Loopback rendezvous: the host's name makes it this host's group.
+    assert registration.dp_group_of(parallel(ip="127.0.0.1")) != (
+        registration.dp_group_of(parallel(ip="127.0.0.2"))
+    )
 
 
 def test_scheduler_shutdown_deregisters(routers, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import socket
 import threading
 import time
@@ -46,6 +47,7 @@ from vllm_disagg.wire.discovery import (
     HEARTBEAT_INTERVAL_S,
     MAX_FRAME_BYTES,
     MAX_ID_CHARS,
+    MIN_DISCOVERY_VERSION,
     Ack,
     Deregister,
     DiscoveryError,
@@ -121,6 +123,7 @@ class RegistrationClient:
         fingerprint: str = "",
         max_model_len: int = 0,
         listen_addr: str | None = None,
+        dp_group: str = "",
     ):
         if not routers:
             raise ValueError("no router to register with")
@@ -129,7 +132,7 @@ class RegistrationClient:
         self.interval_s = interval_s
         self.instance_id = make_instance_id(kv_addr)
         self._template = Register(
-            version=DISCOVERY_VERSION,
+            version=DISCOVERY_VERSION if dp_group else MIN_DISCOVERY_VERSION,
             instance_id=self.instance_id,
             role=role,
             http_addr=http_addr,
@@ -141,6 +144,7 @@ class RegistrationClient:
             interval_s=interval_s,
             fingerprint=fingerprint,
             max_model_len=max_model_len,
+            dp_group=dp_group,
         )
         try:
             validate(self._template)
@@ -380,7 +384,7 @@ class RegistrationClient:
         frames = seal(
             self.token,
             Deregister(
-                version=DISCOVERY_VERSION,
+                version=MIN_DISCOVERY_VERSION,
                 instance_id=self.instance_id,
                 sent_at=time.time(),
             ),
@@ -471,6 +475,24 @@ def registers_for_its_api_server(parallel_config) -> bool:
     return dp_rank_of(parallel_config) == 0
 
 
+def dp_group_of(parallel_config) -> str:
+    """The id every rank of one DP group registers with ("" at DP=1): a
+    hash of the group's rendezvous (``--data-parallel-address`` and
+    ``--data-parallel-rpc-port``, which all its ranks share and no other
+    group can), with this host's name when that address is loopback (two
+    single-host groups on two hosts may both use 127.0.0.1). With step sync
+    the ranks of a group step together: the router places requests on the
+    group as one (``router/policy.py``: dp_balanced)."""
+    size = parallel_config.data_parallel_size
+    if size <= 1:
+        return ""
+    host = str(parallel_config.data_parallel_master_ip)
+    if host.startswith("127.") or host in ("localhost", "::1"):
+        host = f"{socket.gethostname()}/{host}"
+    key = f"{host}:{parallel_config.data_parallel_rpc_port}/{size}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def start_registration(
     vllm_config: VllmConfig,
     config: P2pConfig,
@@ -516,4 +538,5 @@ def start_registration(
         listen_addr=api_listen_addr(
             config.http_addr, envs.serve_host(), envs.serve_port()
         ),
+        dp_group=dp_group_of(parallel),
     ).start()

@@ -10,6 +10,7 @@ the command line offers what is registered (``policy_names``).
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +42,15 @@ class Policy(ABC):
 
 _POLICIES: dict[str, type[Policy]] = {}
 _P = TypeVar("_P", bound=type[Policy])
+# Modules whose policies register themselves (they import this one): loaded
+# when the registry is first read, so that no import circle forms.
+POLICY_MODULES = ("vllm_disagg.router.placement",)
+
+
+def _registered() -> dict[str, type[Policy]]:
+    for module in POLICY_MODULES:
+        importlib.import_module(module)
+    return _POLICIES
 
 
 def register_policy(name: str, *, prefill_only: bool = False) -> Callable[[_P], _P]:
@@ -62,7 +72,7 @@ def policy_names(side: Role) -> tuple[str, ...]:
     registration order."""
     return tuple(
         name
-        for name, cls in _POLICIES.items()
+        for name, cls in _registered().items()
         if side is Role.PREFILL or not cls.prefill_only
     )
 
@@ -335,12 +345,7 @@ class Policies:
 
 def make_policy(name: str, config: RouterConfig) -> Policy:
     """The registered policy ``name``, configured from ``config``."""
-    cls = _POLICIES.get(name)
+    cls = _registered().get(name)
     if cls is None:
         raise ValueError(f"unknown policy {name!r}; one of {', '.join(_POLICIES)}")
     return cls.from_config(config)
-
-
-# Policies defined in modules of their own register when this one is loaded
-# (the command line lists what is registered); they import from here.
-from vllm_disagg.router import placement as _placement  # noqa: E402, F401

@@ -54,6 +54,7 @@ from vllm_disagg.v1.engine.step_sync import (
 from vllm_disagg.v1.engine.step_sync.credentials import group_secret
 from vllm_disagg.v1.engine.step_sync.rendezvous import join, not_formed_hint
 from vllm_disagg.v1.metrics.step_sync import StepSyncMetricsWriter
+from vllm_disagg.wire.groups import dp_group_of
 
 logger = init_logger(__name__)
 
@@ -161,7 +162,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         self._metrics = StepSyncMetricsWriter(
             self.dp_rank,
             self._metrics_snapshot,
-            dp_group=str(self.step_sync.coordinator_address),
+            dp_group=dp_group_of(vllm_config.parallel_config),
         )
         # The ports this group exposes (docs/step_sync.md, "Ports"), and where its
         # secret came from (never the secret).

@@ -38,10 +38,10 @@ logger = init_logger(__name__)
 
 WRITE_INTERVAL_S = 0.5
 PREFIX = "vllm_disagg:step_sync_"
-# dp_group: the group's coordinator address, the same on every rank of one
-# group whether its ranks share an API server (internal launch) or each has
-# its own ``vllm serve`` (one scrape target per rank): the label that lets
-# rules compare the ranks of a group across targets.
+# dp_group: the group's id (wire/groups.py, also in the router's /instances),
+# the same on every rank of one group whether its ranks share an API server
+# (internal launch) or each has its own ``vllm serve`` (one scrape target per
+# rank): the label that lets rules compare the ranks of a group across targets.
 LABELS = ("dp_rank", "dp_group")
 
 # snapshot key -> (metric name without prefix, type, help)

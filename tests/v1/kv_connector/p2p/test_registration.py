@@ -36,6 +36,7 @@ from vllm_disagg.wire.discovery import (
     open_frame,
     seal,
 )
+from vllm_disagg.wire.groups import dp_group_of
 
 INTERVAL = 0.1
 KV_ADDR = "127.0.0.1:22001"
@@ -346,7 +347,7 @@ def test_start_registration_waits_for_the_api_server(routers, monkeypatch):
             2,
             DISCOVERY_VERSION,  # it names a DP group
         )
-        assert msg.dp_group == registration.dp_group_of(vllm_config.parallel_config)
+        assert msg.dp_group == dp_group_of(vllm_config.parallel_config)
         assert msg.aliases == ("alias",)  # --served-model-name's other names route too
     finally:
         client.close()
@@ -384,17 +385,17 @@ def test_the_ranks_of_one_dp_group_name_the_same_group_and_no_other():
             data_parallel_rpc_port=port,
         )
 
-    group = registration.dp_group_of(parallel(0))
-    assert len(group) == 16 and group == registration.dp_group_of(parallel(1))
-    assert registration.dp_group_of(parallel(size=1)) == ""  # no group at DP=1
+    group = dp_group_of(parallel(0))
+    assert len(group) == 16 and group == dp_group_of(parallel(1))
+    assert dp_group_of(parallel(size=1)) == ""  # no group at DP=1
     others = {
-        registration.dp_group_of(p)
+        dp_group_of(p)
         for p in (parallel(port=13346), parallel(ip="10.0.0.8"), parallel(size=4))
     }
     assert group not in others and len(others) == 3
     # Loopback rendezvous: the host's name makes it this host's group.
-    assert registration.dp_group_of(parallel(ip="127.0.0.1")) != (
-        registration.dp_group_of(parallel(ip="127.0.0.2"))
+    assert dp_group_of(parallel(ip="127.0.0.1")) != (
+        dp_group_of(parallel(ip="127.0.0.2"))
     )
 
 

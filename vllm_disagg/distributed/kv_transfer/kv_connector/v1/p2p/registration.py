@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import hashlib
 import socket
 import threading
 import time
@@ -57,6 +56,7 @@ from vllm_disagg.wire.discovery import (
     seal,
     validate,
 )
+from vllm_disagg.wire.groups import dp_group_of
 from vllm_disagg.wire.logs import RateLimitedLog
 from vllm_disagg.wire.peers import format_addr, split_addr
 
@@ -473,24 +473,6 @@ def registers_for_its_api_server(parallel_config) -> bool:
     if parallel_config.data_parallel_hybrid_lb:
         return not parallel_config.data_parallel_rank_local
     return dp_rank_of(parallel_config) == 0
-
-
-def dp_group_of(parallel_config) -> str:
-    """The id every rank of one DP group registers with ("" at DP=1): a
-    hash of the group's rendezvous (``--data-parallel-address`` and
-    ``--data-parallel-rpc-port``, which all its ranks share and no other
-    group can), with this host's name when that address is loopback (two
-    single-host groups on two hosts may both use 127.0.0.1). With step sync
-    the ranks of a group step together: the router places requests on the
-    group as one (``router/policy.py``: dp_balanced)."""
-    size = parallel_config.data_parallel_size
-    if size <= 1:
-        return ""
-    host = str(parallel_config.data_parallel_master_ip)
-    if host.startswith("127.") or host in ("localhost", "::1"):
-        host = f"{socket.gethostname()}/{host}"
-    key = f"{host}:{parallel_config.data_parallel_rpc_port}/{size}"
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def start_registration(

@@ -35,8 +35,9 @@ from vllm_disagg.router.exchange import (
     forwarded_headers,
 )
 from vllm_disagg.router.health import InstanceHealth, LegFailure
-from vllm_disagg.router.legs import DecodeRefused, Legs
+from vllm_disagg.router.legs import DecodeLost, DecodeRefused, Legs
 from vllm_disagg.router.metrics import Outcome, RouterMetrics
+from vllm_disagg.router.migrator import LIMIT, NO_PAIR, RESTARTED, Migrator
 from vllm_disagg.router.models_cache import ModelsCache
 from vllm_disagg.router.passthrough import Passthrough
 from vllm_disagg.router.policy import Policies
@@ -91,6 +92,16 @@ class RequestProxy:
             lambda: self.session,
             self.limited_log,
         )
+        self.migrator = Migrator(
+            config,
+            registry,
+            metrics,
+            self.health,
+            self.legs,
+            self._pick,
+            self.limited_log,
+        )
+        self.legs.resume = self.migrator.resume
         self.models = ModelsCache(
             registry, config.connect_timeout_s, lambda: self.session
         )
@@ -222,18 +233,23 @@ class RequestProxy:
         policy = self.policies.prefill if side is Role.PREFILL else self.policies.decode
         return policy.select(candidates, ex.body)
 
-    def _pick_paired_decode(self, ex: Exchange) -> Instance | None:
+    def _pick_paired_decode(
+        self, ex: Exchange, exclude: set[str] = frozenset()
+    ) -> Instance | None:
         """A decode that some healthy prefill can serve: the same model
         fingerprint. With no healthy prefill at all, any decode (the request
-        goes on to the no-prefill handling)."""
+        goes on to the no-prefill handling). None of ``exclude``."""
         prefills = self.registry.healthy(Role.PREFILL, ex.model)
         if not prefills:
-            return self._pick(Role.DECODE, ex)
+            return self._pick(Role.DECODE, ex, exclude)
         fingerprints = {p.fingerprint for p in prefills}
         candidates = [
             d
             for d in self.registry.healthy(Role.DECODE, ex.model)
-            if not d.fingerprint or "" in fingerprints or d.fingerprint in fingerprints
+            if (
+                not d.fingerprint or "" in fingerprints or d.fingerprint in fingerprints
+            )
+            and d.instance_id not in exclude
         ]
         if not candidates:
             return None
@@ -270,6 +286,16 @@ class RequestProxy:
                 503,
                 self._no_decode_reason(ex),
             )
+        if alone is None:
+            self.migrator.plan(ex)
+        try:
+            return await self._handoff(ex, decode, alone)
+        except DecodeLost as lost:
+            return await self._restart(ex, lost)
+
+    async def _handoff(
+        self, ex: Exchange, decode: Instance, alone: str | None
+    ) -> Reply:
         # D counts as loaded from now on, prefill included: requests arriving
         # meanwhile see it, and a half-open D gets no second trial. The
         # decode leg releases the lease (or hands it to the stream relay);
@@ -288,13 +314,57 @@ class RequestProxy:
         finally:
             lease.release(None)
 
+    async def _restart(self, ex: Exchange, lost: DecodeLost) -> Reply:
+        """D failed before the client got a byte (a non-streamed answer while
+        it generated): run the request again on another pair, never on a
+        decode that failed it, at most ``--max-migrations`` times."""
+        while True:
+            ex.failed_decodes.add(lost.instance.instance_id)
+            if ex.migrations >= self.config.max_migrations:
+                refused = self.migrator.refuse(ex, LIMIT)
+                return ex.error(
+                    Outcome.UPSTREAM_ERROR,
+                    502,
+                    f"the decode instance failed ({lost.reason}) {refused.message}",
+                )
+            decode = self._pick_paired_decode(ex, ex.failed_decodes)
+            if decode is None:
+                refused = self.migrator.refuse(ex, NO_PAIR)
+                return ex.error(
+                    Outcome.UPSTREAM_ERROR,
+                    503,
+                    f"the decode instance failed ({lost.reason}) {refused.message}",
+                )
+            ex.migrations += 1
+            self.limited_log.warning(
+                "migration",
+                "decode %s failed request %s (%s) before its first byte: running "
+                "it on %s",
+                lost.instance.http_addr,
+                ex.request_id,
+                lost.reason,
+                decode.http_addr,
+            )
+            self.metrics.migrations.labels(RESTARTED, lost.reason).inc()
+            ex.renew_key()
+            if ex.ledger is not None:
+                ex.ledger.reset_buffer()
+            started = time.monotonic()
+            try:
+                reply = await self._handoff(ex, decode, None)
+            except DecodeLost as again:
+                lost = again
+                continue
+            self.metrics.migration_latency.observe(time.monotonic() - started)
+            return reply
+
     async def _decode_elsewhere(
         self, ex: Exchange, refused_by: Instance, refused: DecodeRefused
     ) -> Reply:
         """D refused the connection before a byte reached the client: try
         other decodes of its model. They prefill themselves (the KV went to
         the one that refused), so the answer costs a recompute, not a 502."""
-        tried = {refused_by.instance_id}
+        tried = {refused_by.instance_id, *ex.failed_decodes}
         for _ in range(self.config.max_retries):
             other = self._pick(Role.DECODE, ex, tried, model=refused_by.model)
             if other is None:

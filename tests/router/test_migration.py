@@ -425,3 +425,24 @@ async def test_a_non_streamed_request_runs_again_elsewhere_or_fails_with_503(
     d2.handler = make_decode(0)
     status, raw, _ = await router.post("/v1/completions", body)
     assert status == 503 and json.loads(raw)["error"]["code"] == 503
+
+
+async def test_a_stream_with_stop_strings_is_not_migrated_and_counted(
+    fakes, start_router
+):
+    router, p, d1, d2 = await two_decodes(fakes, start_router, 3)
+    status, raw, _ = await router.post("/v1/completions", {**STREAM, "stop": ["x"]})
+    chunks = events_of(raw)
+    assert (
+        chunks[-1] == "[DONE]" and "broke the stream" in chunks[-2]["error"]["message"]
+    )
+    assert len(d1.requests) + len(d2.requests) == 1
+    assert "return_token_ids" not in (d1.requests or d2.requests)[0].body
+    assert (
+        router.metric(
+            "vllm_disagg_router_migrations_total",
+            outcome="not_migratable",
+            reason="stop",
+        )
+        == 1
+    )

@@ -123,6 +123,7 @@ class RelayStream:
             self._health.suspect(self._decode)
             if self._resume is not None:
                 return b"", ("stalled", None, Outcome.TIMEOUT, 504)
+            self._not_migrated()
             return b"", self._end(
                 Outcome.TIMEOUT,
                 None,
@@ -138,12 +139,20 @@ class RelayStream:
             )
             if self._resume is not None:
                 return b"", ("broken", False, Outcome.UPSTREAM_ERROR, 502)
+            self._not_migrated()
             return b"", self._end(
                 Outcome.UPSTREAM_ERROR,
                 False,
                 502,
                 "the decode instance broke the stream",
             )
+
+    def _not_migrated(self) -> None:
+        """Count a failed stream migration would not continue (its options)."""
+        if self._ex.not_migratable is not None:
+            self._ex.metrics.migrations.labels(
+                "not_migratable", self._ex.not_migratable
+            ).inc()
 
     async def _migrate(
         self, why: str, instance_ok: bool | None, outcome: Outcome, status: int

@@ -275,10 +275,10 @@ def test_a_decode_that_died_after_its_last_token_owes_only_usage_and_done():
 # --- through a router: fake decodes that generate and die -------------------
 
 
-def make_decode(die_after: int | None):
+def make_decode(die_after: int | None, hang: bool = False):
     """A vLLM-like streaming completion handler: tokens of ``greedy``, one
-    event each, ``[DONE]`` at the end; the connection cut after
-    ``die_after`` tokens."""
+    event each, ``[DONE]`` at the end; the connection cut (``hang``: silent
+    for good) after ``die_after`` tokens."""
 
     async def handler(fake, request, body):
         prompt = body["prompt"]
@@ -304,7 +304,7 @@ def make_decode(die_after: int | None):
         ids: list[int] = []
         for i in range(limit):
             if die_after is not None and i == die_after:
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(3600 if hang else 0.02)
                 request.transport.close()
                 return resp
             tok = next_token([*prompt, *ids])
@@ -443,6 +443,37 @@ async def test_a_stream_with_stop_strings_is_not_migrated_and_counted(
             "vllm_disagg_router_migrations_total",
             outcome="not_migratable",
             reason="stop",
+        )
+        == 1
+    )
+
+
+async def test_a_stalled_decode_is_left_and_its_stream_continues(fakes, start_router):
+    router, p, d1, d2 = await two_decodes(
+        fakes, start_router, None, chunk_timeout_s=0.3
+    )
+    calls = []
+
+    def first_stalls(fake, request, body):
+        calls.append(fake)
+        handler = make_decode(4, hang=True) if len(calls) == 1 else make_decode(None)
+        return handler(fake, request, body)
+
+    d1.handler = d2.handler = first_stalls
+    status, raw, _ = await router.post("/v1/completions", STREAM)
+    chunks = events_of(raw)
+    assert (
+        status == 200
+        and chunks[-1] == "[DONE]"
+        and not any("error" in c for c in chunks[:-1])
+    )
+    assert [c["choices"][0]["token_ids"] for c in chunks[:-1]] == [None] * 20
+    assert calls[0] is not calls[1]
+    # The stalled decode's request was closed (vLLM aborts it).
+    await asyncio.wait_for(calls[0].disconnected.wait(), 2)
+    assert (
+        router.metric(
+            "vllm_disagg_router_migrations_total", outcome="resumed", reason="stalled"
         )
         == 1
     )

@@ -339,7 +339,9 @@ class StreamLedger:
             completion_tokens=completion,
             total_tokens=prompt + completion,
         )
-        if usage.get("prompt_tokens_details") is not None:
+        # The continuation's cached prefix is not the client's prompt's; vLLM's
+        # chat usage names the field even when it is empty.
+        if self.chat or "prompt_tokens_details" in usage:
             usage["prompt_tokens_details"] = None
         return usage
 

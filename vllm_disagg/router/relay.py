@@ -165,19 +165,19 @@ class RelayStream:
             # Every token was sent; only D's usage chunk and [DONE] were lost.
             self._close(Outcome.OK, instance_ok)
             return closing
-        failed = self._decode
-        opened = await self._resume(self._ex, failed, why)
+        # D's request ends now (a stalled D aborts it), not after the move.
+        self._resp.release()
+        self._lease.release(instance_ok)
+        if self._prefill_task is not None:
+            self._prefill_task.cancel()
+            self._prefill_task = None
+        opened = await self._resume(self._ex, self._decode, why)
         if isinstance(opened, Refused):
             failure = FAILURES[why].format(chunk_timeout_s=self._config.chunk_timeout_s)
             message = f"{failure}, {opened.message}"
             self._limited_log.warning(opened.outcome, "%s", message)
             self._close(outcome, instance_ok)
             return error_events(status, message)
-        self._resp.release()
-        self._lease.release(instance_ok)
-        if self._prefill_task is not None:
-            self._prefill_task.cancel()
-            self._prefill_task = None
         self._resp, self._lease = opened.resp, opened.lease
         self._decode = opened.lease.instance
         self._pending = opened.first

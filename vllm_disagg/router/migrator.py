@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.exchange import Exchange, decode_body
 from vllm_disagg.router.health import InstanceHealth
-from vllm_disagg.router.legs import Legs
-from vllm_disagg.router.metrics import RouterMetrics
+from vllm_disagg.router.legs import DecodeLost, Legs
+from vllm_disagg.router.metrics import Outcome, RouterMetrics
 from vllm_disagg.router.migration import (
     MIGRATED_PATHS,
     Opened,
@@ -37,6 +37,7 @@ from vllm_disagg.router.migration import (
     not_migratable_reason,
 )
 from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease
+from vllm_disagg.router.replies import Reply
 from vllm_disagg.router.validation import lax_bool
 from vllm_disagg.wire.discovery import Role
 from vllm_disagg.wire.logs import RateLimitedLog
@@ -99,6 +100,54 @@ class Migrator:
             f"elsewhere ({reason})",
         }
         return Refused(outcome, messages[outcome])
+
+    async def restart(
+        self,
+        ex: Exchange,
+        lost: DecodeLost,
+        handoff: Callable[[Exchange, Instance, str | None], Awaitable[Reply]],
+        pick_paired: Callable[[Exchange, set[str]], Instance | None],
+    ) -> Reply:
+        """D failed before the client got a byte (a non-streamed answer while
+        it generated): run the request again on another pair (``handoff``
+        through a decode ``pick_paired`` found), never on a decode that
+        failed it, at most ``--max-migrations`` times; else 503 / 502."""
+        while True:
+            ex.failed_decodes.add(lost.instance.instance_id)
+            failed = f"the decode instance failed ({lost.reason})"
+            if ex.migrations >= self.config.max_migrations:
+                refused = self.refuse(ex, LIMIT)
+                return ex.error(
+                    Outcome.UPSTREAM_ERROR, 502, f"{failed} {refused.message}"
+                )
+            decode = pick_paired(ex, ex.failed_decodes)
+            if decode is None:
+                refused = self.refuse(ex, NO_PAIR)
+                return ex.error(
+                    Outcome.UPSTREAM_ERROR, 503, f"{failed} {refused.message}"
+                )
+            ex.migrations += 1
+            self.limited_log.warning(
+                "migration",
+                "decode %s failed request %s (%s) before its first byte: running "
+                "it on %s",
+                lost.instance.http_addr,
+                ex.request_id,
+                lost.reason,
+                decode.http_addr,
+            )
+            self.metrics.migrations.labels(RESTARTED, lost.reason).inc()
+            ex.renew_key()
+            if ex.ledger is not None:
+                ex.ledger.reset_buffer()
+            started = time.monotonic()
+            try:
+                reply = await handoff(ex, decode, None)
+            except DecodeLost as again:
+                lost = again
+                continue
+            self.metrics.migration_latency.observe(time.monotonic() - started)
+            return reply
 
     async def resume(
         self, ex: Exchange, failed: Instance, why: str

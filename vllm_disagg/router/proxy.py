@@ -37,7 +37,7 @@ from vllm_disagg.router.exchange import (
 from vllm_disagg.router.health import InstanceHealth, LegFailure
 from vllm_disagg.router.legs import DecodeLost, DecodeRefused, Legs
 from vllm_disagg.router.metrics import Outcome, RouterMetrics
-from vllm_disagg.router.migrator import LIMIT, NO_PAIR, RESTARTED, Migrator
+from vllm_disagg.router.migrator import Migrator
 from vllm_disagg.router.models_cache import ModelsCache
 from vllm_disagg.router.passthrough import Passthrough
 from vllm_disagg.router.policy import Policies
@@ -291,7 +291,9 @@ class RequestProxy:
         try:
             return await self._handoff(ex, decode, alone)
         except DecodeLost as lost:
-            return await self._restart(ex, lost)
+            return await self.migrator.restart(
+                ex, lost, self._handoff, self._pick_paired_decode
+            )
 
     async def _handoff(
         self, ex: Exchange, decode: Instance, alone: str | None
@@ -313,50 +315,6 @@ class RequestProxy:
             return await self._decode_elsewhere(ex, decode, refused)
         finally:
             lease.release(None)
-
-    async def _restart(self, ex: Exchange, lost: DecodeLost) -> Reply:
-        """D failed before the client got a byte (a non-streamed answer while
-        it generated): run the request again on another pair, never on a
-        decode that failed it, at most ``--max-migrations`` times."""
-        while True:
-            ex.failed_decodes.add(lost.instance.instance_id)
-            if ex.migrations >= self.config.max_migrations:
-                refused = self.migrator.refuse(ex, LIMIT)
-                return ex.error(
-                    Outcome.UPSTREAM_ERROR,
-                    502,
-                    f"the decode instance failed ({lost.reason}) {refused.message}",
-                )
-            decode = self._pick_paired_decode(ex, ex.failed_decodes)
-            if decode is None:
-                refused = self.migrator.refuse(ex, NO_PAIR)
-                return ex.error(
-                    Outcome.UPSTREAM_ERROR,
-                    503,
-                    f"the decode instance failed ({lost.reason}) {refused.message}",
-                )
-            ex.migrations += 1
-            self.limited_log.warning(
-                "migration",
-                "decode %s failed request %s (%s) before its first byte: running "
-                "it on %s",
-                lost.instance.http_addr,
-                ex.request_id,
-                lost.reason,
-                decode.http_addr,
-            )
-            self.metrics.migrations.labels(RESTARTED, lost.reason).inc()
-            ex.renew_key()
-            if ex.ledger is not None:
-                ex.ledger.reset_buffer()
-            started = time.monotonic()
-            try:
-                reply = await self._handoff(ex, decode, None)
-            except DecodeLost as again:
-                lost = again
-                continue
-            self.metrics.migration_latency.observe(time.monotonic() - started)
-            return reply
 
     async def _decode_elsewhere(
         self, ex: Exchange, refused_by: Instance, refused: DecodeRefused

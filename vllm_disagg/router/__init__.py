@@ -15,6 +15,8 @@ __all__ = [
     "instance_index",
     "legs",
     "metrics",
+    "migration",
+    "migrator",
     "models_cache",
     "policy",
     "proxy",

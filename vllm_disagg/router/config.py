@@ -95,6 +95,7 @@ class RouterConfig:
     chunk_timeout_s: float = 60.0
     request_timeout_s: float = 600.0
     max_retries: int = 2
+    max_migrations: int = 2
     breaker_failures: int = 3
     breaker_cooldown_s: float = 10.0
     fallback_to_decode_prefill: bool = False
@@ -158,6 +159,7 @@ class RouterConfig:
                         f"(> 0 and <= {MAX_TIMEOUT_S:.0f})"
                     )
         self._int_range("max_retries", 0, MAX_RETRIES)
+        self._int_range("max_migrations", 0, MAX_RETRIES)
         self._int_range("breaker_failures", 1, 1000)
         self._int_range("max_body_bytes", 1024, 1 << 34)
         self._int_range("max_header_bytes", 1024, 1 << 24)
@@ -402,6 +404,14 @@ def _add_failure_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
         default=d.max_retries,
         help="prefill retries on other instances, before anything reached "
         "the client (default %(default)s)",
+    )
+    fail.add_argument(
+        "--max-migrations",
+        type=int,
+        default=d.max_migrations,
+        help="times one request may move to another prefill/decode pair "
+        "when its decode fails (a stream continues where it stopped); 0: "
+        "never (default %(default)s)",
     )
     fail.add_argument(
         "--breaker-failures",

@@ -202,6 +202,14 @@ class Exchange:
     # The body is sent as Python's json encodes it (NaN, lone surrogates).
     stdlib_json: bool = False
     counted: bool = False
+    # Migration (migrator.py): the stream's ledger when it can continue on
+    # another pair, why it cannot, whether it may run again elsewhere before
+    # its first byte, and the decodes that failed it (never tried again).
+    ledger: Any = None
+    not_migratable: str | None = None
+    restartable: bool = False
+    failed_decodes: set[str] = field(default_factory=set)
+    migrations: int = 0
     _names: dict[tuple[str, str], tuple[str, dict[str, str]]] = field(
         default_factory=dict
     )
@@ -222,6 +230,27 @@ class Exchange:
                 )
             self._names[pair] = (self.request_id, params)
         return self._names[pair]
+
+    def renew_key(self) -> None:
+        """A fresh transfer key before the request runs on another pair: the
+        KV sent under the old one may still sit in a prefill's buffer."""
+        self.key = uuid.uuid4().hex
+        self._names.clear()
+
+    def continuation(self, body: dict[str, Any]) -> Exchange:
+        """The exchange a migrated stream's continuation runs as: a
+        ``/v1/completions`` body, this request's id, deadline and headers,
+        a transfer key of its own; its outcome is this request's."""
+        return Exchange(
+            self.endpoint,
+            "/v1/completions",
+            body,
+            self.headers,
+            self.deadline,
+            self.metrics,
+            request_id=self.request_id,
+            counted=True,
+        )
 
     @property
     def model(self) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -61,6 +61,17 @@ class DecodeRefused(Exception):
         self.message = message
 
 
+class DecodeLost(Exception):
+    """D failed after the request was sent and before the client got a byte
+    (a restartable request: ``Exchange.restartable``): it may run again on
+    another pair."""
+
+    def __init__(self, instance: Instance, reason: str) -> None:
+        super().__init__(reason)
+        self.instance = instance
+        self.reason = reason
+
+
 class Legs:
     """Sends the legs of requests, one upstream session for all."""
 
@@ -81,6 +92,8 @@ class Legs:
         self.limited_log = limited_log
         # instance id -> the prefill legs in flight there (see end_prefill_legs)
         self._prefills: dict[str, set[_PrefillInFlight]] = {}
+        # Continues a broken migratable stream elsewhere (Migrator.resume).
+        self.resume: Callable[..., Awaitable] | None = None
 
     def post(self, ex: Exchange, instance: Instance, body: dict, request_id: str):
         headers = {**ex.headers, "Content-Type": JSON, "X-Request-Id": request_id}
@@ -201,6 +214,7 @@ class Legs:
                     resp,
                     data,
                     prefill_task,
+                    self.resume,
                 )
                 reply = Reply(200, content_type(resp), stream, relayed_headers(resp))
                 resp = prefill_task = None  # the stream's now
@@ -227,6 +241,8 @@ class Legs:
                 raise DecodeRefused(
                     "the decode instance refused the connection"
                 ) from None
+            if ex.restartable and reason in (LegFailure.CONNECTION, LegFailure.ERROR):
+                raise DecodeLost(decode, reason) from None
             if reason is not LegFailure.TIMEOUT:
                 return ex.error(
                     Outcome.UPSTREAM_ERROR,

@@ -133,6 +133,21 @@ class RouterMetrics:
             ["result"],
             registry=self.registry,
         )
+        self.migrations = Counter(
+            f"{PREFIX}_migrations",
+            "Requests whose decode failed, by what migration did (outcome: "
+            "resumed, restarted, no_pair, limit, not_migratable) and why "
+            "(reason: how the decode failed, or why the request cannot move).",
+            ["outcome", "reason"],
+            registry=self.registry,
+        )
+        self.migration_latency = Histogram(
+            f"{PREFIX}_migration_latency_seconds",
+            "From a decode's failure to the first bytes of the request's "
+            "continuation on another pair.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=self.registry,
+        )
         self.added_latency = Histogram(
             f"{PREFIX}_added_latency_seconds",
             "Time to the client's first byte minus time spent waiting on instances.",
@@ -161,6 +176,8 @@ class RouterMetrics:
             ("decode_alone", "short_prompt"),
         ):
             self.routes.labels(route, reason)
+        for outcome in ("resumed", "no_pair", "limit"):
+            self.migrations.labels(outcome, "broken")
 
     def count_route(self, route: str, reason: str) -> None:
         """One generation request went ``route`` (disaggregated or

@@ -35,8 +35,9 @@ from vllm_disagg.router.exchange import (
     forwarded_headers,
 )
 from vllm_disagg.router.health import InstanceHealth, LegFailure
-from vllm_disagg.router.legs import DecodeRefused, Legs
+from vllm_disagg.router.legs import DecodeLost, DecodeRefused, Legs
 from vllm_disagg.router.metrics import Outcome, RouterMetrics
+from vllm_disagg.router.migrator import Migrator
 from vllm_disagg.router.models_cache import ModelsCache
 from vllm_disagg.router.passthrough import Passthrough
 from vllm_disagg.router.policy import Policies
@@ -93,6 +94,16 @@ class RequestProxy:
             lambda: self.session,
             self.limited_log,
         )
+        self.migrator = Migrator(
+            config,
+            registry,
+            metrics,
+            self.health,
+            self.legs,
+            self._pick,
+            self.limited_log,
+        )
+        self.legs.resume = self.migrator.resume
         self.models = ModelsCache(
             registry, config.connect_timeout_s, lambda: self.session
         )
@@ -250,18 +261,23 @@ class RequestProxy:
         policy = self.policies.prefill if side is Role.PREFILL else self.policies.decode
         return policy.select(candidates, ex.body)
 
-    def _pick_paired_decode(self, ex: Exchange) -> Instance | None:
+    def _pick_paired_decode(
+        self, ex: Exchange, exclude: set[str] = frozenset()
+    ) -> Instance | None:
         """A decode that some healthy prefill can serve: the same model
         fingerprint. With no healthy prefill at all, any decode (the request
-        goes on to the no-prefill handling)."""
+        goes on to the no-prefill handling). None of ``exclude``."""
         prefills = self.registry.healthy(Role.PREFILL, ex.model)
         if not prefills:
-            return self._pick(Role.DECODE, ex)
+            return self._pick(Role.DECODE, ex, exclude)
         fingerprints = {p.fingerprint for p in prefills}
         candidates = [
             d
             for d in self.registry.healthy(Role.DECODE, ex.model)
-            if not d.fingerprint or "" in fingerprints or d.fingerprint in fingerprints
+            if (
+                not d.fingerprint or "" in fingerprints or d.fingerprint in fingerprints
+            )
+            and d.instance_id not in exclude
         ]
         if not candidates:
             return None
@@ -310,6 +326,18 @@ class RequestProxy:
             ex.prompt_tokens, ex.load_tokens = request_tokens(
                 ex.body, self.config.prompt_bytes_per_token, ex.path
             )
+        if alone is None:
+            self.migrator.plan(ex)
+        try:
+            return await self._handoff(ex, decode, alone)
+        except DecodeLost as lost:
+            return await self.migrator.restart(
+                ex, lost, self._handoff, self._pick_paired_decode
+            )
+
+    async def _handoff(
+        self, ex: Exchange, decode: Instance, alone: str | None
+    ) -> Reply:
         # D counts as loaded from now on, prefill included: requests arriving
         # meanwhile see it, and a half-open D gets no second trial. The
         # decode leg releases the lease (or hands it to the stream relay);
@@ -335,7 +363,7 @@ class RequestProxy:
         """D refused the connection before a byte reached the client: try
         other decodes of its model. They prefill themselves (the KV went to
         the one that refused), so the answer costs a recompute, not a 502."""
-        tried = {refused_by.instance_id}
+        tried = {refused_by.instance_id, *ex.failed_decodes}
         for _ in range(self.config.max_retries):
             other = self._pick(Role.DECODE, ex, tried, model=refused_by.model)
             if other is None:

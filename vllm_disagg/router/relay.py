@@ -3,11 +3,17 @@
 The stream owns what the decode leg handed it (D's response, D's lease,
 the concurrent prefill task) and ends them once, however it ends: D's last
 chunk, an error, or the client going away.
+
+A migratable stream (``ex.ledger``, ``migration.py``) is relayed event by
+event through its ledger; when D breaks it, stalls or ends it early, the
+stream goes on with a continuation on another pair (``resume``:
+``Migrator.resume``), or ends with vLLM's error event and ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 
@@ -15,9 +21,17 @@ from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.exchange import Exchange
 from vllm_disagg.router.health import InstanceHealth
 from vllm_disagg.router.metrics import Outcome
-from vllm_disagg.router.registry import Lease
+from vllm_disagg.router.migration import Refused, error_events
+from vllm_disagg.router.registry import Instance, Lease
 from vllm_disagg.router.replies import error_json
 from vllm_disagg.wire.logs import RateLimitedLog
+
+# What the client's error event says happened, by migration's ``why``.
+FAILURES = {
+    "broken": "the decode instance broke the stream",
+    "ended": "the decode instance ended the stream early",
+    "stalled": "the decode instance sent nothing for {chunk_timeout_s:g}s",
+}
 
 
 class RelayStream:
@@ -40,6 +54,7 @@ class RelayStream:
         resp: aiohttp.ClientResponse,
         first: bytes,
         prefill_task: asyncio.Task | None,
+        resume: Callable[[Exchange, Instance, str], Awaitable] | None = None,
     ) -> None:
         self._config = config
         self._health = health
@@ -52,30 +67,64 @@ class RelayStream:
         self._prefill_task = prefill_task
         self._at_event_boundary = True
         self._closed = False
+        self._ledger = ex.ledger
+        self._resume = resume if ex.ledger is not None else None
 
     def __aiter__(self) -> RelayStream:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._pending:
-            chunk, self._pending = self._pending, b""
-            return self._relay(chunk)
-        if self._closed:
-            raise StopAsyncIteration
+        while True:
+            if self._pending:
+                chunk, self._pending = self._pending, b""
+                if out := self._relay(chunk):
+                    return out
+                continue
+            if self._closed:
+                raise StopAsyncIteration
+            chunk, failure = await self._read()
+            if failure is not None:
+                if isinstance(failure, bytes):
+                    return failure
+                if (moved := await self._migrate(*failure)) is not None:
+                    return moved
+                continue
+            if not chunk:
+                ledger = self._ledger
+                if (
+                    ledger is not None
+                    and ledger.ident
+                    and not (ledger.done or ledger.failed)
+                ):
+                    # D went away without [DONE]: it died between two events.
+                    failure = ("ended", False, Outcome.UPSTREAM_ERROR, 502)
+                    if (moved := await self._migrate(*failure)) is not None:
+                        return moved
+                    continue
+                self._close(Outcome.OK, True)
+                raise StopAsyncIteration
+            self._pending = chunk
+
+    async def _read(self) -> tuple[bytes, bytes | tuple | None]:
+        """D's next bytes; or, when D failed, the stream's last bytes (no
+        migration) or why D failed and what that says of D (migration)."""
         config, ex = self._config, self._ex
         try:
             async with asyncio.timeout(min(config.chunk_timeout_s, ex.remaining())):
-                chunk = await self._resp.content.readany()
+                return await self._resp.content.readany(), None
         except TimeoutError:
             if ex.remaining() <= 0:
-                return self._end(
+                return b"", self._end(
                     Outcome.TIMEOUT,
                     None,
                     504,
                     f"request deadline ({config.request_timeout_s:g}s) exceeded",
                 )
             self._health.suspect(self._decode)
-            return self._end(
+            if self._resume is not None:
+                return b"", ("stalled", None, Outcome.TIMEOUT, 504)
+            self._not_migrated()
+            return b"", self._end(
                 Outcome.TIMEOUT,
                 None,
                 504,
@@ -88,18 +137,55 @@ class RelayStream:
                 self._decode.http_addr,
                 e,
             )
-            return self._end(
+            if self._resume is not None:
+                return b"", ("broken", False, Outcome.UPSTREAM_ERROR, 502)
+            self._not_migrated()
+            return b"", self._end(
                 Outcome.UPSTREAM_ERROR,
                 False,
                 502,
                 "the decode instance broke the stream",
             )
-        if not chunk:
-            self._close(Outcome.OK, True)
-            raise StopAsyncIteration
-        return self._relay(chunk)
+
+    def _not_migrated(self) -> None:
+        """Count a failed stream migration would not continue (its options)."""
+        if self._ex.not_migratable is not None:
+            self._ex.metrics.migrations.labels(
+                "not_migratable", self._ex.not_migratable
+            ).inc()
+
+    async def _migrate(
+        self, why: str, instance_ok: bool | None, outcome: Outcome, status: int
+    ) -> bytes | None:
+        """Go on with a continuation on another pair (None: read on), or end
+        the stream with the reason it cannot (its last bytes)."""
+        assert self._resume is not None and self._ledger is not None
+        self._ledger.reset_buffer()
+        if (closing := self._ledger.closing_events()) is not None:
+            # Every token was sent; only D's usage chunk and [DONE] were lost.
+            self._close(Outcome.OK, instance_ok)
+            return closing
+        # D's request ends now (a stalled D aborts it), not after the move.
+        self._resp.release()
+        self._lease.release(instance_ok)
+        if self._prefill_task is not None:
+            self._prefill_task.cancel()
+            self._prefill_task = None
+        opened = await self._resume(self._ex, self._decode, why)
+        if isinstance(opened, Refused):
+            failure = FAILURES[why].format(chunk_timeout_s=self._config.chunk_timeout_s)
+            message = f"{failure}, {opened.message}"
+            self._limited_log.warning(opened.outcome, "%s", message)
+            self._close(outcome, instance_ok)
+            return error_events(status, message)
+        self._resp, self._lease = opened.resp, opened.lease
+        self._decode = opened.lease.instance
+        self._pending = opened.first
+        return None
 
     def _relay(self, chunk: bytes) -> bytes:
+        if self._ledger is not None:
+            return self._ledger.feed(chunk)
         self._at_event_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
         return chunk
 

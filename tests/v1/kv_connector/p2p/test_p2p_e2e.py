@@ -35,6 +35,12 @@ import pytest
 import requests
 
 from vllm_disagg.testing import compare, openai_client
+from vllm_disagg.testing.migration import (
+    InFlight,
+    decode_load,
+    router_metric,
+    wait_until,
+)
 from vllm_disagg.testing.p2p import P2pInstance, disaggregated_completion, peer_naming
 
 from .e2e_common import (
@@ -67,11 +73,12 @@ CHATS = [
 # so the three shorter prompts fit and the longest (11 blocks) does not.
 SMALL_POOL_GIB = 256 * 1024 / 2**30
 # Which routers each instance of the PUT_ASYNC set registers with.
-ROUTER_NAMES = ("1p1d", "1p2d", "2p1d", "join")
+# "migrate" and "solo": the migration test's decode registers with them too.
+ROUTER_NAMES = ("1p1d", "1p2d", "2p1d", "join", "migrate", "solo")
 REGISTERS_WITH = {
-    "p1": ("1p1d", "1p2d", "2p1d", "join"),
+    "p1": ("1p1d", "1p2d", "2p1d", "join", "migrate", "solo"),
     "p2": ("2p1d",),
-    "d1": ("1p1d", "1p2d", "2p1d", "join"),
+    "d1": ("1p1d", "1p2d", "2p1d", "join", "migrate"),
     "d_pool": ("1p2d",),
 }
 
@@ -435,6 +442,154 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
     assert all(sent <= removed_at for sent, _, _, _ in failed), failed
     assert len(failed) <= 1, failed
     assert sum(ok for _, _, ok, _ in results) >= 5
+
+
+# --- migration: a decode killed mid-generation (docs/router.md, Migration) ------
+
+# Long enough that nothing finishes before the kill (the streams had some
+# 150 tokens when it came); prompt + tokens stay under --max-model-len 1024.
+MIGRATION_MAX_TOKENS = 700
+MIGRATION_PROMPT = MANY_PROMPTS[2]  # 74 token ids
+# The kill comes once every stream got this many chunks: mid-stream.
+KILL_AFTER_CHUNKS = 8
+MIGRATION_TIMEOUT_S = 240.0
+
+
+def _migration_body(kind: str, model: str) -> tuple[str, dict]:
+    common = {
+        "model": model,
+        "max_tokens": MIGRATION_MAX_TOKENS,
+        "temperature": 0.0,
+    }
+    usage = {"stream": True, "stream_options": {"include_usage": True}}
+    if kind == "stream":  # the client asks for token ids itself
+        body = {"prompt": MIGRATION_PROMPT, "return_token_ids": True, **usage}
+        return "/v1/completions", {**common, **body}
+    if kind == "chat_stream":
+        body = {"messages": CHATS[0], "return_token_ids": True, **usage}
+        return "/v1/chat/completions", {**common, **body}
+    return "/v1/completions", {**common, "prompt": MIGRATION_PROMPT}
+
+
+def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
+    tiny_models, start_server, put_async_set, routers
+):
+    """A third decode joins the "migrate" router (p1, d1) and the "solo"
+    router (p1 alone); a streamed completion, a streamed chat and a whole
+    completion land on it (each kind sent twice: round-robin puts one of
+    each on either decode), and a stream through "solo". Once every stream
+    got some chunks, the decode is SIGKILLed. Through "migrate" every client
+    gets the colocated greedy output whole, one [DONE], the usage of its
+    prompt, one id; through "solo" (no pair left) an error event and [DONE]."""
+    migrate, solo = routers["migrate"], routers["solo"]
+    victim = start_instance(
+        start_server,
+        tiny_models["tiny-llama"],
+        "p2p-pa-dmig",
+        "kv_consumer",
+        routers=[migrate, solo],
+        kv_load_timeout_s=LOAD_TIMEOUT_S,
+    )
+    reference = put_async_set["p2"]  # no peers named: a colocated run
+    plain = _migration_body("plain", reference.model)[1]
+    chat = _migration_body("chat_stream", reference.model)[1]
+    chat = {k: v for k, v in chat.items() if k not in ("stream", "stream_options")}
+    # (return_token_ids stays: the reference's token ids are the oracle)
+    ref = {
+        "completion": _post(reference, "/v1/completions", plain),
+        "chat": _post(reference, "/v1/chat/completions", chat),
+        "ids": _post(reference, "/v1/completions", {**plain, "return_token_ids": True}),
+    }
+    assert all(r.status_code == 200 for r in ref.values()), [
+        r.text for r in ref.values()
+    ]
+    ref = {k: v.json() for k, v in ref.items()}
+    # Long answers (the tiny Llama stops by EOS after some 400 tokens), so
+    # that the kill comes mid-generation; the stop must survive the move too.
+    lengths = [ref[k]["usage"]["completion_tokens"] for k in ("completion", "chat")]
+    assert min(lengths) > 10 * KILL_AFTER_CHUNKS, lengths
+    victim.server.wait_ready()
+    _wait_registered(migrate, 3)
+    _wait_registered(solo, 2)
+    victim_addr = f"127.0.0.1:{victim.server.port}"
+    decodes = (victim_addr, f"127.0.0.1:{put_async_set['d1'].server.port}")
+
+    def load() -> int:
+        return sum(decode_load(migrate, addr) for addr in decodes)
+
+    clients: list[tuple[str, bool, InFlight]] = []  # (kind, on the victim, client)
+    try:
+        for kind in ("stream", "chat_stream", "plain") * 2:
+            before, on_victim = load(), decode_load(migrate, victim_addr)
+            client = InFlight(
+                migrate.url, *_migration_body(kind, migrate.model), MIGRATION_TIMEOUT_S
+            )
+            client.start()
+            # One at a time, each routed before the next: round-robin alternates.
+            wait_until(lambda b=before: load() > b, 30, f"{kind} routed")
+            landed = decode_load(migrate, victim_addr) > on_victim
+            clients.append((kind, landed, client))
+        orphan = InFlight(
+            solo.url, *_migration_body("stream", solo.model), MIGRATION_TIMEOUT_S
+        )
+        orphan.start()
+        on_victim = {kind for kind, landed, _ in clients if landed}
+        assert on_victim == {"stream", "chat_stream", "plain"}, clients
+        streams = [c for _, _, c in clients if c.stream] + [orphan]
+        wait_until(
+            lambda: all(len(c.chunks()) >= KILL_AFTER_CHUNKS for c in streams),
+            60,
+            f"{KILL_AFTER_CHUNKS} chunks on every stream",
+        )
+        assert not any(c.finished.is_set() for _, _, c in clients), (
+            "a request finished before the kill: raise MIGRATION_MAX_TOKENS"
+        )
+        victim.server.kill()  # SIGKILL, its process group: a crash
+        for _, _, client in [*clients, (None, None, orphan)]:
+            client.join(MIGRATION_TIMEOUT_S)
+            assert client.finished.is_set(), "a client got no end"
+    finally:
+        victim.server.stop()
+
+    want_ids = ref["ids"]["choices"][0]["token_ids"]
+    for kind, landed, client in clients:
+        what = (kind, landed, client.error, client.errors())
+        assert client.error is None and client.status == 200, what
+        assert len(client.ids()) == 1, (what, client.ids())
+        expected = ref["chat" if kind == "chat_stream" else "completion"]
+        if kind == "chat_stream":
+            want = expected["choices"][0]["token_ids"]
+            assert client.token_ids() == want, what
+        elif kind == "stream":
+            assert client.token_ids() == want_ids, what
+        else:  # run again from the start: the text is the colocated one too
+            assert client.text() == expected["choices"][0]["text"], what
+            assert client.token_ids() == [], what  # asked by the router only
+        # A resumed stream's text is not compared: a character whose bytes
+        # span the seam can come out differently (docs/router.md, Migration).
+        assert client.finish_reason() == expected["choices"][0]["finish_reason"], what
+        usage = client.usage()
+        assert usage is not None and all(
+            usage[k] == expected["usage"][k]
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+        ), (what, usage, expected["usage"])
+        if client.stream:
+            assert client.done_count() == 1 and client.events[-1] == "[DONE]", what
+            assert not client.errors(), what
+    # No pair left: what was sent, then vLLM's error event and [DONE].
+    assert orphan.status == 200 and orphan.done_count() == 1, orphan.events[-3:]
+    assert orphan.events[-1] == "[DONE]" and len(orphan.errors()) == 1
+    assert "no other healthy pair" in orphan.errors()[0]["message"]
+    assert orphan.token_ids() == want_ids[: len(orphan.token_ids())]
+    name = "vllm_disagg_router_migrations_total"
+    assert router_metric(migrate, name, outcome="resumed") == 2
+    assert router_metric(migrate, name, outcome="restarted") == 1
+    assert router_metric(solo, name, outcome="no_pair") == 1
+    latency = "vllm_disagg_router_migration_latency_seconds"
+    assert router_metric(migrate, f"{latency}_count") == 3
+    print(
+        f"migration latency: {router_metric(migrate, f'{latency}_sum') / 3:.3f} s mean"
+    )
 
 
 # --- what a client can do on its own (issue 17) ----------------------------------

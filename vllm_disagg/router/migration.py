@@ -1,0 +1,428 @@
+"""Migration's bookkeeping: which requests can move to another (prefill,
+decode) pair when their decode fails mid-stream, what the client has been
+sent so far, and the continuation's chunks rewritten as the first decode's.
+
+No I/O here (``migrator.py`` opens the continuation): a stream's events go
+through :class:`StreamLedger`, which reads the token ids the decode leg was
+asked to return (``return_token_ids``), hides them again from a client that
+did not ask, and, once a continuation runs, turns its ``/v1/completions``
+chunks into the chunks the client's endpoint sends, with the first decode's
+``id``, ``created`` and ``model`` and usage counted from the client's prompt.
+
+A continuation is exact (greedy output equal to a colocated run) only where
+the next token depends on nothing but the tokens before it and the request's
+per-token options; :func:`not_migratable_reason` names what is not.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from vllm_disagg.router.registry import Lease
+from vllm_disagg.router.replies import error_json
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MIGRATED_PATHS = (COMPLETIONS, CHAT)
+SSE_DONE = b"data: [DONE]"
+EVENT_END = b"\n\n"
+
+# Options a continuation carries unchanged: they act on each next token alone.
+CARRIED = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "priority",
+    "cache_salt",
+    "user",
+    "kv_transfer_params",
+)
+# Options that only shape the prompt (its token ids are what the decode
+# returns) or that the continuation sets itself.
+PROMPT_ONLY = (
+    "prompt",
+    "messages",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "truncate_prompt_tokens",
+    "reasoning_effort",
+    "stream",
+    "stream_options",
+    "return_token_ids",
+    "max_tokens",
+    "max_completion_tokens",
+    "min_tokens",
+    "request_id",
+    "return_tokens_as_token_ids",
+    "parallel_tool_calls",
+    "tool_choice",
+)
+# An option set to one of these values is as if absent.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "stop": (None, "", []),
+    "seed": (None,),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "bad_words": (None, []),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+}
+# Why a non-neutral value is not migrated: the ``reason`` label.
+_REASONS = {
+    "n": "n",
+    "best_of": "n",
+    "echo": "echo",
+    "logprobs": "logprobs",
+    "top_logprobs": "logprobs",
+    "prompt_logprobs": "logprobs",
+    "stop": "stop",  # matched on text that would be split at the seam
+    "seed": "seed",  # the sampler's generator state does not move
+    "presence_penalty": "penalties",  # counted over output tokens only
+    "frequency_penalty": "penalties",
+    "repetition_penalty": "penalties",
+    "bad_words": "bad_words",  # multi-token words span the seam
+    "tools": "tools",  # parsed over the whole output
+    "response_format": "structured_output",  # the grammar restarts
+    "structured_outputs": "structured_output",
+    "use_beam_search": "n",
+    "length_penalty": "n",
+}
+NOT_MIGRATABLE_REASONS = (
+    *sorted(set(_REASONS.values())),
+    "prompts",  # several prompts in one completion request
+    "multimodal",  # the prompt's placeholders need the media again
+    "parser",  # the decode parsed reasoning or tool calls out of the text
+    "option",  # an option not known to be exact: fail closed
+)
+
+
+@dataclass
+class Opened:
+    """A continuation's decode answering: its lease, response, first bytes."""
+
+    lease: Lease
+    resp: aiohttp.ClientResponse
+    first: bytes
+
+
+@dataclass
+class Refused:
+    """No continuation: the ``outcome`` label and the client's message."""
+
+    outcome: str
+    message: str
+
+
+def not_migratable_reason(body: Mapping[str, Any], path: str) -> str | None:
+    """Why ``body`` cannot be continued exactly on another pair (a metric
+    label), or None. Unknown options count as not exact."""
+    if path not in MIGRATED_PATHS:
+        return "option"
+    for name, value in body.items():
+        if name in CARRIED or name in PROMPT_ONLY:
+            continue
+        neutral = _NEUTRAL.get(name)
+        if neutral is None:
+            return "option"
+        if value is not None and not any(
+            type(value) is type(v) and value == v for v in neutral
+        ):
+            return _REASONS[name]
+    if path == COMPLETIONS:
+        prompt = body.get("prompt")
+        if (
+            isinstance(prompt, list)
+            and len(prompt) > 1
+            and isinstance(prompt[0], str | list)
+        ):
+            return "prompts"
+    else:
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list) and any(
+                not isinstance(p, dict) or p.get("type") != "text" for p in content
+            ):
+                return "multimodal"
+    return None
+
+
+def token_limit(body: Mapping[str, Any], path: str) -> int | None:
+    """The request's output token limit as vLLM reads it (None: the model's
+    length is the limit)."""
+    if path == CHAT and body.get("max_completion_tokens") is not None:
+        return body["max_completion_tokens"]
+    value = body.get("max_tokens")
+    return value if isinstance(value, int) else None
+
+
+def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events of ``buffer`` (each without its blank line) and
+    the incomplete rest."""
+    *events, rest = buffer.split(EVENT_END)
+    return [e for e in events if e.strip()], rest
+
+
+def _payload(event: bytes) -> Any:
+    if not event.startswith(b"data: "):
+        return None
+    try:
+        return msgspec.json.decode(event[6:])
+    except msgspec.DecodeError:
+        return None
+
+
+def _encode(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + EVENT_END
+
+
+@dataclass
+class StreamLedger:
+    """One migratable stream: what the client got, and the translation of
+    continuations. ``path``: the client's endpoint; ``client_token_ids``:
+    the client asked for token ids itself (they stay in its chunks)."""
+
+    body: Mapping[str, Any]
+    path: str
+    client_token_ids: bool
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    done: bool = False  # [DONE] relayed
+    failed: bool = False  # the decode sent an error event
+    unmigratable: str | None = None  # found while relaying (``parser``)
+    ident: dict[str, Any] = field(default_factory=dict)  # id, created, model
+    continuing: bool = False  # the events come from a continuation
+    _base: int = 0  # tokens generated before the current continuation
+    _buffer: bytes = b""
+    _usage_sent: bool = False
+
+    @property
+    def chat(self) -> bool:
+        return self.path == CHAT
+
+    def feed(self, data: bytes) -> bytes:
+        """What the client is sent for ``data`` read from the decode: whole
+        events only, translated; an incomplete one waits for its rest."""
+        events, self._buffer = split_events(self._buffer + data)
+        return b"".join(self._event(e) for e in events)
+
+    def reset_buffer(self) -> None:
+        """A failed decode's incomplete event is dropped: its tokens were
+        not sent, the continuation computes them again."""
+        self._buffer = b""
+
+    def _event(self, event: bytes) -> bytes:
+        if event.strip() == SSE_DONE:
+            self.done = True
+            return event + EVENT_END
+        obj = _payload(event)
+        if not isinstance(obj, dict):
+            return event + EVENT_END
+        if "error" in obj:
+            self.failed = True
+            return event + EVENT_END
+        if self.continuing:
+            return self._translate(obj)
+        return self._observe(obj, event)
+
+    # --- the first decode's events ----------------------------------------
+
+    def _observe(self, obj: dict[str, Any], event: bytes) -> bytes:
+        if not self.ident:
+            self.ident = {k: obj.get(k) for k in ("id", "created", "model")}
+        changed = False
+        if self.chat and isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt_ids = list(obj["prompt_token_ids"])
+            if not self.client_token_ids:
+                obj["prompt_token_ids"], changed = None, True
+        for choice in obj.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                self.unmigratable = "n"
+                continue
+            ids = choice.get("prompt_token_ids")
+            if not self.chat and isinstance(ids, list):
+                self.prompt_ids = list(ids)
+                if not self.client_token_ids:
+                    choice["prompt_token_ids"], changed = None, True
+            if isinstance(choice.get("token_ids"), list):
+                self.generated.extend(choice["token_ids"])
+                if not self.client_token_ids:
+                    choice["token_ids"], changed = None, True
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+            delta = choice.get("delta")
+            if self.chat and isinstance(delta, dict):
+                if set(delta) - {"role", "content"} or not delta:
+                    self.unmigratable = "parser"
+                if (
+                    not delta
+                    and not self.client_token_ids
+                    and choice.get("finish_reason") is None
+                    and not choice.get("logprobs")
+                ):
+                    return b""  # sent only because of return_token_ids
+        if obj.get("usage") is not None and not obj.get("choices"):
+            self._usage_sent = True
+        return _encode(obj) if changed else event + EVENT_END
+
+    # --- continuations ------------------------------------------------------
+
+    def why_not_resumable(self) -> str | None:
+        """Why the stream cannot continue elsewhere now (None: it can)."""
+        if self.unmigratable:
+            return self.unmigratable
+        if self.failed:
+            return "decode_error"
+        if self.prompt_ids is None or not self.ident:
+            return "no_token_ids"
+        return None
+
+    def continuation_body(self) -> dict[str, Any]:
+        """The ``/v1/completions`` request that goes on where the client's
+        stream stopped: the prompt's and the generated token ids as the
+        prompt, what is left of the token limits."""
+        body: dict[str, Any] = {k: self.body[k] for k in CARRIED if k in self.body}
+        assert self.prompt_ids is not None
+        body["prompt"] = [*self.prompt_ids, *self.generated]
+        body["stream"] = True
+        body["return_token_ids"] = True
+        options = self.body.get("stream_options")
+        if isinstance(options, dict):
+            body["stream_options"] = dict(options)
+        limit = token_limit(self.body, self.path)
+        if limit is not None:
+            body["max_tokens"] = limit - len(self.generated)
+        min_tokens = self.body.get("min_tokens")
+        if isinstance(min_tokens, int) and min_tokens:
+            body["min_tokens"] = max(0, min_tokens - len(self.generated))
+        return body
+
+    def start_continuation(self) -> None:
+        self.continuing = True
+        self._base = len(self.generated)
+        self._buffer = b""
+
+    def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        usage = dict(usage)
+        prompt = len(self.prompt_ids or ())
+        completion = self._base + int(usage.get("completion_tokens") or 0)
+        usage.update(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+        )
+        # The continuation's cached prefix is not the client's prompt's; vLLM's
+        # chat usage names the field even when it is empty.
+        if self.chat or "prompt_tokens_details" in usage:
+            usage["prompt_tokens_details"] = None
+        return usage
+
+    def _translate(self, obj: dict[str, Any]) -> bytes:
+        """A continuation's ``/v1/completions`` chunk as the client's."""
+        out: dict[str, Any] = {
+            "id": self.ident["id"],
+            "object": "chat.completion.chunk" if self.chat else obj.get("object"),
+            "created": self.ident["created"],
+            "model": self.ident["model"],
+        }
+        choices = []
+        for choice in obj.get("choices") or ():
+            ids = choice.get("token_ids") or []
+            self.generated.extend(ids)
+            finish = choice.get("finish_reason")
+            if finish is not None:
+                self.finish_reason = finish
+            ids_out = list(ids) if self.client_token_ids else None
+            if self.chat:
+                translated = {
+                    "index": 0,
+                    "delta": {"content": choice.get("text", "")},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+                if finish is not None:
+                    translated["stop_reason"] = choice.get("stop_reason")
+                translated["token_ids"] = ids_out
+            else:
+                translated = copy.copy(choice)
+                translated["index"] = 0
+                if "prompt_token_ids" in translated:
+                    translated["prompt_token_ids"] = None
+                translated["token_ids"] = ids_out
+            choices.append(translated)
+        out["choices"] = choices
+        for key in ("system_fingerprint",):
+            if key in obj:
+                out[key] = obj[key]
+        if obj.get("usage") is not None:
+            out["usage"] = self._usage(obj["usage"])
+            if not choices:
+                self._usage_sent = True
+        return _encode(out)
+
+    def closing_events(self) -> bytes | None:
+        """The decode failed after the last token (``finish_reason`` sent):
+        the usage chunk the client asked for, then ``[DONE]``; None when
+        tokens are still owed."""
+        if self.finish_reason is None or self.done:
+            return None
+        out = b""
+        options = self.body.get("stream_options")
+        if (
+            isinstance(options, dict)
+            and options.get("include_usage")
+            and not self._usage_sent
+        ):
+            prompt, completion = len(self.prompt_ids or ()), len(self.generated)
+            usage = {
+                "prompt_tokens": prompt,
+                "total_tokens": prompt + completion,
+                "completion_tokens": completion,
+            }
+            out += _encode(
+                {
+                    "id": self.ident.get("id"),
+                    "object": "chat.completion.chunk"
+                    if self.chat
+                    else "text_completion",
+                    "created": self.ident.get("created"),
+                    "model": self.ident.get("model"),
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+        self.done = True
+        return out + SSE_DONE + EVENT_END
+
+
+def error_events(status: int, message: str) -> bytes:
+    """How vLLM ends a stream that failed: its error JSON, then [DONE]."""
+    return b"data: " + error_json(status, message) + EVENT_END + SSE_DONE + EVENT_END

@@ -1,0 +1,137 @@
+"""Clients for the migration end-to-end test: requests in flight in threads
+of their own, so that the test can kill the decode serving them after some
+chunks arrived, then read what each client got in the end.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import requests
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+class InFlight(threading.Thread):
+    """One request through ``url``: a stream (every event kept, ``[DONE]``
+    as the string) or a whole answer (``answer``); ``error`` if it failed."""
+
+    def __init__(self, url: str, path: str, body: dict[str, Any], timeout_s: float):
+        super().__init__(daemon=True)
+        self.url, self.path, self.body, self.timeout_s = url, path, body, timeout_s
+        self.events: list[Any] = []
+        self.answer: dict[str, Any] | None = None
+        self.status: int | None = None
+        self.error: str | None = None
+        self.finished = threading.Event()
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def run(self) -> None:
+        try:
+            with requests.post(
+                self.url + self.path,
+                json=self.body,
+                stream=self.stream,
+                timeout=self.timeout_s,
+            ) as r:
+                self.status = r.status_code
+                if not self.stream:
+                    self.answer = r.json()
+                    return
+                for line in r.iter_lines():
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[6:]
+                    self.events.append(
+                        "[DONE]" if data == b"[DONE]" else json.loads(data)
+                    )
+        except Exception as e:  # noqa: BLE001 - judged by the test
+            self.error = repr(e)[:300]
+        finally:
+            self.finished.set()
+
+    def chunks(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if isinstance(e, dict) and "error" not in e]
+
+    def errors(self) -> list[dict[str, Any]]:
+        return [e["error"] for e in self.events if isinstance(e, dict) and "error" in e]
+
+    def done_count(self) -> int:
+        return sum(e == "[DONE]" for e in self.events)
+
+    def token_ids(self) -> list[int]:
+        if self.answer is not None:
+            return list(self.answer["choices"][0].get("token_ids") or [])
+        return [
+            t
+            for c in self.chunks()
+            for choice in c.get("choices") or ()
+            for t in choice.get("token_ids") or ()
+        ]
+
+    def text(self) -> str:
+        if self.answer is not None:
+            choice = self.answer["choices"][0]
+            return choice["text"] if "text" in choice else choice["message"]["content"]
+        return "".join(
+            choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            for c in self.chunks()
+            for choice in c.get("choices") or ()
+        )
+
+    def finish_reason(self) -> str | None:
+        if self.answer is not None:
+            return self.answer["choices"][0]["finish_reason"]
+        reasons = [
+            choice.get("finish_reason")
+            for c in self.chunks()
+            for choice in c.get("choices") or ()
+            if choice.get("finish_reason") is not None
+        ]
+        return reasons[-1] if len(reasons) == 1 else f"{len(reasons)} finish reasons"
+
+    def usage(self) -> dict[str, Any] | None:
+        if self.answer is not None:
+            return self.answer.get("usage")
+        usages = [c["usage"] for c in self.chunks() if c.get("usage")]
+        return usages[-1] if usages else None
+
+    def ids(self) -> set[tuple[Any, Any, Any]]:
+        """The ``(id, created, model)`` of every chunk (one, when unchanged)."""
+        source = [self.answer] if self.answer is not None else self.chunks()
+        return {(c.get("id"), c.get("created"), c.get("model")) for c in source}
+
+
+def decode_load(router, http_addr: str) -> int:
+    """Requests holding a lease on ``http_addr`` through ``router``."""
+    for found in router.instances():
+        if found["http_addr"] == http_addr:
+            return int(found["outstanding"])
+    return 0
+
+
+def wait_until(predicate, timeout_s: float, what: str, pace_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s:g}s: {what}")
+        time.sleep(pace_s)
+
+
+def router_metric(router, name: str, **labels: str) -> float:
+    """A sample of the router's /metrics (0 when absent)."""
+    text = requests.get(f"{router.url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -280,9 +280,9 @@ def _coordinator_probe(coord) -> dict:
     counts = {"in": 0, "out": 0}
     handle, deliver = coord._handle, coord._deliver
 
-    def counted_handle(frames):
-        counts["in"] += 1
-        handle(frames)
+    def counted_handle(batch):
+        counts["in"] += len(batch)
+        handle(batch)
 
     def counted_deliver(sends):
         counts["out"] += len(sends)

@@ -410,6 +410,45 @@ def test_a_grant_goes_to_every_member_in_one_broadcast():
     assert [(route, msg.step) for route, msg in out] == [(ranks[2].route, 2)]
 
 
+def test_requests_that_arrive_together_get_one_state_each():
+    """Every rank asks for the next steps at once: one at a time, the first request
+    moves G (a broadcast) and each other one gets its own reply; in one batch each
+    member gets a single state, with G and its own acknowledgement."""
+    sent = {}
+    for batched in (False, True):
+        group, ranks = _joined()
+        core = group.core
+        frames = [
+            [r.route, *seal(SECRET, TO_COORDINATOR, r.state(requested=2))]
+            for r in ranks
+        ]
+        if batched:
+            out = core.on_frame_batch(frames, 1.0)
+        else:
+            out = [m for f in frames for m in core.on_frames(f, 1.0)]
+        assert core.step == 2
+        last = {route: msg for route, msg in out}
+        assert {r.route for r in ranks} == set(last)
+        for r in ranks:
+            assert last[r.route].step == 2
+            assert last[r.route].ack_seq == r.fields["seq"]
+        sent[batched] = len(out)
+    n = CONFIG.dp_size
+    assert sent == {False: n + (n - 1), True: n}
+
+
+def test_a_batch_that_fails_the_group_tells_every_member():
+    group, ranks = _joined()
+    frames = [
+        [ranks[0].route, *seal(SECRET, TO_COORDINATOR, ranks[0].state(requested=2))],
+        [ranks[1].route, *seal(SECRET, TO_COORDINATOR, ranks[1].state(left=True))],
+    ]
+    out = group.core.on_frame_batch(frames, 1.0)
+    aborts = {route for route, msg in out if isinstance(msg, Abort)}
+    assert aborts == {r.route for r in ranks}
+    assert "DP rank 1 left the group" in group.core.failed
+
+
 def test_the_lookahead_bounds_a_request_by_the_askers_own_pass_count():
     group, ranks = _joined()
     bound = CONFIG.lookahead + 1
@@ -702,6 +741,7 @@ def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank], bool]:
     )
     loss = rng.choice([0.0, 0.05, 0.2])
     known_work = rng.random() < 0.5
+    batched = rng.random() < 0.5
     coord = CoordinatorCore(cfg, SECRET)
     coord.start(0.0)
     ranks = [
@@ -740,7 +780,14 @@ def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank], bool]:
     while now < 60:
         now += rng.uniform(0, 0.005)
         rng.shuffle(wire)  # reordering, as well as loss
-        for item in [w for w in wire if w[0] <= now]:
+        due = [w for w in wire if w[0] <= now]
+        if batched:  # what reached the coordinator together is answered together
+            batch = [w for w in due if w[1] is None]
+            due = [w for w in due if w[1] is not None]
+            for item in batch:
+                wire.remove(item)
+            to_ranks(now, coord.on_frame_batch([w[2] for w in batch], now))
+        for item in due:
             wire.remove(item)
             _, to, frames = item
             if to is None:

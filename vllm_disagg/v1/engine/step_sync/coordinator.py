@@ -25,7 +25,6 @@ from vllm_disagg.v1.engine.step_sync.messages import (
 from vllm_disagg.v1.engine.step_sync.shell import NetworkThread, new_socket
 from vllm_disagg.wire.frames import harden_listener
 
-
 # Frames answered together at most (the heartbeat and timeouts run between batches).
 MAX_FRAME_BATCH = 1024
 

@@ -17,7 +17,8 @@ Measured, the same way for both:
 With ``--before TREE`` (a checkout of the code before a change, e.g. a git
 worktree of main), a third server runs step sync from TREE, so a change is
 measured before/after side by side in the same run; that run writes
-step_sync_dp-before-after.{json,md,png}.
+step_sync_dp-before-after.{json,md,png}. Three DP=2 servers take about 9 GiB:
+on 2026-11-28 a shared 24 GiB machine OOM-killed a worker of the third.
 
 Writes benchmarks/results/step_sync_dp.{json,md,png} (``--out DIR``: elsewhere).
 Ratios, not absolute numbers, are the result: these machines are shared and

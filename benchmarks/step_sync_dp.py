@@ -14,6 +14,12 @@ Measured, the same way for both:
   (one request, then idle): the dummy passes wasted after the work ended;
 * blocking DP collectives per 1000 forward passes.
 
+With ``--before TREE`` (a checkout of the code before a change, e.g. a git
+worktree of main), a third server runs step sync from TREE, so a change is
+measured before/after side by side in the same run; that run writes
+step_sync_dp-before-after.{json,md,png}. Three DP=2 servers take about 9 GiB:
+on 2026-11-28 a shared 24 GiB machine OOM-killed a worker of the third.
+
 Writes benchmarks/results/step_sync_dp.{json,md,png} (``--out DIR``: elsewhere).
 Ratios, not absolute numbers, are the result: these machines are shared and
 noisy. Run it with nothing else busy on the machine (about 15 minutes on 2 cores).
@@ -36,6 +42,7 @@ from pathlib import Path
 
 from _deps import require  # benchmarks/_deps.py: sys.path[0] when run as a script
 from common import report
+from common.procs import uptime
 
 from vllm_disagg import envs
 from vllm_disagg.testing.openai_client import random_prompt, stream_completion
@@ -44,6 +51,12 @@ from vllm_disagg.testing.tiny_models import build_model
 from vllm_disagg.v1.metrics.probe import read_probes
 
 MODES = {"waves": {envs.VLLM_DISAGG_DISABLE: "1"}, "step_sync": {}}
+BEFORE = "step_sync_before"
+LABELS = {
+    "waves": "waves (upstream)",
+    "step_sync": "step sync",
+    BEFORE: "step sync before",
+}
 
 
 def stream_first_token_s(server: VllmServer, prompt: str, max_tokens: int) -> float:
@@ -92,7 +105,9 @@ def delta(after: dict, before: dict, rank: int, key: str) -> int:
 class ModeUnderTest:
     """One DP=2 server in one mode, with its probe directory."""
 
-    def __init__(self, mode: str, model: Path, work: Path, logs: Path):
+    def __init__(
+        self, mode: str, model: Path, work: Path, logs: Path, env: dict[str, str]
+    ):
         self.mode = mode
         self.metrics_dir = work / f"metrics-{mode}"
         self.metrics_dir.mkdir()
@@ -101,7 +116,7 @@ class ModeUnderTest:
                 envs.VLLM_DISAGG_PROBE: "1",
                 envs.VLLM_DISAGG_METRICS_DIR: str(self.metrics_dir),
             },
-            **MODES[mode],
+            **env,
         )
         self.server = VllmServer(
             model,
@@ -178,7 +193,14 @@ def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, dict
     """Both servers stay up (an idle group uses no CPU); the modes take turns
     in every repeat, first one then the other (load rounds alternate one by
     one), so drift in the machine's load falls on both alike."""
-    runs = {mode: ModeUnderTest(mode, model, work, args.out / "logs") for mode in MODES}
+    modes = dict(MODES)
+    if args.before:
+        # The code before the change, imported ahead of this tree's.
+        modes[BEFORE] = {"PYTHONPATH": str(args.before.resolve())}
+    runs = {
+        mode: ModeUnderTest(mode, model, work, args.out / "logs", env)
+        for mode, env in modes.items()
+    }
     with contextlib.ExitStack() as stack:
         for run in runs.values():  # one at a time: start-up is CPU-bound
             print(f"[{run.mode}] starting server", flush=True)
@@ -202,10 +224,10 @@ def measure(model: Path, work: Path, args: argparse.Namespace) -> dict[str, dict
 
 
 def paired_ratios(
-    runs: dict[str, dict], key: str, per_repeat: int, stat
+    runs: dict[str, dict], key: str, per_repeat: int, stat, base: str = "waves"
 ) -> list[float]:
-    """Step sync / waves, one ratio per repeat (the two ran back to back)."""
-    w, s = runs["waves"][key], runs["step_sync"][key]
+    """Step sync / ``base``, one ratio per repeat (the two ran back to back)."""
+    w, s = runs[base][key], runs["step_sync"][key]
     chunks = range(0, len(w), per_repeat)
     return [stat(s[i : i + per_repeat]) / stat(w[i : i + per_repeat]) for i in chunks]
 
@@ -213,30 +235,39 @@ def paired_ratios(
 def summarize(runs: dict[str, dict], args: argparse.Namespace) -> dict:
     mean = statistics.fmean
     median = statistics.median
-    w, s = runs["waves"], runs["step_sync"]
     throughput = paired_ratios(runs, "output_tokens_per_s", args.rounds, mean)
     ttft = paired_ratios(runs, "idle_ttft_s", args.trials, median)
+    stats = {
+        "wasted_passes_per_drain": mean,
+        "blocking_collectives_per_1000_passes": mean,
+        "output_tokens_per_s": median,
+    }
+    figures = {
+        key: {mode: stat(run[key]) for mode, run in runs.items()}
+        for key, stat in stats.items()
+    }
+    figures["idle_ttft_median_s"] = {
+        mode: median(run["idle_ttft_s"]) for mode, run in runs.items()
+    }
+    before = {}
+    if BEFORE in runs:
+        after_before = [
+            paired_ratios(runs, "output_tokens_per_s", args.rounds, mean, BEFORE),
+            paired_ratios(runs, "idle_ttft_s", args.trials, median, BEFORE),
+        ]
+        before = {
+            "throughput_ratio_after_before": median(after_before[0]),
+            "throughput_ratio_after_before_per_repeat": after_before[0],
+            "idle_ttft_ratio_after_before": median(after_before[1]),
+            "idle_ttft_ratio_after_before_per_repeat": after_before[1],
+        }
     return {
         "throughput_ratio": median(throughput),
         "throughput_ratio_per_repeat": throughput,
         "idle_ttft_ratio": median(ttft),
         "idle_ttft_ratio_per_repeat": ttft,
-        "wasted_passes_per_drain": {
-            "waves": mean(w["wasted_passes_per_drain"]),
-            "step_sync": mean(s["wasted_passes_per_drain"]),
-        },
-        "blocking_collectives_per_1000_passes": {
-            "waves": mean(w["blocking_collectives_per_1000_passes"]),
-            "step_sync": mean(s["blocking_collectives_per_1000_passes"]),
-        },
-        "output_tokens_per_s": {
-            "waves": median(w["output_tokens_per_s"]),
-            "step_sync": median(s["output_tokens_per_s"]),
-        },
-        "idle_ttft_median_s": {
-            "waves": median(w["idle_ttft_s"]),
-            "step_sync": median(s["idle_ttft_s"]),
-        },
+        **figures,
+        **before,
     }
 
 
@@ -265,7 +296,7 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
             "wasted passes per drain",
             "wasted_passes_per_drain",
             "{:.1f}",
-            "goal <= 2 (step sync)",
+            "goal <= 1 (step sync)",
         ),
         (
             "blocking collectives / 1000 passes",
@@ -274,6 +305,23 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
             "goal 0 (step sync)",
         ),
     ]
+    modes = list(f["output_tokens_per_s"])
+    after_before = {
+        "output_tokens_per_s": "throughput_ratio_after_before",
+        "idle_ttft_median_s": "idle_ttft_ratio_after_before",
+    }
+    header = ["metric", *(LABELS[m] for m in modes), "ratio / goal"]
+    if BEFORE in modes:
+        header.append("after / before (repeats)")
+
+    def after_before_cell(key: str) -> list[str]:
+        if BEFORE not in modes:
+            return []
+        if key not in after_before:
+            return [""]
+        k = after_before[key]
+        return [f"{f[k]:.2f} ({spread(f[k + '_per_repeat'])})"]
+
     return [
         "# Step sync vs upstream DP waves (DP=2 tiny Mixtral, CPU)",
         "",
@@ -284,17 +332,25 @@ def markdown(summary: dict, args: argparse.Namespace) -> list[str]:
             f"request, then idle) and {args.rounds} load rounds of {args.concurrency} "
             f"concurrent requests x {args.max_tokens} tokens. Ratios are step sync / "
             "waves: the median over turns, each turn paired with the other mode's turn "
-            "next to it.",
+            "next to it."
+            + (
+                " The third server runs step sync from the code before the change "
+                f"({args.before}); after / before pairs its turns with step sync's."
+                if BEFORE in modes
+                else ""
+            ),
+            f"Machine load (`uptime`) at the start: {args.load_before}; at the end: "
+            f"{args.load_after}.",
         ),
         "",
         *report.table(
-            ["metric", "waves (upstream)", "step sync", "ratio / goal"],
+            header,
             [
                 [
                     label,
-                    fmt.format(f[key]["waves"]),
-                    fmt.format(f[key]["step_sync"]),
+                    *(fmt.format(f[key][m]) for m in modes),
                     note,
+                    *after_before_cell(key),
                 ]
                 for label, key, fmt, note in rows
             ],
@@ -312,8 +368,15 @@ def plot(summary: dict, path: Path) -> None:
     ]
     fig, axes = plt.subplots(1, 5, figsize=(17, 3.4))
     for ax, (title, key) in zip(axes, panels):
-        values = [summary[key]["waves"], summary[key]["step_sync"]]
-        ax.bar(["waves", "step sync"], values, color=["#999999", "#2a7ab9"])
+        modes = list(summary[key])
+        values = [summary[key][m] for m in modes]
+        colors = {"waves": "#999999", "step_sync": "#2a7ab9", BEFORE: "#9ecae1"}
+        ax.bar(
+            [LABELS[m].replace(" (upstream)", "") for m in modes],
+            values,
+            color=[colors[m] for m in modes],
+        )
+        ax.tick_params(axis="x", labelsize=8)
         ax.set_title(title, fontsize=10)
         for i, v in enumerate(values):
             ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=9)
@@ -341,6 +404,12 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--quick", action="store_true", help="fewer trials (smoke run)")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        metavar="TREE",
+        help="also run step sync from this checkout (the code before a change)",
+    )
     report.add_out_argument(parser)
     args = parser.parse_args()
     require("matplotlib")  # before any server starts, not at the plot
@@ -348,15 +417,22 @@ def main() -> int:
         args.repeats, args.trials, args.rounds = 2, 2, 1
         args.concurrency, args.max_tokens = 8, 8
     args.out = args.out or report.RESULTS
+    args.load_before = uptime()
     with tempfile.TemporaryDirectory(prefix="bench-step-sync-") as tmp:
         work = Path(tmp)
         model = build_model("tiny-mixtral", work / "models")
         runs = measure(model, work, args)
+    args.load_after = uptime()
     summary = summarize(runs, args)
-    stem = args.out / ("step_sync_dp-quick" if args.quick else "step_sync_dp")
+    name = "step_sync_dp-before-after" if args.before else "step_sync_dp"
+    stem = args.out / (name + ("-quick" if args.quick else ""))
     report.write(
         stem,
-        {"summary": summary, "runs": runs},
+        {
+            "summary": summary,
+            "runs": runs,
+            "load": {"start": args.load_before, "end": args.load_after},
+        },
         markdown(summary, args),
         lambda png: plot(summary, png),
     )

@@ -247,6 +247,7 @@ class StepSyncDriver(Driver):
 
         group dp=2 lookahead=2 timeout=1   # the cores (the coordinator starts)
         rank N start|request|forward|dummy|pause|resume|drained|leaving|left|silent
+        rank N request|forward passes=K     # the work can use at most K passes
         deliver [to=coord|N]               # what is in flight now, in order
         stabilize                          # deliver until nothing is in flight
         tick DT [times=K] [deliver=1]      # advance the clock; every core ticks
@@ -341,9 +342,13 @@ class StepSyncDriver(Driver):
         if verb == "silent":
             self.silent.add(r)
             return [f"rank {r}: silent from now on (neither reads nor sends)"]
+        # passes=K: the most passes the rank's known work can use (with request,
+        # all of it; with forward, after this pass); absent: unknown.
+        passes = cmd.opt("passes", -1, int) if verb in ("request", "forward") else -1
+        passes = None if passes < 0 else passes
         actions = {
-            "request": part.request_ahead,
-            "forward": lambda: part.begin_forward(dummy=False),
+            "request": lambda: part.request_ahead(passes),
+            "forward": lambda: part.begin_forward(dummy=False, passes_after=passes),
             "dummy": lambda: part.begin_forward(dummy=True),
             "pause": lambda: part.set_pause_intent(True),
             "resume": lambda: part.set_pause_intent(False),

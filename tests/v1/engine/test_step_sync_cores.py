@@ -410,6 +410,45 @@ def test_a_grant_goes_to_every_member_in_one_broadcast():
     assert [(route, msg.step) for route, msg in out] == [(ranks[2].route, 2)]
 
 
+def test_requests_that_arrive_together_get_one_state_each():
+    """Every rank asks for the next steps at once: one at a time, the first request
+    moves G (a broadcast) and each other one gets its own reply; in one batch each
+    member gets a single state, with G and its own acknowledgement."""
+    sent = {}
+    for batched in (False, True):
+        group, ranks = _joined()
+        core = group.core
+        frames = [
+            [r.route, *seal(SECRET, TO_COORDINATOR, r.state(requested=2))]
+            for r in ranks
+        ]
+        if batched:
+            out = core.on_frame_batch(frames, 1.0)
+        else:
+            out = [m for f in frames for m in core.on_frames(f, 1.0)]
+        assert core.step == 2
+        last = {route: msg for route, msg in out}
+        assert {r.route for r in ranks} == set(last)
+        for r in ranks:
+            assert last[r.route].step == 2
+            assert last[r.route].ack_seq == r.fields["seq"]
+        sent[batched] = len(out)
+    n = CONFIG.dp_size
+    assert sent == {False: n + (n - 1), True: n}
+
+
+def test_a_batch_that_fails_the_group_tells_every_member():
+    group, ranks = _joined()
+    frames = [
+        [ranks[0].route, *seal(SECRET, TO_COORDINATOR, ranks[0].state(requested=2))],
+        [ranks[1].route, *seal(SECRET, TO_COORDINATOR, ranks[1].state(left=True))],
+    ]
+    out = group.core.on_frame_batch(frames, 1.0)
+    aborts = {route for route, msg in out if isinstance(msg, Abort)}
+    assert aborts == {r.route for r in ranks}
+    assert "DP rank 1 left the group" in group.core.failed
+
+
 def test_the_lookahead_bounds_a_request_by_the_askers_own_pass_count():
     group, ranks = _joined()
     bound = CONFIG.lookahead + 1
@@ -574,6 +613,44 @@ def test_a_participant_renews_its_lease_before_it_runs_out():
     assert part.begin_forward(dummy=True) == 3 and part.dummy_steps == 1
 
 
+def _drain(part: ParticipantCore, passes: int, known: bool) -> None:
+    """One request of ``passes`` passes on an idle rank, every grant arriving at once;
+    ``known``: the engine tells how many passes the work can still use."""
+    part.request_ahead(passes if known else None)
+    for left in range(passes - 1, -1, -1):
+        part.observe_grant(part.requested)
+        part.begin_forward(dummy=False, passes_after=left if known else None)
+    part.observe_grant(part.requested)
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 3, 8])
+@pytest.mark.parametrize("passes", [1, 2, 3, 7, 8, 20])
+def test_the_adaptive_lookahead_asks_for_no_pass_the_work_cannot_use(lookahead, passes):
+    config = StepSyncConfig(dp_size=3, lookahead=lookahead, peer_timeout_s=1.0)
+    fixed, adaptive = _participant(config=config), _participant(config=config)
+    _drain(fixed, passes, known=False)
+    _drain(adaptive, passes, known=True)
+    # Unknown work: up to `lookahead` passes past the last real one (the old rule).
+    assert passes < fixed.requested <= passes + lookahead
+    # Known work: the grant ends at the last real pass: no pass wasted.
+    assert adaptive.requested == adaptive.local_step == passes
+    # And no more requests than the fixed look-ahead needs, nor a real pass asked
+    # for late (every pass was requested before the rank reached it).
+    sent = adaptive.counters.snapshot()["requests_sent"]
+    assert sent <= fixed.counters.snapshot()["requests_sent"]
+
+
+def test_the_adaptive_lookahead_never_asks_below_the_next_pass_for_new_work():
+    part = _participant()
+    assert part.request_ahead(0) == 1 and part.requested == 1  # work: at least a pass
+    part.observe_grant(1)
+    part.begin_forward(dummy=False, passes_after=0)
+    assert part.requested == 1 and part.counters.snapshot()["requests_sent"] == 1
+    # The bound was wrong (the work needs another pass): the pass asks for itself.
+    part.begin_forward(dummy=False, passes_after=None)
+    assert part.requested == 2 + CONFIG.lookahead
+
+
 def test_a_participant_takes_each_grant_once_and_drops_stale_ones():
     part = _participant()
     part.start(0.0)
@@ -657,12 +734,14 @@ class SimRank:
     last_real: int = 0  # the step of its last real pass
 
 
-def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank]]:
+def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank], bool]:
     rng = random.Random(seed)
     cfg = StepSyncConfig(
         dp_size=rng.randint(2, 4), lookahead=rng.choice([1, 2, 8]), peer_timeout_s=1.0
     )
     loss = rng.choice([0.0, 0.05, 0.2])
+    known_work = rng.random() < 0.5
+    batched = rng.random() < 0.5
     coord = CoordinatorCore(cfg, SECRET)
     coord.start(0.0)
     ranks = [
@@ -701,7 +780,14 @@ def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank]]:
     while now < 60:
         now += rng.uniform(0, 0.005)
         rng.shuffle(wire)  # reordering, as well as loss
-        for item in [w for w in wire if w[0] <= now]:
+        due = [w for w in wire if w[0] <= now]
+        if batched:  # what reached the coordinator together is answered together
+            batch = [w for w in due if w[1] is None]
+            due = [w for w in due if w[1] is not None]
+            for item in batch:
+                wire.remove(item)
+            to_ranks(now, coord.on_frame_batch([w[2] for w in batch], now))
+        for item in due:
             wire.remove(item)
             _, to, frames = item
             if to is None:
@@ -720,8 +806,12 @@ def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank]]:
                     sim.in_pass = 0
             elif sim.work:
                 if rng.random() < 0.5:  # scheduling takes a while
-                    part.request_ahead()
-                    sim.in_pass = sim.last_real = part.begin_forward(dummy=False)
+                    # With known_work the engine tells how many passes its work
+                    # can still use (the adaptive look-ahead), else nothing.
+                    part.request_ahead(sim.work if known_work else None)
+                    sim.in_pass = sim.last_real = part.begin_forward(
+                        dummy=False, passes_after=sim.work - 1 if known_work else None
+                    )
                     sim.work -= 1
             elif part.steps_owed:
                 sim.in_pass = part.begin_forward(dummy=True)
@@ -734,21 +824,24 @@ def _run_group(seed: int) -> tuple[CoordinatorCore, list[SimRank]]:
         if quiet and all(
             s.core.local_step == s.core.delivered == coord.step for s in ranks
         ):
-            return coord, ranks
+            return coord, ranks, known_work
     raise AssertionError(f"seed {seed}: no settled state by t={now:.1f}s")
 
 
 def test_random_groups_run_the_same_passes():
     for seed in range(200):
-        coord, ranks = _run_group(seed)
+        coord, ranks, known_work = _run_group(seed)
         last_real = max(s.last_real for s in ranks)
         for sim in ranks:
             part = sim.core
             assert (
                 part.local_step == part.forward_steps + part.dummy_steps == coord.step
             )
-        # Passes wasted after the last real pass are bounded by the lease.
+        # Passes wasted after the last real pass are bounded by the lease, and
+        # none are when every rank knows how many passes its work can use.
         assert last_real <= coord.step <= last_real + coord.config.lookahead
+        if known_work:
+            assert coord.step == last_real, seed
 
 
 # --- strangers: only frames under the group's key count -------------------------------

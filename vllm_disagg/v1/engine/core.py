@@ -37,6 +37,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
 from vllm.v1.fault_tolerance import fault_tolerant_wrapper
@@ -53,6 +54,10 @@ from vllm_disagg.v1.engine.step_sync import (
 )
 from vllm_disagg.v1.engine.step_sync.credentials import group_secret
 from vllm_disagg.v1.engine.step_sync.rendezvous import join, not_formed_hint
+from vllm_disagg.v1.engine.step_sync.work_bound import (
+    passes_after_this,
+    passes_for_new,
+)
 from vllm_disagg.v1.metrics.step_sync import StepSyncMetricsWriter
 from vllm_disagg.wire.groups import dp_group_of
 
@@ -295,8 +300,21 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
     def _schedule_and_account(self, *args, **kwargs) -> SchedulerOutput:
         scheduler_output = self._upstream_schedule(*args, **kwargs)
         if scheduler_output.total_num_scheduled_tokens > 0:
-            self.step_counter = self.step_sync.begin_forward(dummy=False)
+            self.step_counter = self.step_sync.begin_forward(
+                dummy=False, passes_after=self._passes_after(scheduler_output)
+            )
         return scheduler_output
+
+    def _passes_after(self, scheduler_output: SchedulerOutput) -> int | None:
+        """The adaptive look-ahead's bound (work_bound.py); None when unknown."""
+        scheduler = self.scheduler
+        if not isinstance(scheduler, Scheduler):
+            return None
+        return passes_after_this(
+            scheduler.running,
+            scheduler.get_request_counts()[1],
+            scheduler_output.num_scheduled_tokens,
+        )
 
     @fault_tolerant_wrapper
     def run_busy_loop(self):
@@ -375,7 +393,11 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         # end did with FIRST_REQ. A request with KV transfer params will likely
         # wait for remote KV first; it asks when it is scheduled.
         if not request.kv_transfer_params and not self.is_scheduler_paused():
-            self.step_sync.request_ahead()
+            self.step_sync.request_ahead(
+                passes_for_new(
+                    request, self.vllm_config.scheduler_config.max_num_batched_tokens
+                )
+            )
 
     def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
         raise AssertionError("step sync DP engines never all-reduce in the busy loop")

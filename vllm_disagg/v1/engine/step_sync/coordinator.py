@@ -25,6 +25,9 @@ from vllm_disagg.v1.engine.step_sync.messages import (
 from vllm_disagg.v1.engine.step_sync.shell import NetworkThread, new_socket
 from vllm_disagg.wire.frames import harden_listener
 
+# Frames answered together at most (the heartbeat and timeouts run between batches).
+MAX_FRAME_BATCH = 1024
+
 
 class Coordinator(NetworkThread):
     """Keeps the coordinator step and the group phase; tells every member.
@@ -104,12 +107,13 @@ class Coordinator(NetworkThread):
                 0, int((self.core.next_heartbeat - time.monotonic()) * 1000)
             )
             if poller.poll(min(timeout_ms, 100)):
-                while True:
+                batch = []
+                while len(batch) < MAX_FRAME_BATCH:
                     try:
-                        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        batch.append(self._sock.recv_multipart(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-                    self._handle(frames)
+                self._handle(batch)
             self._deliver(self.core.on_tick(time.monotonic()))
         if self._deliver(
             self.core.on_close(self._abort_on_close or "the coordinator stopped")
@@ -117,8 +121,9 @@ class Coordinator(NetworkThread):
             # Give the Abort frames a moment to leave before the socket closes.
             self._close_linger_ms = 500
 
-    def _handle(self, frames: list[bytes]) -> None:
-        self._deliver(self.core.on_frames(frames, time.monotonic()))
+    def _handle(self, batch: list[list[bytes]]) -> None:
+        """What arrived together is answered together (one state per member)."""
+        self._deliver(self.core.on_frame_batch(batch, time.monotonic()))
 
     def _deliver(self, sends: list[Send]) -> bool:
         """Send what the core said, then report its failure if it just failed."""

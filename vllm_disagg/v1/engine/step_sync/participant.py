@@ -130,29 +130,32 @@ class Participant(NetworkThread):
     def observe_grant(self, step: int) -> None:
         self.core.observe_grant(step)
 
-    def begin_forward(self, dummy: bool) -> int:
+    def begin_forward(self, dummy: bool, passes_after: int | None = None) -> int:
         """Account for the forward pass about to run; return its step number.
 
         A real pass may run ahead of the grant: the coordinator is asked for
         ``lookahead`` steps past it before the remaining grant drops below the
         renewal margin. A real pass that nobody granted yet waits for its
         grant (see ``_await_grant``); with ``request_ahead`` that is rare.
+        ``passes_after``: the most passes the known work can still use (None:
+        unknown); the request goes no further.
         """
         before = self.core.state
-        step = self.core.begin_forward(dummy)
+        step = self.core.begin_forward(dummy, passes_after)
         if not dummy:
             self._wake_if_changed(before)
             self._await_grant(step)
         return step
 
-    def request_ahead(self) -> None:
+    def request_ahead(self, passes: int | None = None) -> None:
         """Work arrived while this rank holds no grant beyond its last pass:
         ask for the next ``lookahead`` steps now and wait for the grant, so
         the peers start their dummy pass while this engine is still
         scheduling. If the work turns out unschedulable, the group runs at
-        most ``lookahead`` dummy passes for it."""
+        most ``lookahead`` dummy passes for it. ``passes``: the most passes the
+        work can use, when known (the request goes no further)."""
         before = self.core.state
-        step = self.core.request_ahead()
+        step = self.core.request_ahead(passes)
         if step is not None:
             self._wake_if_changed(before)
             self._await_grant(step)

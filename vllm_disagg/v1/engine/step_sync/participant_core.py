@@ -108,12 +108,15 @@ class ParticipantCore:
         if step > self.coord_step:
             self.coord_step = step
 
-    def begin_forward(self, dummy: bool) -> int:
+    def begin_forward(self, dummy: bool, passes_after: int | None = None) -> int:
         """Account for the forward pass about to run; return its step number.
 
         A real pass may run ahead of the grant: the coordinator is asked for
         ``lookahead`` steps past it before the remaining grant drops below the
-        renewal margin.
+        renewal margin. ``passes_after`` is the most passes this rank's known work
+        can still use after this one (None: unknown, e.g. work waits in a queue);
+        the request goes no further than that, so a drain whose end the rank can
+        see coming leaves the group no dummy passes to run.
         """
         self.local_step += 1
         self.in_pass = True
@@ -122,17 +125,23 @@ class ParticipantCore:
             return self.local_step
         self.forward_steps += 1
         if self._horizon - self.local_step < self.config.renew_margin:
-            self._request_steps(self.local_step + self.config.lookahead)
+            self._request_steps(self.local_step + self._ahead(passes_after))
         return self.local_step
 
-    def request_ahead(self) -> int | None:
-        """Work arrived: ask for the next ``lookahead`` steps unless this rank holds a
-        grant (or a request) beyond its last pass; return the step to wait for, if it
-        asked."""
+    def request_ahead(self, passes: int | None = None) -> int | None:
+        """Work arrived: ask for the next ``lookahead`` steps (at most ``passes``, the
+        most the known work can use, when known) unless this rank holds a grant (or a
+        request) beyond its last pass; return the step to wait for, if it asked."""
         if self._horizon <= self.local_step:
-            self._request_steps(self.local_step + self.config.lookahead)
+            self._request_steps(self.local_step + max(1, self._ahead(passes)))
             return self.local_step + 1
         return None
+
+    def _ahead(self, passes: int | None) -> int:
+        """How many steps past the current one to ask for: the look-ahead, adapted
+        down to the passes the rank's work can still use."""
+        lookahead = self.config.lookahead
+        return lookahead if passes is None else max(0, min(lookahead, passes))
 
     def set_pause_intent(self, pause: bool) -> int:
         self.intent += 1
@@ -166,6 +175,8 @@ class ParticipantCore:
         return max(self.requested, self.coord_step)
 
     def _request_steps(self, step: int) -> None:
+        if step <= self._horizon:
+            return  # granted or asked for already: nothing new to say
         self.requested = step
         self.counters.inc("requests_sent")
         self.publish()

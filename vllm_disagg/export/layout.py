@@ -122,6 +122,7 @@ HELPERS: dict[str, str] = {
     "vllm_disagg.testing.router": "router-example",
     "vllm_disagg.testing.hostile": "router-example",
     "vllm_disagg.testing.fake_instance": "router-example",
+    "vllm_disagg.testing.migration": "router-example",
 }
 
 UNIT = "tests/v1/kv_connector/unit/p2p"
@@ -268,6 +269,11 @@ CONFTESTS: tuple[Conftest, ...] = (
 # Top-level definitions of exported test modules and test helpers that are
 # not exported: (project path, name) -> why.
 DROPPED_TESTS: dict[tuple[str, str], str] = {
+    (
+        "tests/v1/kv_connector/p2p/test_p2p_dp_e2e.py",
+        "test_prometheus_scrapes_every_rank_and_a_dead_prefill_rank_raises_alerts",
+    ): "checks the project's alert rules and dashboard (observability/), which "
+    "are not part of the tree",
     ("vllm_disagg/testing/server.py", "vllm_executable"): (
         "servers start `python -m vllm.entrypoints.cli.main` (SOURCE_TEXT)"
     ),
@@ -384,6 +390,8 @@ DROPPED: dict[str, str] = {
         "(vllm/v1/metrics/step_sync.py, written by the export)"
     ),
     "vllm_disagg.v1.metrics": "JSON file helpers of the plugin's metrics snapshots",
+    "vllm_disagg.testing.prometheus": "runs the project's alert rules and "
+    "dashboard (observability/), not part of the tree",
     "vllm_disagg.testing.step_sync": "reads the plugin's metric names; the "
     "end-to-end test written for the tree reads vllm:step_sync_*",
 }

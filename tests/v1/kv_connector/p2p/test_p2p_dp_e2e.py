@@ -33,13 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
 
-from tests.observability.test_alerts import dashboard_exprs
-from tests.observability.test_prometheus_e2e import (  # noqa: F401 (fixtures)
-    prometheus,
-    prometheus_binary,
-)
 from vllm_disagg.testing import openai_client
 from vllm_disagg.testing.forwarder import Forwarder
 from vllm_disagg.testing.openai_client import complete
@@ -387,112 +381,73 @@ def test_a_dp2_prefill_feeds_a_dp1_decode_both_ranks_into_one(dp_servers, refere
     assert hits - hits_before >= remote, (hits, hits_before, remote)
 
 
-# Panels that show nothing in a healthy fleet that lost no rank, and why.
-QUIET_PANELS = {
-    # counters of failures this fleet never had (no series until the first)
-    "Prefill leg: failures and retries",
-    "Rejected at the router",
-    "Failed sends, rejected messages, spills",
-    "Step sync rejected messages",
-}
-
-
-def _prometheus_query(prom: str, expr: str) -> list:
-    answer = requests.get(f"{prom}/api/v1/query", params={"query": expr}, timeout=10)
-    body = answer.json()
-    assert body["status"] == "success", (expr, body)
-    return body["data"]["result"]
-
-
-def _active_alerts(prom: str) -> dict[str, list[dict]]:
-    body = requests.get(f"{prom}/api/v1/alerts", timeout=10).json()
-    found: dict[str, list[dict]] = {}
-    for alert in body["data"]["alerts"]:
-        found.setdefault(alert["labels"]["alertname"], []).append(alert)
-    return found
-
-
-def _until(check, what: str, timeout_s: float):
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except requests.RequestException as e:
-            last = e
-        else:
-            if last:
-                return last
-        time.sleep(1.0)
-    pytest.fail(f"{what}: not within {timeout_s:.0f} s (last: {last!r})")
-
-
 def test_prometheus_scrapes_every_rank_and_a_dead_prefill_rank_raises_alerts(
-    xpyd_dp,
-    reference,
-    prometheus,  # noqa: F811
+    xpyd_dp, reference, tmp_path
 ):
     """Last in this module: it kills a rank. A real Prometheus scrapes the
     router and the four ranks (one ``vllm serve`` each) with the fleet's rules
-    (``for:`` cut to 1 s); every dashboard panel but the quiet ones has data,
-    the step gap is computed per DP group across the ranks' targets, and
-    SIGKILL of prefill rank 1 raises TargetDown and InstanceRemoved."""
+    (``for:`` cut to 1 s); every dashboard panel has data, the step gap is
+    computed per DP group across the ranks' targets, and SIGKILL of prefill
+    rank 1 raises TargetDown and InstanceRemoved. Not exported (the project's
+    rules and dashboard): its imports are here."""
+    from vllm_disagg.testing import prometheus
+
+    if prometheus.binary() is None:
+        pytest.skip(prometheus.SKIP_REASON)
     router, prefills, decodes = xpyd_dp
-    jobs = {"vllm-disagg-router": router.url}
+    jobs = {"router": router.url}
     for role, ranks in (("prefill", prefills), ("decode", decodes)):
         for rank, inst in enumerate(ranks):
-            jobs[f"vllm-disagg-{role}-{rank}"] = inst.server.url
-    prom = prometheus({job: url.split("//", 1)[1] for job, url in jobs.items()})
-    for prompt in PROMPTS[:4]:
-        out = openai_client.complete(
-            router,
-            prompt,
-            max_tokens=MAX_TOKENS,
-            temperature=0.0,
-            return_token_ids=True,
+            jobs[f"{role}-{rank}"] = inst.server.url
+    targets = {f"vllm-disagg-{j}": url.split("//", 1)[1] for j, url in jobs.items()}
+    with prometheus.running(targets, tmp_path) as prom:
+        for prompt in PROMPTS[:4]:
+            out = openai_client.complete(
+                router,
+                prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0.0,
+                return_token_ids=True,
+            )
+            assert _ids(out) == reference[tuple(prompt)]
+        prometheus.until(
+            lambda: prometheus.query(prom, "count(up == 1) == 5"),
+            "all five targets up",
+            60,
         )
-        assert _ids(out) == reference[tuple(prompt)]
-    _until(
-        lambda: _prometheus_query(prom, 'count(up{job=~"vllm-disagg.*"} == 1) == 5'),
-        "all five targets up",
-        60,
-    )
-    _until(
-        lambda: _prometheus_query(
-            prom, "count_over_time(vllm:p2p_bytes_received_total[1m]) > 1"
-        ),
-        "two scrapes of the decodes' transfer counters",
-        60,
-    )
-    shown: set[str] = set()  # a panel shows data when one of its queries has some
-    for title, expr in dashboard_exprs():
-        if _prometheus_query(prom, expr.replace("$__rate_interval", "1m")):
-            shown.add(title)
-    empty = sorted({t for t, _ in dashboard_exprs()} - shown - QUIET_PANELS)
-    assert not empty, f"dashboard panels without data: {empty}"
-    # One series per DP group: the two ranks of each instance, found across
-    # their own targets by dp_group.
-    gaps = _prometheus_query(
-        prom,
-        "max by (dp_group) (vllm_disagg:step_sync_local_step)"
-        " - min by (dp_group) (vllm_disagg:step_sync_local_step)",
-    )
-    assert len(gaps) == 2, gaps
-    ranks = _prometheus_query(
-        prom, "count by (dp_group) (vllm_disagg:step_sync_local_step)"
-    )
-    assert sorted(float(r["value"][1]) for r in ranks) == [2.0, 2.0], ranks
+        prometheus.until(
+            lambda: prometheus.query(
+                prom, "count_over_time(vllm:p2p_bytes_received_total[1m]) > 1"
+            ),
+            "two scrapes of the decodes' transfer counters",
+            60,
+        )
+        panels = prometheus.dashboard_exprs()
+        shown = {  # a panel shows data when one of its queries has some
+            title
+            for title, expr in panels
+            if prometheus.query(prom, expr.replace("$__rate_interval", "1m"))
+        }
+        empty = sorted({title for title, _ in panels} - shown)
+        assert not empty, f"dashboard panels without data: {empty}"
+        # One series per DP group: the two ranks of each instance, found
+        # across their own targets by dp_group.
+        ranks = prometheus.query(
+            prom, "count by (dp_group) (vllm_disagg:step_sync_local_step)"
+        )
+        assert sorted(float(r["value"][1]) for r in ranks) == [2.0, 2.0], ranks
 
-    prefills[1].server.kill()
+        prefills[1].server.kill()
 
-    def raised():
-        state = _active_alerts(prom)
-        down = [
-            a
-            for a in state.get("VllmDisaggTargetDown", [])
-            if a["labels"].get("job") == "vllm-disagg-prefill-1"
-        ]
-        return state if down and "VllmDisaggInstanceRemoved" in state else None
+        def raised():
+            state = prometheus.active_alerts(prom)
+            down = [
+                a
+                for a in state.get("VllmDisaggTargetDown", [])
+                if a["labels"].get("job", "").endswith("prefill-1")
+            ]
+            return state if down and "VllmDisaggInstanceRemoved" in state else None
 
-    state = _until(raised, "TargetDown and InstanceRemoved for the dead rank", 90)
+        state = prometheus.until(raised, "the dead rank's alerts", 90)
     for name in ("VllmDisaggTargetDown", "VllmDisaggInstanceRemoved"):
         assert {a["state"] for a in state[name]} <= {"pending", "firing"}

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vllm_disagg.testing.prometheus import dashboard_exprs
+
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "observability" / "alerts.yml"
 DASHBOARD = ROOT / "observability" / "dashboard.json"
@@ -27,16 +29,6 @@ SEVERITIES = {"critical", "warning", "info"}
 def rules() -> list[dict]:
     doc = yaml.safe_load(RULES.read_text())
     return [rule for group in doc["groups"] for rule in group["rules"]]
-
-
-def dashboard_exprs() -> list[tuple[str, str]]:
-    """(panel title, expression) of every query of the dashboard."""
-    doc = json.loads(DASHBOARD.read_text())
-    return [
-        (panel["title"], target["expr"])
-        for panel in doc["panels"]
-        for target in panel.get("targets", [])
-    ]
 
 
 @pytest.fixture(scope="module")

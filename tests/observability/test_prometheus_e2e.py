@@ -10,17 +10,15 @@ evaluated every second. Needs the ``prometheus`` binary (Debian/Ubuntu:
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
+import contextlib
 import time
 
 import aiohttp
 import pytest
-import yaml
 
-from tests.observability.test_alerts import RULES, dashboard_exprs
 from tests.router.conftest import fakes, start_router  # noqa: F401 (fixtures)
-from vllm_disagg.testing.server import get_free_port
+from vllm_disagg.testing import prometheus as testing_prometheus
+from vllm_disagg.testing.prometheus import dashboard_exprs
 from vllm_disagg.wire.discovery import Role
 
 pytestmark = pytest.mark.e2e
@@ -39,64 +37,15 @@ DEADLINE_S = 45
 
 
 @pytest.fixture
-def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        pytest.skip(
-            "prometheus not found: install it (Debian/Ubuntu: "
-            "`apt-get install -y prometheus`; do not start its service) to run "
-            "the Prometheus end-to-end test"
-        )
-    return path
-
-
-@pytest.fixture
-def prometheus(prometheus_binary, tmp_path):
+def prometheus(tmp_path):
     """Factory: a Prometheus on a loopback port scraping ``targets`` (job ->
     host:port) every second with the fleet's rules, ``for:`` cut to 1 s."""
-    procs: list[subprocess.Popen] = []
-
-    def start(targets: dict[str, str]) -> str:
-        rules = yaml.safe_load(RULES.read_text())
-        for group in rules["groups"]:
-            for rule in group["rules"]:
-                if "for" in rule:
-                    rule["for"] = "1s"
-        (tmp_path / "rules.yml").write_text(yaml.safe_dump(rules))
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": ["rules.yml"],
-            "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": [addr]}]}
-                for job, addr in targets.items()
-            ],
-        }
-        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-        port = get_free_port()
-        log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115
-        procs.append(
-            subprocess.Popen(
-                [
-                    prometheus_binary,
-                    f"--config.file={tmp_path / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={tmp_path / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{port}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=tmp_path,
-            )
+    if testing_prometheus.binary() is None:
+        pytest.skip(testing_prometheus.SKIP_REASON)
+    with contextlib.ExitStack() as stack:
+        yield lambda targets: stack.enter_context(
+            testing_prometheus.running(targets, tmp_path)
         )
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for proc in procs:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def query(client: aiohttp.ClientSession, url: str, expr: str) -> list:

@@ -1054,15 +1054,6 @@ def _participant(module: cst.Module, where: str) -> cst.Module:
 
 # Messages that name the plugin's --additional-config keys: in-tree they name
 # the ParallelConfig fields (longer, so the strings are split anew) and flags.
-_CONFIG_TEXT = _replace_text(
-    (
-        (
-            '"step_sync_peer_timeout_s must be a number of seconds in [0.1, 3600], "',
-            '"step_sync_peer_timeout_s must be a number of seconds "\n'
-            '                "in [0.1, 3600], "',
-        ),
-    )
-)
 _COORDINATOR_TEXT = _replace_text(
     (
         (
@@ -1115,7 +1106,7 @@ REWRITES: dict[str, tuple[Rewrite, ...]] = {
     ),
     "vllm_disagg.v1.engine.step_sync.coordinator_core": (_COORDINATOR_TEXT,),
     "vllm_disagg.v1.engine.core_actor": (_module_edit(_actor),),
-    "vllm_disagg.v1.engine.step_sync.config": (_module_edit(_config), _CONFIG_TEXT),
+    "vllm_disagg.v1.engine.step_sync.config": (_module_edit(_config),),
     "vllm_disagg.v1.engine.step_sync": (_module_edit(_package),),
     "vllm_disagg.v1.engine.step_sync.participant": (_module_edit(_participant),),
 }

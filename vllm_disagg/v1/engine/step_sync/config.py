@@ -1,5 +1,5 @@
-"""Step sync's options (one row per ``--additional-config`` key, checked with
-the shared parsers of ``vllm_disagg.options``) and timing constants."""
+"""Step sync's options (one row per key, checked with the shared parsers of
+``vllm_disagg.options``) and timing constants."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ MAX_LOOKAHEAD = 1024
 MAX_DP_SIZE = 1 << 16
 
 
-# One row per --additional-config key (vllm_disagg.options.rows.Option).
+# One row per option key (vllm_disagg.options.rows.Option).
 OPTIONS: tuple[Option, ...] = (
     Option(
         "step_sync_lookahead",

@@ -22,16 +22,17 @@ import vllm_disagg
 PACKAGE = Path(vllm_disagg.__file__).resolve().parent
 
 
-# Test files the export writes into vLLM's tree: data here, not modules of the
-# package (they import vLLM's test helpers, which only that tree has).
-DATA = PACKAGE / "export" / "upstream_tests"
+# Files the export writes into vLLM's tree: data here, not modules of the
+# package (they import vLLM's test helpers, or names the export adds to vLLM,
+# which only that tree has).
+DATA = (PACKAGE / "export" / "upstream_tests", PACKAGE / "export" / "upstream_src")
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
     """Every module of the package: name -> (path, is a package)."""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        if DATA in path.parents:
+        if any(data in path.parents for data in DATA):
             continue
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         is_package = parts[-1] == "__init__"

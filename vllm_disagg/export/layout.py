@@ -52,6 +52,15 @@ MOVES: tuple[Move, ...] = (
     # The framing, peer naming, grants and discovery protocol the connector and
     # the router share; step sync will import it too, so it is not under p2p.
     Move("vllm_disagg.wire", "vllm.distributed.wire", "vllm/distributed/wire", "p2p"),
+    # The options layer (rows, shared parsers, docs tables) the connector's,
+    # step sync's and the router's configurations are built from; beside wire,
+    # whose host grammar it uses.
+    Move(
+        "vllm_disagg.options",
+        "vllm.distributed.options",
+        "vllm/distributed/options",
+        "p2p",
+    ),
     # Step sync: one package, so nothing collides with upstream's
     # vllm/v1/engine/{core,core_client,coordinator}.py. The plugin's engine
     # core, clients and Ray actor subclass upstream's; in-tree they are picked

@@ -1,8 +1,11 @@
-"""The router's options: one frozen dataclass, its command-line flags, and
-one-line errors that name the flag and the allowed values.
+"""The router's options: one row per flag (:data:`OPTIONS`), one frozen
+dataclass, and one-line errors that name the flag and the allowed values.
 
-The dataclass validates itself, so a config built in code (tests, an
-embedding program) is checked exactly like one parsed from the command line.
+The rows (``vllm_disagg.options.rows.Option``) give each flag its parser, its
+default, its help and its line in docs/router.md's flags table; argparse is
+built from them. The dataclass validates itself with the same rows, so a config
+built in code (tests, an embedding program) is checked exactly like one parsed
+from the command line.
 """
 
 from __future__ import annotations
@@ -10,11 +13,20 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from vllm_disagg import envs
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.options import parsers, tables
+from vllm_disagg.options.rows import (
+    Option,
+    Parser,
+    add_arguments,
+    by_key,
+    from_namespace,
+    parse_rows,
+)
 from vllm_disagg.router.policy import policy_names
 from vllm_disagg.wire.cookie import ROUTER_TOKEN, CookieError, load_cookie
 from vllm_disagg.wire.discovery import (
@@ -33,7 +45,6 @@ DECODE_POLICIES = policy_names(Role.DECODE)
 HANDOFFS = ("sequential", "concurrent")
 HTTP_SERVERS = ("uvicorn", "hypercorn")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-MAX_TIMEOUT_S = 86400.0
 MAX_RETRIES = 10
 
 
@@ -50,7 +61,7 @@ class StaticInstance:
         """``HTTP_ADDR,KV_ADDR[,MODEL]``, e.g. ``10.0.1.2:20001,10.0.1.2:21001``."""
         parts = spec.split(",")
         if len(parts) not in (2, 3):
-            raise ConfigError(f"{flag}: {spec!r} is not HTTP_ADDR,KV_ADDR[,MODEL]")
+            raise parsers.refuse(flag, spec, "HTTP_ADDR,KV_ADDR[,MODEL]")
         for part, what in zip(parts, ("HTTP_ADDR", "KV_ADDR")):
             try:
                 split_addr(part, f"{flag} {what}")
@@ -58,12 +69,10 @@ class StaticInstance:
                 raise ConfigError(str(e)) from None
         model = parts[2] if len(parts) == 3 else None
         if model is not None and not 0 < len(model) <= MAX_MODEL_CHARS:
-            raise ConfigError(f"{flag}: MODEL must be 1..{MAX_MODEL_CHARS} characters")
+            raise parsers.refuse(
+                flag, model, f"a MODEL of 1..{MAX_MODEL_CHARS} characters"
+            )
         return cls(parts[0], parts[1], model)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 class RouterCredentials(NamedTuple):
@@ -78,128 +87,399 @@ class RouterCredentials(NamedTuple):
         return f"RouterCredentials(source={self.source!r}, local={self.local})"
 
 
+def _static(flag: str, value: Any) -> tuple[StaticInstance, ...]:
+    """``--static-prefill`` / ``--static-decode``: specs, or instances."""
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise parsers.refuse(flag, value, "a list of HTTP_ADDR,KV_ADDR[,MODEL]")
+    return tuple(
+        item if isinstance(item, StaticInstance) else StaticInstance.parse(flag, item)
+        for item in value
+    )
+
+
+def _token(flag: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise parsers.refuse(flag, value, "a string")
+    if not value:
+        raise ConfigError(f"{flag}: must not be empty (leave it unset instead)")
+    return value
+
+
+def _choice(choices: tuple[str, ...]) -> Parser:
+    """One of ``choices``, any case, ``-`` for ``_`` (``prefix-aware``)."""
+
+    def parse(flag: str, value: Any) -> str:
+        text = value.replace("-", "_") if isinstance(value, str) else value
+        try:
+            return parsers.choice(flag, text, choices)
+        except ConfigError:
+            raise parsers.refuse(flag, value, f"one of {', '.join(choices)}") from None
+
+    return parse
+
+
+def _int_in(low: int, high: int) -> Parser:
+    return lambda flag, value: parsers.integer(flag, value, low, high)
+
+
+def _number_in(low: float, high: float) -> Parser:
+    """A finite int or float (not a bool, not a string) in ``low..high``."""
+
+    def parse(flag: str, value: Any) -> float:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not low <= value <= high
+        ):
+            raise parsers.refuse(flag, value, f"a number in {low:g}..{high:g}")
+        return value
+
+    return parse
+
+
+def _listen_port(flag: str, value: Any) -> int:
+    return parsers.port(flag, value, any_free=True)
+
+
+def _seconds(name: str, default: float, help_text: str) -> Option:
+    return Option(name, "seconds", default, parsers.seconds, help_text, group=_FAILURES)
+
+
+_LISTENING = "listening"
+_SELECTION = "selection"
+_FAILURES = "timeouts and failures"
+_SECURITY = "security and limits"
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "host",
+        "host",
+        "0.0.0.0",
+        parsers.host,
+        "HTTP address for clients",
+        group=_LISTENING,
+    ),
+    Option(
+        "port",
+        "port",
+        DEFAULT_HTTP_PORT,
+        _listen_port,
+        "HTTP port for clients; `0` picks a free one (logged)",
+        group=_LISTENING,
+    ),
+    Option(
+        "discovery_host",
+        "host",
+        "0.0.0.0",
+        parsers.host,
+        "service-discovery address",
+        group=_LISTENING,
+    ),
+    Option(
+        "discovery_port",
+        "port",
+        DEFAULT_DISCOVERY_PORT,
+        _listen_port,
+        "service-discovery (ZMQ) port, the instances' `proxy_port`; `0` picks a "
+        "free one (logged)",
+        group=_LISTENING,
+    ),
+    Option(
+        "policy_prefill",
+        "choice",
+        "round_robin",
+        _choice(PREFILL_POLICIES),
+        f'one of {", ".join(PREFILL_POLICIES)} (see "Selection policies")',
+        group=_SELECTION,
+    ),
+    Option(
+        "policy_decode",
+        "choice",
+        "round_robin",
+        _choice(DECODE_POLICIES),
+        f'one of {", ".join(DECODE_POLICIES)} (see "Selection policies")',
+        group=_SELECTION,
+    ),
+    Option(
+        "handoff",
+        "choice",
+        "sequential",
+        _choice(HANDOFFS),
+        "`sequential`: D is sent the request when P has answered; `concurrent`: "
+        "P and D at once, D waits for the KV",
+        group=_SELECTION,
+    ),
+    Option(
+        "prefix_index_max_entries",
+        "integer",
+        65536,
+        _int_in(1, 1 << 26),
+        "`prefix_aware`: chunk hashes kept (LRU)",
+        group=_SELECTION,
+    ),
+    Option(
+        "prefix_chunk_chars",
+        "integer",
+        256,
+        _int_in(16, 1 << 20),
+        "`prefix_aware`: characters per hashed chunk",
+        group=_SELECTION,
+    ),
+    Option(
+        "prefix_balance_threshold",
+        "integer",
+        16,
+        _int_in(0, 1 << 20),
+        "`prefix_aware`: skip the prefix holder when it has more than this many "
+        "requests in flight above the least loaded P",
+        group=_SELECTION,
+    ),
+    Option(
+        "decode_alone_below_tokens",
+        "integer",
+        0,
+        _int_in(0, 1 << 24),
+        "selective disaggregation: a prompt whose part the chosen D has not cached "
+        "is shorter than this many tokens (estimated) goes to the D alone, no "
+        'prefill leg (see "Selective disaggregation"); `0`: off',
+        group=_SELECTION,
+    ),
+    Option(
+        "prompt_bytes_per_token",
+        "number",
+        4.0,
+        _number_in(0.5, 64),
+        "the router's token estimate for text prompts: UTF-8 bytes per token "
+        "(token-id prompts are counted exactly); 0.5 to 64",
+        group=_SELECTION,
+    ),
+    _seconds(
+        "heartbeat_timeout_s",
+        10.0,
+        "remove an instance silent this long (and at least 3 of its announced "
+        "heartbeat intervals)",
+    ),
+    _seconds(
+        "stall_timeout_s",
+        20.0,
+        "take an instance out of rotation (and end its prefill legs, retried "
+        "elsewhere) while its heartbeats say its engine has held requests this "
+        "long without a step; it is routed to again once it steps; set it above "
+        "your longest single forward pass",
+    ),
+    _seconds("connect_timeout_s", 5.0, "TCP connect to an instance"),
+    _seconds("prefill_timeout_s", 300.0, "one prefill request, whole"),
+    _seconds(
+        "first_token_timeout_s",
+        300.0,
+        "streaming: from sending D the request to its first chunk (KV wait + "
+        "first token)",
+    ),
+    _seconds("chunk_timeout_s", 60.0, "streaming: between two chunks of D's answer"),
+    _seconds(
+        "request_timeout_s",
+        600.0,
+        "the whole request: every leg, every retry; nothing outlives it",
+    ),
+    Option(
+        "max_retries",
+        "integer",
+        2,
+        _int_in(0, MAX_RETRIES),
+        "prefill attempts repeated on other P instances, before anything reached "
+        "the client",
+        group=_FAILURES,
+    ),
+    Option(
+        "max_migrations",
+        "integer",
+        2,
+        _int_in(0, MAX_RETRIES),
+        "times one request may move to another (P, D) pair when its D fails (a "
+        'stream continues where it stopped; see "Migration"); `0`: never, a failed '
+        "D ends the request",
+        group=_FAILURES,
+    ),
+    Option(
+        "breaker_failures",
+        "integer",
+        3,
+        _int_in(1, 1000),
+        "consecutive failures that open an instance's circuit breaker",
+        group=_FAILURES,
+    ),
+    _seconds(
+        "breaker_cooldown_s",
+        10.0,
+        "how long an open breaker keeps the instance out before one trial request",
+    ),
+    _seconds(
+        "client_header_timeout_s",
+        10.0,
+        "a client's request line and headers, from its connection or the "
+        "request's first byte",
+    ),
+    _seconds(
+        "client_idle_timeout_s",
+        30.0,
+        "a client's request body, or its reading of a streamed answer, may "
+        "stall this long before the connection is dropped",
+    ),
+    _seconds(
+        "client_body_timeout_s",
+        60.0,
+        "a client's request body must be whole this long after its headers",
+    ),
+    Option(
+        "fallback_to_decode_prefill",
+        "switch",
+        False,
+        parsers.boolean,
+        "with no P available or all P attempts failed, D prefills the request "
+        "itself (counted in /metrics); off: 503/502",
+        group=_FAILURES,
+    ),
+    Option(
+        "max_body_bytes",
+        "integer",
+        32 << 20,
+        _int_in(1024, 1 << 34),
+        "largest accepted request body; larger ones get 413",
+        group=_SECURITY,
+    ),
+    Option(
+        "max_header_bytes",
+        "integer",
+        64 << 10,
+        _int_in(1024, 1 << 24),
+        "largest request line and headers; larger ones get 431",
+        group=_SECURITY,
+    ),
+    Option(
+        "max_connections",
+        "integer",
+        4096,
+        _int_in(1, 1 << 20),
+        "open client connections; one more is answered 503 and closed (the "
+        "file-descriptor limit is raised to fit them and their upstream legs)",
+        group=_SECURITY,
+    ),
+    Option(
+        "registration_token",
+        "string",
+        None,
+        _token,
+        "shared discovery token instances sign registrations with; prefer "
+        f"`{envs.VLLM_DISAGG_ROUTER_TOKEN}` (a flag shows in `ps`)",
+        group=_SECURITY,
+    ),
+    Option(
+        "insecure_discovery",
+        "switch",
+        False,
+        parsers.boolean,
+        "without a registration token, accept registrations from other machines "
+        "too (default: loopback only)",
+        group=_SECURITY,
+    ),
+    Option(
+        "static_prefill",
+        "list",
+        (),
+        _static,
+        "`HTTP_ADDR,KV_ADDR[,MODEL]`, one or more: prefill instances that do not "
+        "register",
+        group=_SECURITY,
+        metavar="HTTP,KV[,MODEL]",
+        nargs="+",
+    ),
+    Option(
+        "static_decode",
+        "list",
+        (),
+        _static,
+        "the same for decode instances",
+        group=_SECURITY,
+        metavar="HTTP,KV[,MODEL]",
+        nargs="+",
+    ),
+    Option(
+        "log_level",
+        "choice",
+        "info",
+        _choice(LOG_LEVELS),
+        f"one of {', '.join(LOG_LEVELS)}",
+    ),
+    Option(
+        "http_server",
+        "choice",
+        "uvicorn",
+        _choice(HTTP_SERVERS),
+        f"the ASGI server of the HTTP front end, one of {', '.join(HTTP_SERVERS)} "
+        "(uvicorn costs less CPU per request, see benchmarks/results/router.md)",
+    ),
+)
+OPTION = by_key(OPTIONS)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "0.0.0.0"
-    port: int = DEFAULT_HTTP_PORT
-    discovery_host: str = "0.0.0.0"
-    discovery_port: int = DEFAULT_DISCOVERY_PORT
-    policy_prefill: str = "round_robin"
-    policy_decode: str = "round_robin"
-    handoff: str = "sequential"
-    heartbeat_timeout_s: float = 10.0
-    stall_timeout_s: float = 20.0
-    connect_timeout_s: float = 5.0
-    prefill_timeout_s: float = 300.0
-    first_token_timeout_s: float = 300.0
-    chunk_timeout_s: float = 60.0
-    request_timeout_s: float = 600.0
-    max_retries: int = 2
-    max_migrations: int = 2
-    breaker_failures: int = 3
-    breaker_cooldown_s: float = 10.0
-    fallback_to_decode_prefill: bool = False
-    max_body_bytes: int = 32 << 20
-    max_header_bytes: int = 64 << 10
-    max_connections: int = 4096
-    client_header_timeout_s: float = 10.0
-    client_idle_timeout_s: float = 30.0
-    client_body_timeout_s: float = 60.0
-    prefix_index_max_entries: int = 65536
-    prefix_chunk_chars: int = 256
-    prefix_balance_threshold: int = 16
+    """The router's configuration; each field but ``local_cookie`` is a row of
+    :data:`OPTIONS`, which gives its default and checks it."""
+
+    host: str = OPTION["host"].default
+    port: int = OPTION["port"].default
+    discovery_host: str = OPTION["discovery_host"].default
+    discovery_port: int = OPTION["discovery_port"].default
+    policy_prefill: str = OPTION["policy_prefill"].default
+    policy_decode: str = OPTION["policy_decode"].default
+    handoff: str = OPTION["handoff"].default
+    heartbeat_timeout_s: float = OPTION["heartbeat_timeout_s"].default
+    stall_timeout_s: float = OPTION["stall_timeout_s"].default
+    connect_timeout_s: float = OPTION["connect_timeout_s"].default
+    prefill_timeout_s: float = OPTION["prefill_timeout_s"].default
+    first_token_timeout_s: float = OPTION["first_token_timeout_s"].default
+    chunk_timeout_s: float = OPTION["chunk_timeout_s"].default
+    request_timeout_s: float = OPTION["request_timeout_s"].default
+    max_retries: int = OPTION["max_retries"].default
+    max_migrations: int = OPTION["max_migrations"].default
+    breaker_failures: int = OPTION["breaker_failures"].default
+    breaker_cooldown_s: float = OPTION["breaker_cooldown_s"].default
+    fallback_to_decode_prefill: bool = OPTION["fallback_to_decode_prefill"].default
+    max_body_bytes: int = OPTION["max_body_bytes"].default
+    max_header_bytes: int = OPTION["max_header_bytes"].default
+    max_connections: int = OPTION["max_connections"].default
+    client_header_timeout_s: float = OPTION["client_header_timeout_s"].default
+    client_idle_timeout_s: float = OPTION["client_idle_timeout_s"].default
+    client_body_timeout_s: float = OPTION["client_body_timeout_s"].default
+    prefix_index_max_entries: int = OPTION["prefix_index_max_entries"].default
+    prefix_chunk_chars: int = OPTION["prefix_chunk_chars"].default
+    prefix_balance_threshold: int = OPTION["prefix_balance_threshold"].default
     # Selective disaggregation: a prompt whose uncached part is shorter than
     # this many tokens goes to the decode alone (0: never; see selective.py).
-    decode_alone_below_tokens: int = 0
-    prompt_bytes_per_token: float = 4.0  # the router's token estimate for text
+    decode_alone_below_tokens: int = OPTION["decode_alone_below_tokens"].default
+    # The router's token estimate for text.
+    prompt_bytes_per_token: float = OPTION["prompt_bytes_per_token"].default
     # Kept out of repr: a token must not end up in a log line.
     registration_token: str | None = field(default=None, repr=False)
     # Without a token, accept registrations from other machines too.
-    insecure_discovery: bool = False
+    insecure_discovery: bool = OPTION["insecure_discovery"].default
     # Without a token (and without insecure_discovery): use this user's local
     # cookie (wire/cookie.py) as the token, registrations from loopback only.
     # Not a flag: a token, given or found, is what the fleet needs; code that
     # builds a router without any (tests) turns it off.
     local_cookie: bool = True
-    static_prefill: tuple[StaticInstance, ...] = ()
-    static_decode: tuple[StaticInstance, ...] = ()
-    log_level: str = "info"
-    http_server: str = "uvicorn"
+    static_prefill: tuple[StaticInstance, ...] = OPTION["static_prefill"].default
+    static_decode: tuple[StaticInstance, ...] = OPTION["static_decode"].default
+    log_level: str = OPTION["log_level"].default
+    http_server: str = OPTION["http_server"].default
 
     def __post_init__(self) -> None:
-        for name in ("port", "discovery_port"):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not 0 <= value <= 65535
-            ):
-                raise ConfigError(
-                    f"{_flag(name)}: {value!r} is not a port (0..65535, 0: any free "
-                    "port)"
-                )
-        for name in ("host", "discovery_host"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"{_flag(name)}: an address to listen on is required")
-        self._choice("policy_prefill", PREFILL_POLICIES)
-        self._choice("policy_decode", DECODE_POLICIES)
-        self._choice("handoff", HANDOFFS)
-        self._choice("log_level", LOG_LEVELS)
-        self._choice("http_server", HTTP_SERVERS)
-        for f in fields(self):
-            if f.name.endswith("_s"):
-                value = getattr(self, f.name)
-                if not (
-                    isinstance(value, int | float)
-                    and math.isfinite(value)
-                    and 0 < value <= MAX_TIMEOUT_S
-                ):
-                    raise ConfigError(
-                        f"{_flag(f.name)}: {value!r} is not a number of seconds "
-                        f"(> 0 and <= {MAX_TIMEOUT_S:.0f})"
-                    )
-        self._int_range("max_retries", 0, MAX_RETRIES)
-        self._int_range("max_migrations", 0, MAX_RETRIES)
-        self._int_range("breaker_failures", 1, 1000)
-        self._int_range("max_body_bytes", 1024, 1 << 34)
-        self._int_range("max_header_bytes", 1024, 1 << 24)
-        self._int_range("max_connections", 1, 1 << 20)
-        self._int_range("prefix_index_max_entries", 1, 1 << 26)
-        self._int_range("prefix_chunk_chars", 16, 1 << 20)
-        self._int_range("prefix_balance_threshold", 0, 1 << 20)
-        self._int_range("decode_alone_below_tokens", 0, 1 << 24)
-        ratio = self.prompt_bytes_per_token
-        if not (
-            isinstance(ratio, int | float)
-            and not isinstance(ratio, bool)
-            and math.isfinite(ratio)
-            and 0.5 <= ratio <= 64
-        ):
-            raise ConfigError(
-                f"--prompt-bytes-per-token: {ratio!r} is not a number in 0.5..64"
-            )
-        if self.registration_token is not None and not self.registration_token:
-            raise ConfigError(
-                "--registration-token: must not be empty (leave it unset instead)"
-            )
-
-    def _choice(self, name: str, allowed: tuple[str, ...]) -> None:
-        value = getattr(self, name)
-        if value not in allowed:
-            raise ConfigError(
-                f"{_flag(name)}: {value!r} is not one of {', '.join(allowed)}"
-            )
-
-    def _int_range(self, name: str, low: int, high: int) -> None:
-        value = getattr(self, name)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or not low <= value <= high
-        ):
-            raise ConfigError(
-                f"{_flag(name)}: {value!r} is not an integer in {low}..{high}"
-            )
+        given = {option.name: getattr(self, option.name) for option in OPTIONS}
+        parsed = parse_rows(OPTIONS, given, lambda key: OPTION[key].flag, by_field=True)
+        for name, value in parsed.items():
+            object.__setattr__(self, name, value)
 
     @functools.cached_property
     def credentials(self) -> RouterCredentials:
@@ -232,271 +512,37 @@ class RouterConfig:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """The router's flags, one argument group each, defaults from the
-        dataclass."""
-        defaults = RouterConfig()
-        for add_group in (
-            _add_listening_args,
-            _add_selection_args,
-            _add_failure_args,
-            _add_security_args,
-            _add_process_args,
-        ):
-            add_group(parser, defaults)
-        return parser
+        """The router's flags, one per row of :data:`OPTIONS`, in argument
+        groups; values are checked by the dataclass (one wording)."""
+        return add_arguments(parser, OPTIONS)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> RouterConfig:
-        values: dict[str, Any] = {
-            f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)
-        }
-        for name in ("static_prefill", "static_decode"):
-            values[name] = tuple(
-                StaticInstance.parse(_flag(name), s) for s in values[name]
-            )
-        for name in (
-            "policy_prefill",
-            "policy_decode",
-            "handoff",
-            "log_level",
-            "http_server",
-        ):
-            values[name] = values[name].lower().replace("-", "_")
-        return cls(**values)
+        return cls(**from_namespace(OPTIONS, args))
 
 
-def _add_listening_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
-    """Where the router listens."""
-    net = parser.add_argument_group("listening")
-    net.add_argument(
-        "--host", default=d.host, help="HTTP address (default %(default)s)"
-    )
-    net.add_argument(
-        "--port",
-        type=int,
-        default=d.port,
-        help="HTTP port for clients; 0 picks a free one (default %(default)s)",
-    )
-    net.add_argument(
-        "--discovery-host",
-        default=d.discovery_host,
-        help="service-discovery address (default %(default)s)",
-    )
-    net.add_argument(
-        "--discovery-port",
-        type=int,
-        default=d.discovery_port,
-        help="service-discovery (ZMQ) port the instances' proxy_port "
-        "names; 0 picks a free one (default %(default)s)",
-    )
+# --- docs/router.md's flags table, rendered from OPTIONS ---------------------------
 
 
-def _add_selection_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
-    """Which instances get a request, and the hand-off."""
-    sel = parser.add_argument_group("selection")
-    sel.add_argument(
-        "--policy-prefill",
-        default=d.policy_prefill,
-        help=f"one of {', '.join(PREFILL_POLICIES)} (default %(default)s)",
-    )
-    sel.add_argument(
-        "--policy-decode",
-        default=d.policy_decode,
-        help=f"one of {', '.join(DECODE_POLICIES)} (default %(default)s)",
-    )
-    sel.add_argument(
-        "--handoff",
-        default=d.handoff,
-        help="sequential: decode starts when prefill answered; concurrent: "
-        "both at once, decode waits for the KV (default %(default)s)",
-    )
-    sel.add_argument(
-        "--prefix-index-max-entries",
-        type=int,
-        default=d.prefix_index_max_entries,
-        help="prefix_aware: chunk hashes kept, LRU (default %(default)s)",
-    )
-    sel.add_argument(
-        "--prefix-chunk-chars",
-        type=int,
-        default=d.prefix_chunk_chars,
-        help="prefix_aware: characters per hashed chunk (default %(default)s)",
-    )
-    sel.add_argument(
-        "--prefix-balance-threshold",
-        type=int,
-        default=d.prefix_balance_threshold,
-        help="prefix_aware: the prefix holder is skipped when it has more than "
-        "this many requests in flight above the least loaded prefill "
-        "instance (default %(default)s)",
-    )
-    sel.add_argument(
-        "--decode-alone-below-tokens",
-        type=int,
-        default=d.decode_alone_below_tokens,
-        help="selective disaggregation: a prompt whose part the decode has "
-        "not cached is shorter than this many tokens (estimated) goes to the "
-        "decode alone, no prefill leg; 0: off (default %(default)s)",
-    )
-    sel.add_argument(
-        "--prompt-bytes-per-token",
-        type=float,
-        default=d.prompt_bytes_per_token,
-        help="the router's token estimate for text prompts: UTF-8 bytes per "
-        "token (default %(default)s; token-id prompts are counted exactly)",
-    )
+def _shown_default(option: Option) -> str:
+    value = option.default
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "unset"
+    if value == ():
+        return "none"
+    return f"`{tables.shown_default(option)}`"
 
 
-def _add_failure_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
-    """Timeouts, retries and the circuit breaker."""
-    fail = parser.add_argument_group("timeouts and failures")
-    for name, help_text in (
-        (
-            "heartbeat_timeout_s",
-            "remove an instance silent this long (at least 3 of its heartbeat "
-            "intervals)",
-        ),
-        (
-            "stall_timeout_s",
-            "no new requests (and its prefill legs ended, retried elsewhere) "
-            "for an instance whose heartbeats say its engine has held "
-            "requests this long without a step; it is routed to again once "
-            "it steps",
-        ),
-        ("connect_timeout_s", "TCP connect to an instance"),
-        ("prefill_timeout_s", "the whole prefill request"),
-        (
-            "first_token_timeout_s",
-            "streaming: from sending decode the request to its first chunk (the KV "
-            "wait)",
-        ),
-        ("chunk_timeout_s", "streaming: between two chunks of decode's answer"),
-        ("request_timeout_s", "the whole request, every leg and retry included"),
-        (
-            "breaker_cooldown_s",
-            "how long an open circuit breaker keeps an instance out",
-        ),
-        (
-            "client_header_timeout_s",
-            "a client's request line and headers, from its "
-            "connection or the request's first byte",
-        ),
-        (
-            "client_idle_timeout_s",
-            "a client's request body, or its reading of a streamed "
-            "answer, may stall this long before the connection is "
-            "dropped",
-        ),
-        (
-            "client_body_timeout_s",
-            "a client's request body must be whole this long after its headers",
-        ),
-    ):
-        fail.add_argument(
-            _flag(name),
-            type=float,
-            default=getattr(d, name),
-            help=f"{help_text} (default %(default)s)",
-        )
-    fail.add_argument(
-        "--max-retries",
-        type=int,
-        default=d.max_retries,
-        help="prefill retries on other instances, before anything reached "
-        "the client (default %(default)s)",
-    )
-    fail.add_argument(
-        "--max-migrations",
-        type=int,
-        default=d.max_migrations,
-        help="times one request may move to another prefill/decode pair "
-        "when its decode fails (a stream continues where it stopped); 0: "
-        "never (default %(default)s)",
-    )
-    fail.add_argument(
-        "--breaker-failures",
-        type=int,
-        default=d.breaker_failures,
-        help="consecutive failures that open an instance's circuit breaker "
-        "(default %(default)s)",
-    )
-    fail.add_argument(
-        "--fallback-to-decode-prefill",
-        action="store_true",
-        help="when no prefill instance is available or all attempts failed, "
-        "let the decode instance prefill itself (counted in "
-        "/metrics); off: answer 503/502",
-    )
-
-
-def _add_security_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
-    """Authentication, bounds, instances named by hand."""
-    sec = parser.add_argument_group("security and limits")
-    sec.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=d.max_body_bytes,
-        help=(
-            "largest accepted request body, larger ones get 413 (default %(default)s)"
-        ),
-    )
-    sec.add_argument(
-        "--max-header-bytes",
-        type=int,
-        default=d.max_header_bytes,
-        help=(
-            "largest request line and headers, larger ones get 431 (default "
-            "%(default)s)"
-        ),
-    )
-    sec.add_argument(
-        "--max-connections",
-        type=int,
-        default=d.max_connections,
-        help="open client connections; one more is answered 503 and closed "
-        "(default %(default)s; the file-descriptor limit is raised to "
-        "fit them and their upstream legs)",
-    )
-    sec.add_argument(
-        "--registration-token",
-        default=None,
-        help="shared token instances sign registrations with; prefer the "
-        f"{envs.VLLM_DISAGG_ROUTER_TOKEN} environment variable "
-        "(a flag shows in `ps`)",
-    )
-    sec.add_argument(
-        "--insecure-discovery",
-        action="store_true",
-        help="without a registration token, accept registrations from "
-        "other machines too (default: loopback only)",
-    )
-    sec.add_argument(
-        "--static-prefill",
-        nargs="+",
-        default=[],
-        metavar="HTTP,KV[,MODEL]",
-        help="prefill instances that do not register themselves",
-    )
-    sec.add_argument(
-        "--static-decode",
-        nargs="+",
-        default=[],
-        metavar="HTTP,KV[,MODEL]",
-        help="decode instances that do not register themselves",
-    )
-
-
-def _add_process_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
-    """Logging and the HTTP server."""
-    parser.add_argument(
-        "--log-level",
-        default=d.log_level,
-        help=f"one of {', '.join(LOG_LEVELS)} (default %(default)s)",
-    )
-    parser.add_argument(
-        "--http-server",
-        default=d.http_server,
-        help=f"ASGI server for the HTTP front end, one of "
-        f"{', '.join(HTTP_SERVERS)} (default %(default)s: it costs "
-        "less CPU per request, see benchmarks/results/router.md)",
-    )
+FLAG_COLUMNS: tuple[tables.Column, ...] = (
+    ("flag", lambda o: f"`{o.flag}`"),
+    ("default", _shown_default),
+    ("meaning", lambda o: o.help),
+)
+DOC_BEGIN, DOC_END = tables.markers(
+    "router flags", "OPTIONS in vllm_disagg/router/config.py"
+)
+DOC_TABLE = tables.DocTable(
+    DOC_BEGIN, DOC_END, lambda: tables.markdown_table(OPTIONS, FLAG_COLUMNS)
+)

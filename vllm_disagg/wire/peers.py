@@ -96,28 +96,45 @@ def _show(value: Any) -> str:
 
 
 def _check_host(label: str, host: str) -> str:
-    """The host without brackets; PeerInfoError unless a valid IPv4, IPv6 or name."""
-    if host.startswith("["):
-        inner = host[1:-1]
-        try:
-            ipaddress.IPv6Address(inner)
-        except ValueError:
+    """The host of an address the grammar matched, without brackets and in
+    its own spelling; PeerInfoError unless :func:`check_host` accepts it."""
+    check_host(host, label)
+    return host[1:-1] if host.startswith("[") else host
+
+
+_HOSTNAME_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+
+
+def check_host(host: Any, label: str = "host") -> str:
+    """A host as a user writes it (configuration, flags): an IPv4 address, an
+    IPv6 address (brackets optional) or a host name, returned without
+    brackets, IPv6 compressed. The grammar of the request-id codec: no
+    underscores in names, no IPv6 zone ids. PeerInfoError naming ``label``."""
+    what = "is not an IPv4 or IPv6 address or a host name"
+    if not isinstance(host, str) or not host.strip() or len(host) > 255:
+        raise PeerInfoError(f"{label}: {_show(host)} {what}")
+    text = host.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+        if ":" not in text:
+            raise PeerInfoError(f"{label}: {_show(host)} {what}")
+    if ":" in text:
+        if "%" in text:
             raise PeerInfoError(
-                f"{label}: {_show(host)} is not an IPv6 address"
-            ) from None
-        return inner
-    if len(host) > MAX_HOST_CHARS:
-        raise PeerInfoError(
-            f"{label}: host name longer than {MAX_HOST_CHARS} characters"
-        )
-    if re.fullmatch(r"[0-9.]+", host):
+                f"{label}: {_show(host)}: IPv6 zone ids are not supported"
+            )
         try:
-            ipaddress.IPv4Address(host)
+            return str(ipaddress.IPv6Address(text))
         except ValueError:
-            raise PeerInfoError(
-                f"{label}: {_show(host)} is not an IPv4 address"
-            ) from None
-    return host
+            raise PeerInfoError(f"{label}: {_show(host)} {what}") from None
+    if re.fullmatch(r"[0-9.]+", text):
+        try:
+            return str(ipaddress.IPv4Address(text))
+        except ValueError:
+            raise PeerInfoError(f"{label}: {_show(host)} {what}") from None
+    if len(text) > MAX_HOST_CHARS or not _HOSTNAME_RE.fullmatch(text):
+        raise PeerInfoError(f"{label}: {_show(host)} {what}")
+    return text
 
 
 def _check_port(label: str, port: str) -> int:

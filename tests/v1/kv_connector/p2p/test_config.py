@@ -14,6 +14,7 @@ from vllm.config.kv_transfer import KVTransferConfig
 
 from vllm_disagg import envs
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import config as p2p_config
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import seed_json
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
     CONNECTOR_NAME,
     EXTRA_CONFIG_KEYS,
@@ -124,8 +125,8 @@ def test_explicit_failure_policy_is_kept():
 
 def test_kv_ip_moves_and_rank_keys_are_dropped_with_one_warning(monkeypatch):
     warnings = []
-    monkeypatch.setattr(p2p_config, "_warned", set())
-    monkeypatch.setattr(p2p_config.logger, "warning", lambda *a: warnings.append(a))
+    monkeypatch.setattr(seed_json, "_warned", set())
+    monkeypatch.setattr(seed_json.logger, "warning", lambda *a: warnings.append(a))
     obj = {**SEED_PRODUCER, "kv_ip": "10.0.0.5", "kv_rank": 0, "kv_parallel_size": 2}
     out = normalize_kv_transfer_json(obj)
     normalize_kv_transfer_json(obj)

@@ -13,7 +13,9 @@ import pytest
 from vllm.config.kv_transfer import KVTransferConfig
 
 from vllm_disagg import envs
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import config as p2p_config
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import (
+    security as p2p_security,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
     P2pConfig,
     check_p2p_config,
@@ -42,8 +44,8 @@ def cookie_dir(tmp_path, monkeypatch) -> Path:
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
-    monkeypatch.setattr(p2p_config, "_logged_sources", set())
-    monkeypatch.setattr(p2p_config, "_warned", set())
+    monkeypatch.setattr(p2p_security, "_logged_sources", set())
+    monkeypatch.setattr(p2p_security, "_warned", set())
     return run / DIR_NAME
 
 
@@ -188,7 +190,7 @@ def test_with_allowed_peers_a_refused_cookie_is_a_warning(cookie_dir, monkeypatc
     made = load_cookie()
     os.chmod(made.path.parent, 0o777)
     warnings: list[tuple] = []
-    monkeypatch.setattr(p2p_config.logger, "warning", lambda *a: warnings.append(a))
+    monkeypatch.setattr(p2p_security.logger, "warning", lambda *a: warnings.append(a))
     extra = {"kv_ip": "127.0.0.1", "allowed_peers": "127.0.0.1"}
     for _ in range(2):
         config = _config(_seed(extra))
@@ -205,7 +207,7 @@ def test_where_each_credential_came_from_is_logged_once_never_the_value(
 ):
     lines: list[str] = []
     monkeypatch.setattr(
-        p2p_config.logger, "info", lambda fmt, *a: lines.append(fmt % a)
+        p2p_security.logger, "info", lambda fmt, *a: lines.append(fmt % a)
     )
     for _ in range(3):
         config = _config(_seed(ON_ONE_HOST))

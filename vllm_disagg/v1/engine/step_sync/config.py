@@ -1,4 +1,5 @@
-"""Step sync's options and timing constants."""
+"""Step sync's options (one row per key, checked with the shared parsers of
+``vllm_disagg.options``) and timing constants."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import secrets
 from dataclasses import dataclass
 
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.options import parsers, tables
+from vllm_disagg.options.rows import Option, by_key, parse_rows
 
 SECRET_BYTES = 32
 # Heartbeats per peer_timeout_s; a peer must miss several before it is dead.
@@ -19,41 +22,51 @@ MAX_GRANT_WAIT_S = 0.02
 REJECT_LOG_INTERVAL_S = 10.0
 # How long close() waits for the coordinator to acknowledge a final state.
 FLUSH_TIMEOUT_S = 2.0
+MAX_LOOKAHEAD = 1024
+MAX_DP_SIZE = 1 << 16
 
 
+# One row per option key (vllm_disagg.options.rows.Option).
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "step_sync_lookahead",
+        "integer",
+        2,
+        lambda key, value: parsers.integer(key, value, 1, MAX_LOOKAHEAD),
+        "steps a rank asks the coordinator to grant ahead of its pass (it renews "
+        "when fewer than half remain); every rank of a DP group needs the same",
+        f"< 1, > {MAX_LOOKAHEAD}, anything but an integer",
+        field="lookahead",
+    ),
+    Option(
+        "step_sync_peer_timeout_s",
+        "seconds",
+        30.0,
+        lambda key, value: parsers.seconds(key, value, 0.1, 3600.0),
+        "how long the ranks of a DP group wait for a silent rank before they fail "
+        "(heartbeats every fifth of it)",
+        "< 0.1, > 3600",
+        field="peer_timeout_s",
+    ),
+)
+OPTION = by_key(OPTIONS)
 # --additional-config key -> StepSyncConfig field.
-OPTION_KEYS = {
-    "step_sync_lookahead": "lookahead",
-    "step_sync_peer_timeout_s": "peer_timeout_s",
-}
+OPTION_KEYS = {option.key: option.name for option in OPTIONS}
 
 
 @dataclass(frozen=True)
 class StepSyncConfig:
     dp_size: int
-    lookahead: int = 2
-    peer_timeout_s: float = 30.0
+    lookahead: int = OPTION["step_sync_lookahead"].default
+    peer_timeout_s: float = OPTION["step_sync_peer_timeout_s"].default
 
     def __post_init__(self):
-        if not isinstance(self.dp_size, int) or self.dp_size < 1:
-            raise ConfigError(
-                f"step sync: dp_size must be an integer >= 1, got {self.dp_size!r}"
-            )
-        if not isinstance(self.lookahead, int) or not 1 <= self.lookahead <= 1024:
-            raise ConfigError(
-                "step_sync_lookahead must be an integer in [1, 1024], got "
-                f"{self.lookahead!r}"
-            )
-        timeout = self.peer_timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not (0.1 <= timeout <= 3600)
-        ):
-            raise ConfigError(
-                "step_sync_peer_timeout_s must be a number of seconds in [0.1, 3600], "
-                f"got {self.peer_timeout_s!r}"
-            )
+        parsers.integer("dp_size", self.dp_size, 1, MAX_DP_SIZE)
+        given = {"lookahead": self.lookahead, "peer_timeout_s": self.peer_timeout_s}
+        for name, value in parse_rows(
+            OPTIONS, given, lambda key: key, by_field=True
+        ).items():
+            object.__setattr__(self, name, value)
 
     @classmethod
     def from_additional_config(
@@ -69,10 +82,8 @@ class StepSyncConfig:
                 f"unknown --additional-config key {unknown[0]!r}; "
                 f"step sync options are {', '.join(OPTION_KEYS)}"
             )
-        kwargs = {
-            field: options[key] for key, field in OPTION_KEYS.items() if key in options
-        }
-        return cls(dp_size, **kwargs)
+        given = {key: options[key] for key in OPTION_KEYS if key in options}
+        return cls(dp_size, **parse_rows(OPTIONS, given, str, by_field=False))
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -91,3 +102,13 @@ class StepSyncConfig:
 def new_group_secret() -> bytes:
     """A fresh random secret for one DP group (credentials.py says who holds it)."""
     return secrets.token_bytes(SECRET_BYTES)
+
+
+# --- docs/step_sync.md's options table, rendered from OPTIONS ---------------------
+
+DOC_BEGIN, DOC_END = tables.markers(
+    "step sync options", "OPTIONS in vllm_disagg/v1/engine/step_sync/config.py"
+)
+DOC_TABLE = tables.DocTable(
+    DOC_BEGIN, DOC_END, lambda: tables.markdown_table(OPTIONS, tables.KEY_COLUMNS)
+)

@@ -1,4 +1,5 @@
-"""The three ``kv_role`` values, named once and typed as vLLM types them.
+"""The connector's name and the three ``kv_role`` values, named once, the
+roles typed as vLLM types them.
 
 vLLM's ``KVTransferConfig.kv_role`` is a ``KVRole`` (``vllm/config/kv_transfer.py``:
 ``kv_producer`` and ``kv_both`` are producers, ``kv_consumer`` and ``kv_both``
@@ -21,3 +22,6 @@ KV_BOTH: Final[KVRole] = (
 )
 # In the order configuration errors list them.
 KV_ROLES: Final[tuple[KVRole, ...]] = (KV_PRODUCER, KV_CONSUMER, KV_BOTH)
+
+# kv_transfer_config.kv_connector of this connector.
+CONNECTOR_NAME: Final = "P2pNcclConnector"

@@ -86,6 +86,9 @@ MAX_REMOVED = 4096
 
 # Why instances leave the registry (the reason label of instance_removals).
 REMOVAL_REASONS = ("replaced", "deregistered", "expired", "unreachable")
+# (side, model) candidate lists kept between membership changes; more are
+# dropped at once (a model name comes from a client).
+MAX_SERVING_LISTS = 256
 
 
 @dataclass
@@ -99,6 +102,15 @@ class InstanceRegistry:
     _instances: dict[str, Instance] = field(default_factory=dict, init=False)
     # Addresses, names and pairing, looked up without a scan.
     _index: InstanceIndex = field(default_factory=InstanceIndex, init=False)
+    # No heartbeat deadline falls before this (a lower bound): until then
+    # expire() skips its scan, which ran on every request (1,000 instances:
+    # three scans per request).
+    _next_expiry: float = field(default=-float("inf"), init=False)
+    # (side, model) -> instances serving it, for the index version they are of.
+    _serving: dict[tuple[Role, str | None], tuple[Instance, ...]] = field(
+        default_factory=dict, init=False
+    )
+    _serving_version: int = field(default=-1, init=False)
     # instance id -> until: incarnations a newer one replaced
     _retired: dict[str, float] = field(default_factory=dict, init=False)
     # instance id -> (until, its last seq, its last sent_at): removed instances
@@ -229,6 +241,7 @@ class InstanceRegistry:
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.max_model_len = msg.max_model_len
             known.last_seen, known.expires_after_s = now, expires_after_s
+            self._next_expiry = min(self._next_expiry, now + expires_after_s)
             self._progress(known, msg.stalled_s)
             return False
         instance = self._instances[msg.instance_id] = Instance(
@@ -251,6 +264,7 @@ class InstanceRegistry:
             breaker=self._new_breaker(msg.instance_id, msg.http_addr),
         )
         self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
+        self._next_expiry = min(self._next_expiry, now + expires_after_s)
         self._index.add(instance)
         self._join_group(instance)
         self._progress(instance, msg.stalled_s)
@@ -391,6 +405,8 @@ class InstanceRegistry:
     def expire(self) -> list[Instance]:
         """Remove the instances whose heartbeats stopped; returns them."""
         now = self.clock()
+        if now < self._next_expiry:
+            return []
         gone = [
             i
             for i in self._instances.values()
@@ -398,6 +414,16 @@ class InstanceRegistry:
         ]
         for instance in gone:
             self._remove(instance, "expired")
+        # 1 ms early: ``now - last_seen > after`` and ``now > last_seen +
+        # after`` may round apart.
+        self._next_expiry = min(
+            (
+                i.last_seen + i.expires_after_s - 1e-3
+                for i in self._instances.values()
+                if i.expires_after_s is not None
+            ),
+            default=float("inf"),
+        )
         return gone
 
     def mark_unreachable(self, http_addr: str) -> None:
@@ -435,12 +461,27 @@ class InstanceRegistry:
         now = self.clock()
         return [
             i
-            for i in self._instances.values()
-            if i.serves(side)
-            and i.answers_to(model)
-            and not i.stalled
-            and i.breaker.admits(now)
+            for i in self._serving_list(side, model)
+            if not i.stalled and i.breaker.admits(now)
         ]
+
+    def _serving_list(self, side: Role, model: str | None) -> tuple[Instance, ...]:
+        """Registered instances serving ``side`` and ``model``, in registration
+        order, rebuilt only after a membership or role change (heartbeats
+        change neither)."""
+        if self._serving_version != self._index.version:
+            self._serving.clear()
+            self._serving_version = self._index.version
+        members = self._serving.get((side, model))
+        if members is None:
+            if len(self._serving) >= MAX_SERVING_LISTS:
+                self._serving.clear()
+            members = self._serving[(side, model)] = tuple(
+                i
+                for i in self._instances.values()
+                if i.serves(side) and i.answers_to(model)
+            )
+        return members
 
     def serves_model(self, model: str) -> bool:
         """Whether any registered instance, healthy or not, serves ``model``."""

@@ -48,7 +48,7 @@ from vllm_disagg.wire.discovery import HEARTBEAT_INTERVAL_S, Role, seal
 
 TOKEN = b"router-scale-benchmark-token-32b"
 SYSTEM_PROMPTS = 32  # shared prefixes (chat system prompts)
-YIELD_EVERY = 50  # selections between turns of the loop (discovery runs then)
+YIELD_EVERY = 1  # selections per turn of the loop: a request awaits, at least once
 
 
 # --- prompts and selection ---------------------------------------------------

@@ -153,3 +153,38 @@ def test_expiry_without_a_scan_per_request_removes_each_on_time():
         for gone in set(deadline) - alive:
             del deadline[gone]
     assert registry.removals["expired"] > 50
+
+
+def test_only_suspect_instances_are_checked_and_each_leaves_when_well():
+    """healthy() checks one by one only the instances stalled or with a
+    breaker not closed; one that recovers (or leaves) is dropped from them."""
+    registry, clock, _ = make(breaker_failures=1, breaker_cooldown_s=5.0)
+    for n in range(6):
+        registry.register(reg(f"p{n}", Role.PREFILL, n))
+    static = registry.add_static(Role.PREFILL, "10.0.0.9:1", "10.0.0.9:2", "m")
+    registry.mark_unreachable("10.0.0.9:1")  # a static one: its breaker opens
+    registry.report(registry.get("p1"), False)
+    registry.register(reg("p2", Role.PREFILL, 2, seq=1, stalled_s=60.0))
+    assert set(registry._suspects) == {static.instance_id, "p1", "p2"}
+    assert ids(registry.healthy(Role.PREFILL)) == ["p0", "p3", "p4", "p5"]
+    assert ids(registry.healthy(Role.PREFILL)) == scan(registry, Role.PREFILL)
+
+    clock.advance(5.0)  # half-open: back for one trial each
+    assert ids(registry.healthy(Role.PREFILL)) == scan(registry, Role.PREFILL)
+    assert ids(registry.healthy(Role.PREFILL)) == [
+        "p0",
+        "p1",
+        "p3",
+        "p4",
+        "p5",
+        static.instance_id,
+    ]
+    registry.reserve(registry.get("p1")).release(True)  # the trial closes it
+    registry.reserve(static).release(True)
+    registry.register(reg("p2", Role.PREFILL, 2, seq=2))  # steps again
+    assert registry._suspects == {}
+    assert len(registry.healthy(Role.PREFILL)) == 7
+
+    registry.report(registry.get("p4"), False)
+    registry.deregister("p4")
+    assert registry._suspects == {}

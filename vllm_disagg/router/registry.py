@@ -111,6 +111,9 @@ class InstanceRegistry:
         default_factory=dict, init=False
     )
     _serving_version: int = field(default=-1, init=False)
+    # Instances stalled or with a breaker not closed: the only ones healthy()
+    # checks one by one (a check of every candidate was half the selection).
+    _suspects: dict[str, Instance] = field(default_factory=dict, init=False)
     # instance id -> until: incarnations a newer one replaced
     _retired: dict[str, float] = field(default_factory=dict, init=False)
     # instance id -> (until, its last seq, its last sent_at): removed instances
@@ -354,6 +357,7 @@ class InstanceRegistry:
         if stalled == instance.stalled:
             return
         instance.stalled = stalled
+        self._suspect(instance)
         if stalled:
             self.stalls += 1
             logger.warning(
@@ -437,6 +441,7 @@ class InstanceRegistry:
 
     def _remove(self, instance: Instance, reason: str) -> None:
         del self._instances[instance.instance_id]
+        self._suspects.pop(instance.instance_id, None)
         self._index.remove(instance)
         self._leave_group(instance)
         if not instance.static:
@@ -458,12 +463,17 @@ class InstanceRegistry:
         """Instances that may take a request for ``side`` (PREFILL or DECODE)
         now, serving ``model`` (None: any), in registration order."""
         self.expire()
-        now = self.clock()
-        return [
-            i
-            for i in self._serving_list(side, model)
-            if not i.stalled and i.breaker.admits(now)
-        ]
+        members = self._serving_list(side, model)
+        if self._suspects:
+            now = self.clock()
+            out = {
+                i.instance_id
+                for i in list(self._suspects.values())
+                if i.stalled or not i.breaker.admits(now)
+            }
+            if out:
+                return [i for i in members if i.instance_id not in out]
+        return list(members)
 
     def _serving_list(self, side: Role, model: str | None) -> tuple[Instance, ...]:
         """Registered instances serving ``side`` and ``model``, in registration
@@ -527,15 +537,35 @@ class InstanceRegistry:
         return CircuitBreaker(
             BreakerConfig(self.breaker_failures, self.breaker_cooldown_s),
             f"instance {instance_id} ({http_addr})",
-            self._breaker_transition,
+            lambda breaker, old, new: self._breaker_transition(
+                breaker, old, new, instance_id
+            ),
         )
 
     def _breaker_transition(
-        self, breaker: CircuitBreaker, old: BreakerState, new: BreakerState
+        self,
+        breaker: CircuitBreaker,
+        old: BreakerState,
+        new: BreakerState,
+        instance_id: str | None = None,
     ) -> None:
         self.breaker_transitions[(old.value, new.value)] += 1
         if new is BreakerState.OPEN:
             self.breaker_opens += 1
+        instance = self._instances.get(instance_id) if instance_id else None
+        if instance is not None and instance.breaker is breaker:
+            self._suspect(instance)
+
+    def _suspect(self, instance: Instance) -> None:
+        """Track whether ``instance`` may be unhealthy: stalled, or its
+        breaker open or half-open (from its state, not from the event)."""
+        if (
+            instance.stalled
+            or instance.breaker.state(self.clock()) is not BreakerState.CLOSED
+        ):
+            self._suspects[instance.instance_id] = instance
+        else:
+            self._suspects.pop(instance.instance_id, None)
 
     # --- introspection -----------------------------------------------------
 

@@ -255,6 +255,8 @@ def report(result: dict, out) -> None:
                 us(hb["cpu_per_heartbeat_s"]),
                 f"{hb['per_s']:.0f}",
                 f"{hb['core_share_at_real_interval'] * 100:.1f} %",
+                us(sel["cpu"]["p50"]),
+                us(sel["cpu"]["p99"]),
                 us(sel["all"]["p50"]),
                 us(sel["all"]["p99"]),
                 us(sel["distinct"]["p99"]),
@@ -279,7 +281,8 @@ def report(result: dict, out) -> None:
         f" {result['in_flight']} requests; half the instances prefill, half decode;"
         f" heartbeats every {HEARTBEAT_INTERVAL_S:.0f} s meanwhile. Selection: the"
         " proxy's decode and prefill picks for one request (prefix_aware prefill,"
-        " least_outstanding decode), in microseconds.",
+        " least_outstanding decode), in microseconds; CPU: this thread's CPU time"
+        " (what the code costs), wall: with the machine's load (preemption).",
         "",
         *table(
             [
@@ -288,10 +291,12 @@ def report(result: dict, out) -> None:
                 "CPU µs/heartbeat",
                 "heartbeats/s (flood)",
                 "core at 3 s interval",
-                "select p50 µs",
-                "select p99 µs",
-                "p99 distinct",
-                "p99 shared",
+                "select CPU p50 µs",
+                "select CPU p99 µs",
+                "select wall p50 µs",
+                "select wall p99 µs",
+                "wall p99 distinct",
+                "wall p99 shared",
                 "prefix kept",
                 "/instances KiB",
                 "/instances ms",

@@ -68,6 +68,8 @@ class CircuitBreaker:
 
     def admits(self, now: float) -> bool:
         """Whether a new request may go to the instance now."""
+        if self._state is BreakerState.CLOSED:  # the common case, per request
+            return True
         state = self.state(now)
         return state is BreakerState.CLOSED or (
             state is BreakerState.HALF_OPEN and not self.trial_in_flight

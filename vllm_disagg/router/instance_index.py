@@ -1,7 +1,9 @@
 """Lookups the registry answers without scanning its instances: who holds an
 address, which model a name names, and whether an instance has any instance
 of the other side to pair with (40,000 registrations each scanning every
-instance slowed registration five-fold).
+instance slowed registration five-fold). Its ``version`` changes with every
+change of who is registered in which role: what the registry's per-request
+candidate lists are cached against (benchmarks/router_scale.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ class InstanceIndex:
         # (role, model) and (role, model, fingerprint) -> count, for pairing
         self._pair_model: Counter[tuple] = Counter()
         self._pair_fp: Counter[tuple] = Counter()
+        # Bumped by every add, remove and role change (all pass through
+        # count_for_pairing): heartbeats of known instances leave it alone.
+        self.version = 0
 
     def add(self, instance: Instance) -> None:
         self.count_for_pairing(instance)
@@ -55,6 +60,7 @@ class InstanceIndex:
     def count_for_pairing(self, instance: Instance, sign: int = 1) -> None:
         """Count ``instance`` (sign -1: uncount it) in the pairing index
         only: what changes when its role does."""
+        self.version += 1
         self._pair_model[(instance.role, instance.model)] += sign
         self._pair_fp[(instance.role, instance.model, instance.fingerprint)] += sign
 

@@ -42,7 +42,7 @@ from vllm_disagg.router.models_cache import ModelsCache
 from vllm_disagg.router.passthrough import Passthrough
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.prompt_size import request_tokens
-from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease, compatible
+from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease
 from vllm_disagg.router.replies import JSON, Reply, content_type, relayed_headers
 from vllm_disagg.router.selective import SelectiveDisaggregation
 from vllm_disagg.router.validation import decode_alone_reason, over_context
@@ -250,12 +250,19 @@ class RequestProxy:
         """An instance of ``side`` serving ``model`` (default: the request's)
         whose KV is ``partner``'s (the same model fingerprint)."""
         model = ex.model if model is None else model
-        candidates = [
-            i
-            for i in self.registry.healthy(side, model)
-            if i.instance_id not in exclude
-            and (partner is None or compatible(i, partner))
-        ]
+        candidates = self.registry.healthy(side, model)
+        fingerprint = "" if partner is None else partner.fingerprint
+        if exclude or fingerprint:
+            # compatible(i, partner) inlined: a call per candidate per request
+            # was a tenth of selection at 1,000 instances.
+            candidates = [
+                i
+                for i in candidates
+                if i.instance_id not in exclude
+                and (
+                    not fingerprint or not i.fingerprint or i.fingerprint == fingerprint
+                )
+            ]
         if not candidates:
             return None
         policy = self.policies.prefill if side is Role.PREFILL else self.policies.decode

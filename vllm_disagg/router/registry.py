@@ -86,6 +86,9 @@ MAX_REMOVED = 4096
 
 # Why instances leave the registry (the reason label of instance_removals).
 REMOVAL_REASONS = ("replaced", "deregistered", "expired", "unreachable")
+# (side, model) candidate lists kept between membership changes; more are
+# dropped at once (a model name comes from a client).
+MAX_SERVING_LISTS = 256
 
 
 @dataclass
@@ -99,6 +102,18 @@ class InstanceRegistry:
     _instances: dict[str, Instance] = field(default_factory=dict, init=False)
     # Addresses, names and pairing, looked up without a scan.
     _index: InstanceIndex = field(default_factory=InstanceIndex, init=False)
+    # No heartbeat deadline falls before this (a lower bound): until then
+    # expire() skips its scan, which ran on every request (1,000 instances:
+    # three scans per request).
+    _next_expiry: float = field(default=-float("inf"), init=False)
+    # (side, model) -> instances serving it, for the index version they are of.
+    _serving: dict[tuple[Role, str | None], tuple[Instance, ...]] = field(
+        default_factory=dict, init=False
+    )
+    _serving_version: int = field(default=-1, init=False)
+    # Instances stalled or with a breaker not closed: the only ones healthy()
+    # checks one by one (a check of every candidate was half the selection).
+    _suspects: dict[str, Instance] = field(default_factory=dict, init=False)
     # instance id -> until: incarnations a newer one replaced
     _retired: dict[str, float] = field(default_factory=dict, init=False)
     # instance id -> (until, its last seq, its last sent_at): removed instances
@@ -229,6 +244,7 @@ class InstanceRegistry:
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.max_model_len = msg.max_model_len
             known.last_seen, known.expires_after_s = now, expires_after_s
+            self._next_expiry = min(self._next_expiry, now + expires_after_s)
             self._progress(known, msg.stalled_s)
             return False
         instance = self._instances[msg.instance_id] = Instance(
@@ -251,6 +267,7 @@ class InstanceRegistry:
             breaker=self._new_breaker(msg.instance_id, msg.http_addr),
         )
         self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
+        self._next_expiry = min(self._next_expiry, now + expires_after_s)
         self._index.add(instance)
         self._join_group(instance)
         self._progress(instance, msg.stalled_s)
@@ -340,6 +357,7 @@ class InstanceRegistry:
         if stalled == instance.stalled:
             return
         instance.stalled = stalled
+        self._suspect(instance)
         if stalled:
             self.stalls += 1
             logger.warning(
@@ -391,6 +409,8 @@ class InstanceRegistry:
     def expire(self) -> list[Instance]:
         """Remove the instances whose heartbeats stopped; returns them."""
         now = self.clock()
+        if now < self._next_expiry:
+            return []
         gone = [
             i
             for i in self._instances.values()
@@ -398,6 +418,16 @@ class InstanceRegistry:
         ]
         for instance in gone:
             self._remove(instance, "expired")
+        # 1 ms early: ``now - last_seen > after`` and ``now > last_seen +
+        # after`` may round apart.
+        self._next_expiry = min(
+            (
+                i.last_seen + i.expires_after_s - 1e-3
+                for i in self._instances.values()
+                if i.expires_after_s is not None
+            ),
+            default=float("inf"),
+        )
         return gone
 
     def mark_unreachable(self, http_addr: str) -> None:
@@ -411,6 +441,7 @@ class InstanceRegistry:
 
     def _remove(self, instance: Instance, reason: str) -> None:
         del self._instances[instance.instance_id]
+        self._suspects.pop(instance.instance_id, None)
         self._index.remove(instance)
         self._leave_group(instance)
         if not instance.static:
@@ -432,15 +463,35 @@ class InstanceRegistry:
         """Instances that may take a request for ``side`` (PREFILL or DECODE)
         now, serving ``model`` (None: any), in registration order."""
         self.expire()
-        now = self.clock()
-        return [
-            i
-            for i in self._instances.values()
-            if i.serves(side)
-            and i.answers_to(model)
-            and not i.stalled
-            and i.breaker.admits(now)
-        ]
+        members = self._serving_list(side, model)
+        if self._suspects:
+            now = self.clock()
+            out = {
+                i.instance_id
+                for i in list(self._suspects.values())
+                if i.stalled or not i.breaker.admits(now)
+            }
+            if out:
+                return [i for i in members if i.instance_id not in out]
+        return list(members)
+
+    def _serving_list(self, side: Role, model: str | None) -> tuple[Instance, ...]:
+        """Registered instances serving ``side`` and ``model``, in registration
+        order, rebuilt only after a membership or role change (heartbeats
+        change neither)."""
+        if self._serving_version != self._index.version:
+            self._serving.clear()
+            self._serving_version = self._index.version
+        members = self._serving.get((side, model))
+        if members is None:
+            if len(self._serving) >= MAX_SERVING_LISTS:
+                self._serving.clear()
+            members = self._serving[(side, model)] = tuple(
+                i
+                for i in self._instances.values()
+                if i.serves(side) and i.answers_to(model)
+            )
+        return members
 
     def serves_model(self, model: str) -> bool:
         """Whether any registered instance, healthy or not, serves ``model``."""
@@ -486,15 +537,35 @@ class InstanceRegistry:
         return CircuitBreaker(
             BreakerConfig(self.breaker_failures, self.breaker_cooldown_s),
             f"instance {instance_id} ({http_addr})",
-            self._breaker_transition,
+            lambda breaker, old, new: self._breaker_transition(
+                breaker, old, new, instance_id
+            ),
         )
 
     def _breaker_transition(
-        self, breaker: CircuitBreaker, old: BreakerState, new: BreakerState
+        self,
+        breaker: CircuitBreaker,
+        old: BreakerState,
+        new: BreakerState,
+        instance_id: str | None = None,
     ) -> None:
         self.breaker_transitions[(old.value, new.value)] += 1
         if new is BreakerState.OPEN:
             self.breaker_opens += 1
+        instance = self._instances.get(instance_id) if instance_id else None
+        if instance is not None and instance.breaker is breaker:
+            self._suspect(instance)
+
+    def _suspect(self, instance: Instance) -> None:
+        """Track whether ``instance`` may be unhealthy: stalled, or its
+        breaker open or half-open (from its state, not from the event)."""
+        if (
+            instance.stalled
+            or instance.breaker.state(self.clock()) is not BreakerState.CLOSED
+        ):
+            self._suspects[instance.instance_id] = instance
+        else:
+            self._suspects.pop(instance.instance_id, None)
 
     # --- introspection -----------------------------------------------------
 

@@ -23,11 +23,11 @@ TIMEOUT_S = 300
 BAD_STEP_SYNC_OPTIONS = {
     "lookahead-0": (
         '{"step_sync_lookahead": 0}',
-        "step_sync_lookahead must be an integer in [1, 1024]",
+        "step_sync_lookahead: 0 is not an integer in 1..1024",
     ),
     "timeout-not-a-number": (
         '{"step_sync_peer_timeout_s": "soon"}',
-        "step_sync_peer_timeout_s must be a number",
+        "step_sync_peer_timeout_s: 'soon' is not a number of seconds",
     ),
     "misspelt": (
         '{"step_sync_lookahed": 4}',

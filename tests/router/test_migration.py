@@ -132,8 +132,10 @@ def test_token_ids_the_client_did_not_ask_for_are_hidden_and_counted():
     assert chunks[0]["choices"][0]["prompt_token_ids"] is None
     assert ledger.prompt_ids == PROMPT_IDS and ledger.generated == [11, 12, 13]
     body = ledger.continuation_body()
-    assert body["prompt"] == [*PROMPT_IDS, 11, 12, 13]
-    assert body["max_tokens"] == 7 and body["stream"] and body["return_token_ids"]
+    # The chunk of two tokens may hide a pending character: the continuation
+    # starts after 11, the last one-token chunk with text.
+    assert body["prompt"] == [*PROMPT_IDS, 11]
+    assert body["max_tokens"] == 9 and body["stream"] and body["return_token_ids"]
     assert "messages" not in body
 
 
@@ -147,8 +149,17 @@ def test_a_client_that_asked_for_token_ids_gets_the_bytes_unchanged():
 def test_min_tokens_left_and_max_completion_tokens_of_a_chat():
     body = {"messages": [], "max_completion_tokens": 9, "min_tokens": 4}
     ledger = StreamLedger(body, "/v1/chat/completions", False)
-    ledger.prompt_ids, ledger.generated = [1], [2, 3]
+    for tok, text in ((2, "x"), (3, "y")):
+        chunk = {
+            "id": "c",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "token_ids": [tok]}],
+            "prompt_token_ids": [1],
+        }
+        ledger.feed(event(chunk))
     cont = ledger.continuation_body()
+    assert cont["prompt"] == [1, 2, 3]
     assert cont["max_tokens"] == 7 and cont["min_tokens"] == 2
 
 
@@ -474,6 +485,215 @@ async def test_a_stalled_decode_is_left_and_its_stream_continues(fakes, start_ro
     assert (
         router.metric(
             "vllm_disagg_router_migrations_total", outcome="resumed", reason="stalled"
+        )
+        == 1
+    )
+
+
+# --- the join: a character pending at the seam ------------------------------
+
+
+def cont_chunk(ids, text, finish=None):
+    return completion_chunk(ids, text=text, finish=finish, cid="cmpl-2")
+
+
+def fed_with_a_pending_character(client_token_ids: bool) -> StreamLedger:
+    """A stream that sent "a" for 11, then "" for 12 (a character's first
+    bytes) when its decode died."""
+    ledger = StreamLedger({"prompt": "x"}, "/v1/completions", client_token_ids)
+    ledger.feed(event(completion_chunk([11], first=True, text="a")))
+    ledger.feed(event(completion_chunk([12], text="")))
+    return ledger
+
+
+@pytest.mark.parametrize("client_token_ids", [False, True])
+def test_a_continuation_starts_before_a_pending_character(client_token_ids):
+    ledger = fed_with_a_pending_character(client_token_ids)
+    assert ledger.continuation_body()["prompt"] == [*PROMPT_IDS, 11]
+    ledger.start_continuation()
+    # The new decode makes 12 again (""), then 13 completes the character.
+    out = events_of(
+        ledger.feed(
+            event(cont_chunk([12], ""))
+            + event(cont_chunk([13], "€"))
+            + event(cont_chunk([14], "b", finish="length"))
+        )
+    )
+    texts = [c["choices"][0]["text"] for c in out]
+    ids = [c["choices"][0]["token_ids"] for c in out]
+    assert texts == ["€", "b"]  # 12's repeat carried nothing new: not sent
+    assert ids == ([[13], [14]] if client_token_ids else [None, None])
+    assert ledger.generated == [11, 12, 13, 14] and not ledger.join_failed
+
+
+def test_text_sent_after_the_seam_is_owed_again_and_checked():
+    ledger = StreamLedger({"prompt": "x"}, "/v1/completions", False)
+    ledger.feed(event(completion_chunk([11], first=True, text="a")))
+    ledger.feed(event(completion_chunk([12, 13], text="bc")))  # merged chunk
+    ledger.start_continuation()
+    out = events_of(
+        ledger.feed(
+            event(cont_chunk([12], "b"))
+            + event(cont_chunk([13], "c"))
+            + event(cont_chunk([14], "d"))
+        )
+    )
+    assert [c["choices"][0]["text"] for c in out] == ["d"]
+    # A second migration goes on from 14, the continuation's own clean seam.
+    assert ledger.continuation_body()["prompt"] == [*PROMPT_IDS, 11, 12, 13, 14]
+
+
+@pytest.mark.parametrize(
+    ("client_token_ids", "repeat", "why"),
+    [
+        (False, cont_chunk([12, 13], "bX"), "text"),
+        (True, cont_chunk([99], "b"), "token ids"),
+        (False, cont_chunk([12], "b", finish="stop"), "text"),
+    ],
+)
+def test_a_continuation_that_does_not_repeat_what_was_sent_ends_the_stream(
+    client_token_ids, repeat, why
+):
+    ledger = StreamLedger({"prompt": "x"}, "/v1/completions", client_token_ids)
+    ledger.feed(event(completion_chunk([11], first=True, text="a")))
+    ledger.feed(event(completion_chunk([12, 13], text="bc")))
+    ledger.start_continuation()
+    out = events_of(ledger.feed(event(repeat) + event(cont_chunk([14], "d"))))
+    assert ledger.join_failed == why and ledger.done
+    assert out[-1] == "[DONE]" and out[-2]["error"]["code"] == 502
+    assert why in out[-2]["error"]["message"]
+    assert ledger.feed(event(cont_chunk([15], "e"))) == b""  # nothing after
+
+
+def test_a_sampled_continuation_may_differ_where_the_client_saw_nothing():
+    ledger = fed_with_a_pending_character(False)
+    ledger.start_continuation()
+    out = events_of(ledger.feed(event(cont_chunk([40], "z"))))
+    assert [c["choices"][0]["text"] for c in out] == ["z"]
+    assert ledger.generated == [11, 40] and not ledger.join_failed
+
+
+# A decode whose detokenizer works like vLLM's: a token divisible by 4 holds
+# the first bytes of a character ("" sent), the next token sends the whole
+# character; primed with a prompt that ends on such a token, the first
+# character comes out garbled, as tokenizers' DecodeStream does.
+
+
+def token_text(prev: int | None, tok: int) -> str:
+    if tok % 4 == 0:
+        return ""
+    if prev is not None and prev % 4 == 0:
+        return chr(0x4E00 + prev + tok)
+    return chr(0x61 + tok % 26)
+
+
+def make_detokenizing_decode(die_after: int | None):
+    async def handler(fake, request, body):
+        prompt = body["prompt"]
+        prompt = PROMPT_IDS if isinstance(prompt, str) else list(prompt)
+        limit = body.get("max_tokens") or 50
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        ids: list[int] = []
+        garbled = prompt[-1] % 4 == 0
+        for i in range(limit):
+            if die_after is not None and i == die_after:
+                await asyncio.sleep(0.02)
+                request.transport.close()
+                return resp
+            tok = next_token([*prompt, *ids])
+            prev = ids[-1] if ids else None
+            text = token_text(prev, tok)
+            if garbled and text:
+                text, garbled = "\ufffd", False
+            ids.append(tok)
+            chunk = completion_chunk(
+                [tok] if body.get("return_token_ids") else None,
+                finish="length" if i == limit - 1 else None,
+                text=text,
+                cid=f"cmpl-{fake.name}",
+            )
+            chunk["choices"][0]["prompt_token_ids"] = (
+                prompt if i == 0 and body.get("return_token_ids") else None
+            )
+            await resp.write(event(chunk))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    return handler
+
+
+async def test_a_character_pending_at_the_seam_reaches_the_client_whole(
+    fakes, start_router
+):
+    reference = greedy(PROMPT_IDS, 40)
+    pending = [i for i, t in enumerate(reference) if t % 4 == 0 and i > 0]
+    assert pending, "the generator must hold a character somewhere"
+    die_after = pending[0] + 1  # the decode dies right after a pending token
+    want = "".join(
+        token_text(reference[i - 1] if i else None, t) for i, t in enumerate(reference)
+    )
+    router, p, d1, d2 = await two_decodes(fakes, start_router, None)
+    calls = []
+
+    def first_dies(fake, request, body):
+        calls.append(fake.name)
+        return make_detokenizing_decode(die_after if len(calls) == 1 else None)(
+            fake, request, body
+        )
+
+    d1.handler = d2.handler = first_dies
+    for client_ids in (False, True):
+        calls.clear()
+        body = {**STREAM, "max_tokens": 40, "return_token_ids": client_ids}
+        status, raw, _ = await router.post("/v1/completions", body)
+        chunks = events_of(raw)
+        assert status == 200 and chunks[-1] == "[DONE]", chunks[-3:]
+        assert len(calls) == 2 and calls[0] != calls[1]
+        got = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+        assert got == want
+        if client_ids:
+            sent = [t for c in chunks[:-1] for t in c["choices"][0]["token_ids"]]
+            assert sent == reference
+    second = d1 if calls[1] == "d1" else d2
+    # The continuation began before the pending token, not after it.
+    assert second.requests[-1].body["prompt"] == [*PROMPT_IDS, *reference[: pending[0]]]
+
+
+async def test_a_continuation_that_disagrees_is_counted_and_closed(fakes, start_router):
+    router, p, d1, d2 = await two_decodes(fakes, start_router, None)
+    calls = []
+
+    async def first_dies_then_differs(fake, request, body):
+        calls.append(fake)
+        if len(calls) == 1:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            first = completion_chunk([11], first=True, text="a", cid="cmpl-1")
+            await resp.write(event(first))
+            await resp.write(event(completion_chunk([12, 13], text="bc")))
+            await asyncio.sleep(0.02)
+            request.transport.close()
+            return resp
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(event(cont_chunk([12], "b")))
+        await resp.write(event(cont_chunk([13], "X")))
+        await asyncio.sleep(3600)  # the router must close this one
+        return resp
+
+    d1.handler = d2.handler = first_dies_then_differs
+    status, raw, _ = await router.post("/v1/completions", STREAM)
+    chunks = events_of(raw)
+    assert (
+        chunks[-1] == "[DONE]"
+        and "did not repeat the text" in (chunks[-2]["error"]["message"])
+    )
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-2]) == "abc"
+    await asyncio.wait_for(calls[1].disconnected.wait(), 2)
+    assert (
+        router.metric(
+            "vllm_disagg_router_migrations_total", outcome="not_joined", reason="text"
         )
         == 1
     )

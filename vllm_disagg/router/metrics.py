@@ -136,8 +136,9 @@ class RouterMetrics:
         self.migrations = Counter(
             f"{PREFIX}_migrations",
             "Requests whose decode failed, by what migration did (outcome: "
-            "resumed, restarted, no_pair, limit, not_migratable) and why "
-            "(reason: how the decode failed, or why the request cannot move).",
+            "resumed, restarted, no_pair, limit, not_migratable, not_joined) and why "
+            "(reason: how the decode failed, why the request cannot move, or what "
+            "its continuation did not repeat).",
             ["outcome", "reason"],
             registry=self.registry,
         )

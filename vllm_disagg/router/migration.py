@@ -12,6 +12,19 @@ chunks into the chunks the client's endpoint sends, with the first decode's
 A continuation is exact (greedy output equal to a colocated run) only where
 the next token depends on nothing but the tokens before it and the request's
 per-token options; :func:`not_migratable_reason` names what is not.
+
+The text joins exactly because a continuation starts at a *clean seam*: the
+end of a chunk of one token whose text was not empty. vLLM's incremental
+detokenizer (``tokenizers``' ``DecodeStream``) sends ``""`` for a token whose
+bytes end inside a character and the whole character with the token that
+completes it, so after a one-token chunk with text nothing is pending; a
+chunk of several tokens (merged when the API server fell behind) or an
+empty one may leave bytes pending. Primed with the prompt and the tokens up
+to a clean seam, the new decode's detokenizer is where the first one's was;
+the tokens after the seam are generated again, and the router sends the
+client only what it has not had (their text, their ids), checking that the
+rest is what it had. A continuation whose text or visible ids differ from
+what the client got ends the stream with an error (``join_failed``).
 """
 
 from __future__ import annotations
@@ -220,9 +233,19 @@ class StreamLedger:
     unmigratable: str | None = None  # found while relaying (``parser``)
     ident: dict[str, Any] = field(default_factory=dict)  # id, created, model
     continuing: bool = False  # the events come from a continuation
+    join_failed: str | None = None  # a continuation disagreed with what was sent
     _base: int = 0  # tokens generated before the current continuation
     _buffer: bytes = b""
     _usage_sent: bool = False
+    # The last clean seam (see the module's docstring): how many generated
+    # tokens precede it and the text the client got after it.
+    _seam: int = 0
+    _text_after_seam: str = ""
+    # What the client already has beyond the continuation's position: text
+    # and token ids (checked only where it saw them); the continuation
+    # repeats them.
+    _owed_text: str = ""
+    _owed_ids: list[int] = field(default_factory=list)
 
     @property
     def chat(self) -> bool:
@@ -231,8 +254,15 @@ class StreamLedger:
     def feed(self, data: bytes) -> bytes:
         """What the client is sent for ``data`` read from the decode: whole
         events only, translated; an incomplete one waits for its rest."""
+        if self.join_failed:
+            return b""
         events, self._buffer = split_events(self._buffer + data)
-        return b"".join(self._event(e) for e in events)
+        out = b""
+        for e in events:
+            out += self._event(e)
+            if self.join_failed:
+                break
+        return out
 
     def reset_buffer(self) -> None:
         """A failed decode's incomplete event is dropped: its tokens were
@@ -274,6 +304,10 @@ class StreamLedger:
                     choice["prompt_token_ids"], changed = None, True
             if isinstance(choice.get("token_ids"), list):
                 self.generated.extend(choice["token_ids"])
+                text = choice.get("text") if not self.chat else None
+                if self.chat and isinstance(choice.get("delta"), dict):
+                    text = choice["delta"].get("content")
+                self._note_seam(len(choice["token_ids"]), text or "", text or "")
                 if not self.client_token_ids:
                     choice["token_ids"], changed = None, True
             if choice.get("finish_reason") is not None:
@@ -293,6 +327,15 @@ class StreamLedger:
             self._usage_sent = True
         return _encode(obj) if changed else event + EVENT_END
 
+    def _note_seam(self, n_ids: int, raw_text: str, sent_text: str) -> None:
+        """Account a chunk of ``n_ids`` tokens whose detokenized text was
+        ``raw_text``, of which the client got ``sent_text``."""
+        if n_ids == 1 and raw_text:
+            self._seam = len(self.generated)
+            self._text_after_seam = self._owed_text
+        else:
+            self._text_after_seam += sent_text
+
     # --- continuations ------------------------------------------------------
 
     def why_not_resumable(self) -> str | None:
@@ -306,12 +349,13 @@ class StreamLedger:
         return None
 
     def continuation_body(self) -> dict[str, Any]:
-        """The ``/v1/completions`` request that goes on where the client's
-        stream stopped: the prompt's and the generated token ids as the
-        prompt, what is left of the token limits."""
+        """The ``/v1/completions`` request that goes on from the last clean
+        seam: the prompt's and the generated token ids up to it as the
+        prompt, what is left of the token limits from there."""
         body: dict[str, Any] = {k: self.body[k] for k in CARRIED if k in self.body}
         assert self.prompt_ids is not None
-        body["prompt"] = [*self.prompt_ids, *self.generated]
+        kept = self._seam
+        body["prompt"] = [*self.prompt_ids, *self.generated[:kept]]
         body["stream"] = True
         body["return_token_ids"] = True
         options = self.body.get("stream_options")
@@ -319,16 +363,51 @@ class StreamLedger:
             body["stream_options"] = dict(options)
         limit = token_limit(self.body, self.path)
         if limit is not None:
-            body["max_tokens"] = limit - len(self.generated)
+            body["max_tokens"] = limit - kept
         min_tokens = self.body.get("min_tokens")
         if isinstance(min_tokens, int) and min_tokens:
-            body["min_tokens"] = max(0, min_tokens - len(self.generated))
+            body["min_tokens"] = max(0, min_tokens - kept)
         return body
 
     def start_continuation(self) -> None:
+        """The next events come from a continuation of
+        :meth:`continuation_body`: what the client got after the seam is
+        owed again by it, and checked."""
+        seam = self._seam
+        self._owed_ids = [*self.generated[seam:], *self._owed_ids]
+        self._owed_text = self._text_after_seam
+        del self.generated[seam:]
         self.continuing = True
-        self._base = len(self.generated)
+        self._base = seam
         self._buffer = b""
+
+    def _repeat(self, ids: list[int], text: str) -> tuple[list[int], str] | str:
+        """A continuation chunk's ids and text less what the client already
+        has, or what disagrees with it (``token ids``, ``text``)."""
+        n = min(len(ids), len(self._owed_ids))
+        # Ids the client never saw may differ (a sampled stream): only its
+        # text must agree then.
+        if self.client_token_ids and ids[:n] != self._owed_ids[:n]:
+            return "token ids"
+        del self._owed_ids[:n]
+        owed = self._owed_text
+        if owed:
+            if text.startswith(owed):
+                text, self._owed_text = text[len(owed) :], ""
+            elif owed.startswith(text):
+                text, self._owed_text = "", owed[len(text) :]
+            else:
+                return "text"
+        return ids[n:], text
+
+    def _fail_join(self, why: str) -> bytes:
+        self.join_failed = why
+        self.done = True
+        return error_events(
+            502,
+            "the decode instance failed and its continuation on another pair "
+            f"did not repeat the {why} the client already had",
+        )
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         usage = dict(usage)
@@ -355,16 +434,28 @@ class StreamLedger:
         }
         choices = []
         for choice in obj.get("choices") or ():
-            ids = choice.get("token_ids") or []
+            ids = list(choice.get("token_ids") or [])
+            raw_text = choice.get("text") or ""
+            repeated = self._repeat(ids, raw_text)
+            if isinstance(repeated, str):
+                return self._fail_join(repeated)
+            new_ids, text = repeated
             self.generated.extend(ids)
+            self._note_seam(len(ids), raw_text, text)
             finish = choice.get("finish_reason")
             if finish is not None:
+                if self._owed_text:
+                    return self._fail_join("text")
+                if self.client_token_ids and self._owed_ids:
+                    return self._fail_join("token ids")
                 self.finish_reason = finish
-            ids_out = list(ids) if self.client_token_ids else None
+            elif not new_ids and not text and not choice.get("logprobs"):
+                continue  # repeats only what the client has
+            ids_out = new_ids if self.client_token_ids else None
             if self.chat:
                 translated = {
                     "index": 0,
-                    "delta": {"content": choice.get("text", "")},
+                    "delta": {"content": text},
                     "logprobs": None,
                     "finish_reason": finish,
                 }
@@ -374,10 +465,13 @@ class StreamLedger:
             else:
                 translated = copy.copy(choice)
                 translated["index"] = 0
+                translated["text"] = text
                 if "prompt_token_ids" in translated:
                     translated["prompt_token_ids"] = None
                 translated["token_ids"] = ids_out
             choices.append(translated)
+        if not choices and obj.get("choices") and obj.get("usage") is None:
+            return b""
         out["choices"] = choices
         for key in ("system_fingerprint",):
             if key in obj:

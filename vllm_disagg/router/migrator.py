@@ -48,7 +48,8 @@ RESTARTED = "restarted"  # run again from the start, before the first byte
 NO_PAIR = "no_pair"  # no other healthy pair: the client got an error
 LIMIT = "limit"  # --max-migrations used up: the client got an error
 NOT_MIGRATABLE = "not_migratable"  # its continuation would not be exact
-OUTCOMES = (RESUMED, RESTARTED, NO_PAIR, LIMIT, NOT_MIGRATABLE)
+NOT_JOINED = "not_joined"  # the continuation did not repeat what was sent
+OUTCOMES = (RESUMED, RESTARTED, NO_PAIR, LIMIT, NOT_MIGRATABLE, NOT_JOINED)
 
 
 class Migrator:

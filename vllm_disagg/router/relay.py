@@ -184,8 +184,25 @@ class RelayStream:
         return None
 
     def _relay(self, chunk: bytes) -> bytes:
-        if self._ledger is not None:
-            return self._ledger.feed(chunk)
+        ledger = self._ledger
+        if ledger is not None:
+            out = ledger.feed(chunk)
+            if ledger.join_failed and not self._closed:
+                # The continuation's error event ends the stream; D's request
+                # is aborted with the connection.
+                self._ex.metrics.migrations.labels(
+                    "not_joined", ledger.join_failed.replace(" ", "_")
+                ).inc()
+                self._limited_log.warning(
+                    "not_joined",
+                    "request %s: the continuation on %s did not repeat the %s "
+                    "the client had",
+                    self._ex.request_id,
+                    self._decode.http_addr,
+                    ledger.join_failed,
+                )
+                self._close(Outcome.UPSTREAM_ERROR, None)
+            return out
         self._at_event_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
         return chunk
 

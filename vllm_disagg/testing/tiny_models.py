@@ -58,7 +58,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def _build_tokenizer(outdir: Path) -> None:
+def build_tokenizer(outdir: Path) -> Path:
+    """The tiny models' byte-level BPE tokenizer, written to ``outdir``;
+    returns its ``tokenizer.json``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -84,6 +86,7 @@ def _build_tokenizer(outdir: Path) -> None:
         "chat_template": CHAT_TEMPLATE,
     }
     (outdir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return outdir / "tokenizer.json"
 
 
 def _shape(**overrides: int) -> dict[str, int]:
@@ -201,7 +204,7 @@ def build_model(
 
     target = outdir / (name or kind)
     target.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(target)
+    build_tokenizer(target)
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
     config = _config(
         kind,

@@ -38,7 +38,12 @@ async def _run(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve(create_app(config), shutdown_trigger=stop.wait)
+    if config.workers > 1:
+        from vllm_disagg.router.workers import Supervisor
+
+        await Supervisor(config).run(stop)
+    else:
+        await serve(create_app(config), shutdown_trigger=stop.wait)
 
 
 def main(argv: list[str] | None = None) -> int:

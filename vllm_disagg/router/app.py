@@ -27,6 +27,7 @@ from vllm_disagg.router import routes
 from vllm_disagg.router.client_limits import ClientLimits, limited_protocol
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import DiscoveryServer
+from vllm_disagg.router.fleet_feed import FleetFeed
 from vllm_disagg.router.metrics import CONTENT_TYPE, Outcome, RouterMetrics
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.proxy import RequestProxy
@@ -94,18 +95,38 @@ def create_app(
     config: RouterConfig,
     registry: InstanceRegistry | None = None,
     policies: Policies | None = None,
+    *,
+    feed: str | None = None,
+    metrics_dir: str | None = None,
 ) -> Quart:
+    """The router app. ``feed``: a ``--workers`` worker's (``workers.py``):
+    the fleet comes from the supervisor's feed at that endpoint instead of a
+    discovery port of its own; ``metrics_dir``: where the workers' metrics
+    files are summed from."""
     registry = build_registry(config) if registry is None else registry
     policies = Policies.from_config(config) if policies is None else policies
-    discovery = DiscoveryServer(
-        registry,
-        host=config.discovery_host,
-        port=config.discovery_port,
-        token=config.token,
-        allow_remote_unsigned=config.insecure_discovery,
-        loopback_only=config.credentials.local,
-    )
-    metrics = RouterMetrics(registry, discovery)
+    discovery_options = {
+        "token": config.token,
+        "allow_remote_unsigned": config.insecure_discovery,
+        "loopback_only": config.credentials.local,
+    }
+    discovery: DiscoveryServer
+    if feed is None:
+        discovery = DiscoveryServer(
+            registry,
+            host=config.discovery_host,
+            port=config.discovery_port,
+            **discovery_options,
+        )
+    else:
+        discovery = FleetFeed(
+            registry,
+            feed=feed,
+            host=config.discovery_host,
+            port=config.discovery_port,
+            **discovery_options,
+        )
+    metrics = RouterMetrics(registry, discovery, multiprocess_dir=metrics_dir)
     proxy = RequestProxy(config, registry, policies, metrics)
     state = RouterState(config, registry, policies, discovery, metrics, proxy)
 
@@ -257,13 +278,15 @@ def ensure_file_descriptors(max_connections: int) -> None:
         )
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=1024)
 
 
 async def serve(
-    app: Quart, shutdown_trigger: Callable[[], Awaitable[None]] | None = None
+    app: Quart,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
     """Serve ``app`` (from create_app) until ``shutdown_trigger`` returns.
 
@@ -271,10 +294,13 @@ async def serve(
     works, ``router_state(app).http_port`` holds the port before ``ready`` is
     set, and a port in use raises its own OSError or ZMQError to the caller
     (the ASGI servers would wrap it in a lifespan failure and a traceback).
+    ``sock``: a listening socket to serve instead (a ``--workers`` worker's,
+    shared with the others).
     """
     state = router_state(app)
     ensure_file_descriptors(state.config.max_connections)
-    sock = _listen(state.config.host, state.config.port)
+    if sock is None:
+        sock = listen(state.config.host, state.config.port)
     state.http_port = sock.getsockname()[1]
     try:
         await state.discovery.start()

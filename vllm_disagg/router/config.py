@@ -146,6 +146,7 @@ def _seconds(name: str, default: float, help_text: str) -> Option:
     return Option(name, "seconds", default, parsers.seconds, help_text, group=_FAILURES)
 
 
+MAX_WORKERS = 64
 _LISTENING = "listening"
 _SELECTION = "selection"
 _FAILURES = "timeouts and failures"
@@ -419,6 +420,15 @@ OPTIONS: tuple[Option, ...] = (
         f"the ASGI server of the HTTP front end, one of {', '.join(HTTP_SERVERS)} "
         "(uvicorn costs less CPU per request, see benchmarks/results/router.md)",
     ),
+    Option(
+        "workers",
+        "integer",
+        1,
+        _int_in(1, MAX_WORKERS),
+        "router processes sharing the HTTP port, each on its own core; the "
+        "process started keeps discovery and hands every worker the whole fleet, "
+        'but each balances on its own requests only (see "Workers")',
+    ),
 )
 OPTION = by_key(OPTIONS)
 
@@ -474,6 +484,7 @@ class RouterConfig:
     static_decode: tuple[StaticInstance, ...] = OPTION["static_decode"].default
     log_level: str = OPTION["log_level"].default
     http_server: str = OPTION["http_server"].default
+    workers: int = OPTION["workers"].default
 
     def __post_init__(self) -> None:
         given = {option.name: getattr(self, option.name) for option in OPTIONS}

@@ -19,6 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from vllm_disagg.router.discovery import DiscoveryServer
@@ -64,7 +65,15 @@ class LegFailure(str, enum.Enum):
 
 
 class RouterMetrics:
-    def __init__(self, registry: InstanceRegistry, discovery: DiscoveryServer) -> None:
+    def __init__(
+        self,
+        registry: InstanceRegistry,
+        discovery: DiscoveryServer,
+        multiprocess_dir: str | None = None,
+    ) -> None:
+        """``multiprocess_dir``: a ``--workers`` worker's: ``render`` sums
+        the request metrics of every worker (prometheus_client's files)."""
+        self._multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             f"{PREFIX}_requests",
@@ -155,7 +164,8 @@ class RouterMetrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
             registry=self.registry,
         )
-        self.registry.register(_StateCollector(registry, discovery))
+        self._state = _StateCollector(registry, discovery)
+        self.registry.register(self._state)
         self._start_known_series_at_zero()
 
     def _start_known_series_at_zero(self) -> None:
@@ -186,7 +196,12 @@ class RouterMetrics:
         self.routes.labels(route, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        summed = CollectorRegistry()
+        MultiProcessCollector(summed, path=self._multiprocess_dir)
+        summed.register(self._state)
+        return generate_latest(summed)
 
 
 class _StateCollector(Collector):

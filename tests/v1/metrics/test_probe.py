@@ -30,7 +30,7 @@ COMMAND = textwrap.dedent(
     import vllm.entrypoints.cli.main as upstream
 
     ENGINE_CORE = '''
-    import sys, time
+    import json, sys, time
     from pathlib import Path
     from vllm_disagg import envs
     from vllm_disagg.v1.metrics.probe import PROBE
@@ -41,10 +41,17 @@ COMMAND = textwrap.dedent(
     PROBE.count("dummy_passes", rank)
     PROBE.count("blocking_collectives")
     written = Path(envs.metrics_dir()) / f"probe_dp{rank}.json"
-    deadline = time.monotonic() + 30
-    while not written.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)  # the flush thread is a daemon: stay until it wrote
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    # The flush thread is a daemon: an engine outlives it, this stand-in must
+    # stay until its last counts were written (the first write may hold only
+    # the first count, and the next waits for the logger's vLLM import).
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(written.read_text())["blocking_collectives"] == 1:
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.05)
     '''
 
     def serve():

@@ -535,14 +535,19 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
         orphan.start()
         on_victim = {kind for kind, landed, _ in clients if landed}
         assert on_victim == {"stream", "chat_stream", "plain"}, clients
-        streams = [c for _, _, c in clients if c.stream] + [orphan]
+        # Kill once the victim's streams are under way; the clients on d1 need
+        # not be. (Waiting for theirs too delayed the kill: on a host at load
+        # 14 a request finished before it.)
+        on_the_victim = [c for _, landed, c in clients if landed] + [orphan]
+        streams = [c for c in on_the_victim if c.stream]
         wait_until(
             lambda: all(len(c.chunks()) >= KILL_AFTER_CHUNKS for c in streams),
             60,
-            f"{KILL_AFTER_CHUNKS} chunks on every stream",
+            f"{KILL_AFTER_CHUNKS} chunks on every stream of the victim",
         )
-        assert not any(c.finished.is_set() for _, _, c in clients), (
-            "a request finished before the kill: raise MIGRATION_MAX_TOKENS"
+        finished = [(c.path, c.stream) for c in on_the_victim if c.finished.is_set()]
+        assert not finished, (
+            f"finished before the kill: {finished}: raise MIGRATION_MAX_TOKENS"
         )
         victim.server.kill()  # SIGKILL, its process group: a crash
         for _, _, client in [*clients, (None, None, orphan)]:

@@ -22,9 +22,7 @@ from .test_engine import LAYERS, PAGE, receive, send, wait_done
 
 
 @pytest.mark.parametrize("mode", ["PUT", "GET"])
-def test_each_completed_transfer_records_its_rate_once_on_each_side(
-    make_engine, mode
-):
+def test_each_completed_transfer_records_its_rate_once_on_each_side(make_engine, mode):
     prefill = make_engine("tcp", mode, seed=1)
     decode = make_engine("tcp", mode, seed=2)
     prefill.stats.take(), decode.stats.take()  # nothing from the set-up

@@ -51,12 +51,32 @@ HISTOGRAMS = {
     "send_seconds": "time from offer to last byte sent, per transfer",
     "recv_seconds": "time from first to last byte received, per transfer",
 }
+# observations (bytes per second per transfer: its bytes over the time above).
+# None of the peers' connectors publishes a rate per transfer; a counter of
+# bytes over time averages one slow transfer away among fast ones.
+RATE_HISTOGRAMS = {
+    "send_rate_bytes_per_second": "achieved rate of one completed send: its KV bytes "
+    "over send_seconds",
+    "recv_rate_bytes_per_second": "achieved rate of one completed receive: its KV "
+    "bytes over recv_seconds",
+}
+# 1 MB/s (a stalled or starved link) to 100 GB/s (NVLink-class), about 2-2.5x apart.
+RATE_BUCKETS = [
+    1e6, 1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 5e9, 1e10, 2.5e10, 5e10, 1e11,
+]  # fmt: skip
+SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+ALL_HISTOGRAMS = {**HISTOGRAMS, **RATE_HISTOGRAMS}
+
+
+def _rate(nbytes: int, seconds: float) -> float | None:
+    """Bytes per second of one transfer; None when there is nothing to divide."""
+    return nbytes / seconds if nbytes > 0 and seconds > 0 else None
 
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
     data.update(dict.fromkeys(GAUGES, -1))  # -1: no observation this interval
-    data.update({name: [] for name in HISTOGRAMS})
+    data.update({name: [] for name in ALL_HISTOGRAMS})
     return data
 
 
@@ -78,21 +98,24 @@ class P2pKVConnectorStats(KVConnectorStats):
             elif key in GAUGES:
                 if value >= 0:
                     self.data[key] = value
-            elif key in HISTOGRAMS:
+            elif key in ALL_HISTOGRAMS:
                 self.data.setdefault(key, []).extend(value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
-        for key in HISTOGRAMS:
+        for key in ALL_HISTOGRAMS:
             values = self.data.get(key, [])
-            out[f"avg_{key}"] = round(sum(values) / len(values), 4) if values else 0
+            digits = 4 if key in HISTOGRAMS else None
+            out[f"avg_{key}"] = (
+                round(sum(values) / len(values), digits) if values else 0
+            )
         return out
 
     def is_empty(self) -> bool:
         return (
             not any(self.data.get(k, 0) for k in COUNTERS)
-            and not any(self.data.get(k) for k in HISTOGRAMS)
+            and not any(self.data.get(k) for k in ALL_HISTOGRAMS)
             and all(self.data.get(k, -1) < 0 for k in GAUGES)
         )
 
@@ -114,12 +137,18 @@ class P2pStatsRecorder:
             self._data["bytes_sent"] += nbytes
             self._data["blocks_sent"] += nblocks
             self._data["send_seconds"].append(seconds)
+            rate = _rate(nbytes, seconds)
+            if rate is not None:
+                self._data["send_rate_bytes_per_second"].append(rate)
 
     def record_recv(self, nbytes: int, nblocks: int, seconds: float) -> None:
         with self._lock:
             self._data["bytes_received"] += nbytes
             self._data["blocks_received"] += nblocks
             self._data["recv_seconds"].append(seconds)
+            rate = _rate(nbytes, seconds)
+            if rate is not None:
+                self._data["recv_rate_bytes_per_second"].append(rate)
 
     def record_failed_send(self) -> None:
         self._add(failed_sends=1)
@@ -178,11 +207,14 @@ class P2pPromMetrics(KVConnectorPromMetrics):
 
         self._counters = {k: per_engine(Counter, k, doc) for k, doc in COUNTERS.items()}
         self._gauges = {k: per_engine(Gauge, k, doc) for k, doc in GAUGES.items()}
-        buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
         self._histograms = {
-            k: per_engine(Histogram, k, doc, buckets=buckets)
+            k: per_engine(Histogram, k, doc, buckets=SECONDS_BUCKETS)
             for k, doc in HISTOGRAMS.items()
         }
+        self._histograms.update(
+            (k, per_engine(Histogram, k, doc, buckets=RATE_BUCKETS))
+            for k, doc in RATE_HISTOGRAMS.items()
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for key, metrics in self._counters.items():

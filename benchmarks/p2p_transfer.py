@@ -1,0 +1,437 @@
+"""One KV transfer end to end through the real P2P engines, against the raw socket.
+
+Two processes on loopback, a prefill (sender) and a decode (receiver), each
+with one ``P2pEngine`` per mode (PUT and GET, ``tcp`` transport, no
+checksum) over a KV cache shaped like the connector's: 32 layers of 32 KiB
+pages (the tiny Llama's page: 128 tokens x 128 bytes of K and V in bf16),
+the transfer's blocks every other block of the cache, so no two are
+adjacent. A third link is a plain loopback socket (``sendall`` of one
+buffer, ``recv_into`` one buffer, both touched before).
+
+One sample is one transfer of 4, 16 or 64 MiB, timed from its start to the
+decode's last byte placed, i.e. the moment ``poll()`` hands the decode its
+complete slot:
+
+* PUT: from the prefill's ``start_send`` (every layer saved);
+* GET: from the decode's ``expect`` with ``get_from`` (the prefill holds the
+  KV already): its ``Get``, the prefill's ``Offer``, the data;
+* raw: from the sender's ``sendall`` to the receiver's last byte.
+
+Both processes read one clock (``CLOCK_MONOTONIC`` is system-wide). Within
+every round each engine sample runs between two raw samples (the order
+reversed every other round) and is divided by their mean: these machines
+are shared and noisy, and the neighbouring samples follow the drift. The
+result is the median of those ratios over rounds.
+
+``--breakdown`` also times the engine's pieces in both processes (wrapped
+from here, the engine is unchanged): the control round trips, the receive
+room's allocation, the per-layer reads of the KV cache and the socket calls.
+
+Writes benchmarks/results/p2p_transfer.{json,md} (``--out DIR``: elsewhere;
+``--tag NAME``: p2p_transfer-NAME.*).
+
+    .venv/bin/python benchmarks/p2p_transfer.py [--rounds 15] [--breakdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+from common import report
+
+KIB, MIB = 1 << 10, 1 << 20
+HOST = "127.0.0.1"
+DIGEST = b"\x01" * 16
+LAYERS, PAGE = 32, 32 * KIB
+SIZES = (4 * MIB, 16 * MIB, 64 * MIB)
+MODES = ("PUT", "GET")
+OP_TIMEOUT_S = 60.0
+POLL_SLEEP_S = 20e-6
+
+
+# --- time breakdown (--breakdown): wrappers installed in each process ---------
+
+TIMERS: dict[str, list[float]] = collections.defaultdict(list)
+
+
+def _timed(name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMERS[name].append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def install_timers() -> None:
+    """Time the engine's pieces on every call (one list per piece)."""
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
+        layout,
+        peer,
+        room,
+    )
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import tcp
+
+    tcp.TcpChannel.send = _timed("channel.send (per layer)", tcp.TcpChannel.send)
+    tcp.TcpChannel.recv = _timed("channel.recv (per layer)", tcp.TcpChannel.recv)
+    tcp._memoryviews = _timed("memoryviews of the parts", tcp._memoryviews)
+    peer.Peer.request = _timed("control round trip", peer.Peer.request)
+    layout.KVLayout.read_blocks = _timed(
+        "read_blocks (per layer)", layout.KVLayout.read_blocks
+    )
+    room.Room.take = _timed("receive room allocation", room.Room.take)
+
+
+def take_timers() -> dict[str, list[float]]:
+    out = {k: list(v) for k, v in TIMERS.items()}
+    TIMERS.clear()
+    return out
+
+
+# --- the two processes -----------------------------------------------------------
+
+
+def _engines(*, receiver: bool):
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
+        KVLayout,
+        P2pEngine,
+    )
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
+        create_transport,
+    )
+    from vllm_disagg.testing.server import get_free_port
+
+    blocks = 2 * max(SIZES) // (LAYERS * PAGE)
+    kv = {
+        f"model.layers.{i}.self_attn.attn": torch.randint(
+            0, 256, (blocks, PAGE), dtype=torch.uint8
+        )
+        for i in range(LAYERS)
+    }
+    engines = {}
+    for mode in MODES:
+        engines[mode] = P2pEngine(
+            layout=KVLayout(kv, 16),
+            host=HOST,
+            port=get_free_port(),
+            transport=create_transport("tcp", torch.device("cpu"), HOST),
+            send_type=mode,
+            kv_buffer_size=(1 << 30) if receiver else 0,
+            mem_pool_size_bytes=0,
+            hold_timeout_s=OP_TIMEOUT_S,
+        )
+    return engines
+
+
+def _block_ids(size: int) -> list[int]:
+    return list(range(0, 2 * size // (LAYERS * PAGE), 2))
+
+
+def _raw_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.numpy())
+
+
+def receiver(ctrl, breakdown: bool) -> None:
+    if breakdown:
+        install_timers()
+    engines = _engines(receiver=True)
+    with socket.create_server((HOST, 0)) as server:
+        ctrl.send({"addrs": {m: e.addr for m, e in engines.items()},
+                   "raw": server.getsockname()[1]})
+        server.settimeout(OP_TIMEOUT_S)
+        raw, _ = server.accept()
+    raw.settimeout(OP_TIMEOUT_S)
+    staging = torch.ones(max(SIZES), dtype=torch.uint8)  # touched once
+    while (job := ctrl.recv()) is not None:
+        if job[0] == "timers":
+            ctrl.send(take_timers())
+            continue
+        kind, key, size, prefill = job
+        if kind == "raw":
+            view = _raw_view(staging[:size])
+            ctrl.send("ready")
+            got = 0
+            while got < size:
+                n = raw.recv_into(view[got:])
+                if n == 0:
+                    raise ConnectionError("peer closed")
+                got += n
+            ctrl.send((time.monotonic(), ""))
+            continue
+        engine = engines[kind]
+        deadline = time.monotonic() + OP_TIMEOUT_S
+        if kind == "PUT":
+            engine.expect(key, 0, deadline, get_from=None, prompt_digest=DIGEST)
+            ctrl.send("ready")
+        else:
+            assert ctrl.recv() == "held"
+            ctrl.send(time.monotonic())
+            engine.expect(key, 0, deadline, get_from=prefill, prompt_digest=DIGEST)
+        slot = None
+        while slot is None and time.monotonic() < deadline:
+            slot = engine.poll(key)
+            if slot is None:
+                time.sleep(POLL_SLEEP_S)
+        end = time.monotonic()
+        reason = "no KV" if slot is None else slot.reason
+        if slot is not None:
+            engine.release(slot)
+        ctrl.send((end, reason))
+    raw.close()
+    for engine in engines.values():
+        engine.close()
+
+
+def sender(ctrl, breakdown: bool) -> None:
+    if breakdown:
+        install_timers()
+    engines = _engines(receiver=False)
+    peers = ctrl.recv()
+    raw = socket.create_connection((HOST, peers["raw"]), timeout=OP_TIMEOUT_S)
+    payload = torch.randint(0, 256, (max(SIZES),), dtype=torch.uint8)
+    ctrl.send({m: e.addr for m, e in engines.items()})
+    seq = 0
+    while (job := ctrl.recv()) is not None:
+        if job[0] == "timers":
+            ctrl.send(take_timers())
+            continue
+        kind, key, size = job
+        seq += 1
+        if kind == "raw":
+            start = time.monotonic()
+            raw.sendall(_raw_view(payload[:size]))
+            ctrl.send((start, ""))
+            continue
+        engine = engines[kind]
+        if kind == "PUT":
+            start = time.monotonic()
+            xfer = engine.start_send(
+                key,
+                f"req-{seq}",
+                peers["addrs"]["PUT"],
+                _block_ids(size),
+                all_saved=True,
+                prompt_digest=DIGEST,
+            )
+        else:
+            start = None  # the decode's expect()
+            xfer = engine.hold(key, f"req-{seq}", _block_ids(size), prompt_digest=DIGEST)
+            ctrl.send("held")
+        xfer.done.wait(OP_TIMEOUT_S)
+        engine.take_finished_sends()
+        ctrl.send((start, "" if xfer.ok else xfer.reason or "not sent"))
+    raw.close()
+    for engine in engines.values():
+        engine.close()
+
+
+class Pair:
+    """The two processes and the parent's side of their pipes."""
+
+    def __init__(self, breakdown: bool):
+        ctx = mp.get_context("spawn")
+        self.to_send, send_end = ctx.Pipe()
+        self.to_recv, recv_end = ctx.Pipe()
+        self.procs = [
+            ctx.Process(target=sender, args=(send_end, breakdown), name="sender"),
+            ctx.Process(target=receiver, args=(recv_end, breakdown), name="receiver"),
+        ]
+        for p in self.procs:
+            p.start()
+        recv_info = self._get(self.to_recv)
+        self.to_send.send(recv_info)
+        self.prefill = self._get(self.to_send)
+        self.seq = 0
+
+    def _get(self, conn):
+        if not conn.poll(OP_TIMEOUT_S + 10):
+            raise TimeoutError("a benchmark process did not answer")
+        return conn.recv()
+
+    def sample(self, kind: str, size: int) -> float:
+        """Seconds for one transfer of ``size`` bytes by ``kind`` (raw, PUT, GET)."""
+        self.seq += 1
+        key = f"k{self.seq}"
+        if kind == "GET":
+            self.to_recv.send((kind, key, size, self.prefill["GET"]))
+            self.to_send.send((kind, key, size))
+            assert self._get(self.to_send) == "held"
+            self.to_recv.send("held")
+            start = self._get(self.to_recv)
+            _, send_failed = self._get(self.to_send)
+        else:
+            self.to_recv.send((kind, key, size, None))
+            assert self._get(self.to_recv) == "ready"
+            self.to_send.send((kind, key, size))
+            start, send_failed = self._get(self.to_send)
+        end, recv_failed = self._get(self.to_recv)
+        if send_failed or recv_failed:
+            raise RuntimeError(f"{kind} {size}: failed: {send_failed} {recv_failed}")
+        return end - start
+
+    def timers(self) -> dict[str, dict[str, list[float]]]:
+        out = {}
+        for side, conn in (("prefill", self.to_send), ("decode", self.to_recv)):
+            conn.send(("timers",))
+            out[side] = self._get(conn)
+        return out
+
+    def close(self) -> None:
+        for conn in (self.to_send, self.to_recv):
+            conn.send(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def measure(args) -> dict:
+    pair = Pair(args.breakdown)
+    seconds = {k: {s: [] for s in SIZES} for k in ("raw", *MODES)}
+    ratios = {m: {s: [] for s in SIZES} for m in MODES}
+    try:
+        for size in SIZES:  # warm-up: channels, TCP windows, allocator
+            for kind in ("raw", *MODES, "raw", *MODES):
+                pair.sample(kind, size)
+        pair.timers()  # the warm-up's are not counted
+        for r in range(args.rounds):
+            for size in SIZES:
+                raw = [pair.sample("raw", size)]
+                for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                    value = pair.sample(mode, size)
+                    raw.append(pair.sample("raw", size))
+                    seconds[mode][size].append(value)
+                    ratios[mode][size].append(statistics.fmean(raw[-2:]) / value)
+                seconds["raw"][size].extend(raw)
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+        timers = pair.timers() if args.breakdown else {}
+    finally:
+        pair.close()
+    return {"seconds": seconds, "ratios": ratios, "timers": timers}
+
+
+def summarize(result: dict) -> dict:
+    out = {}
+    for size in SIZES:
+        row = {}
+        for kind, per_size in result["seconds"].items():
+            row[kind] = {
+                "seconds_median": statistics.median(per_size[size]),
+                "gbps_median": size / statistics.median(per_size[size]) / 1e9,
+            }
+            if kind in result["ratios"]:
+                r = result["ratios"][kind][size]
+                row[kind]["ratio_to_raw_median"] = statistics.median(r)
+                row[kind]["ratio_to_raw_min_max"] = [min(r), max(r)]
+        out[size] = row
+    return out
+
+
+def breakdown_rows(timers: dict, transfers: int) -> list[list[str]]:
+    """Per side and piece: calls and milliseconds per transfer."""
+    rows = []
+    for side, pieces in timers.items():
+        for name, values in sorted(pieces.items()):
+            rows.append(
+                [
+                    side,
+                    name,
+                    f"{len(values) / transfers:.1f}",
+                    report.ms(sum(values) / transfers, 3),
+                    report.ms(statistics.median(values), 3),
+                ]
+            )
+    return rows
+
+
+def markdown(summary: dict, result: dict, args) -> list[str]:
+    def cell(kind: str, size: int) -> str:
+        s = summary[size][kind]
+        text = f"{report.ms(s['seconds_median'])} ms, {s['gbps_median']:.2f} GB/s"
+        if kind in MODES:
+            lo, hi = s["ratio_to_raw_min_max"]
+            text += f" (**{s['ratio_to_raw_median']:.2f}x**, {lo:.2f}-{hi:.2f})"
+        return text
+
+    lines = [
+        "# One P2P KV transfer end to end vs the raw loopback socket",
+        "",
+        report.generated(
+            "p2p_transfer.py",
+            f"Two processes on loopback; {LAYERS} layers x {PAGE // KIB} KiB pages, "
+            "every other block of the cache; PUT from `start_send`, GET from the "
+            "decode's `expect`, to the decode's `poll()` returning the complete "
+            f"slot; raw: one `sendall` into one `recv_into`. {args.rounds} rounds; "
+            "in each, every engine sample runs between two raw samples and the "
+            "ratio is their mean time over its time (1.0: as fast as the raw "
+            "socket; the goal is >= 0.8). Times are medians; the ratio is the "
+            "median (min-max) of the ratios. Load average (1 min) before and "
+            f"after the run: {args.load_average[0]:.1f}, {args.load_average[1]:.1f}."
+            + (f" Code: {args.tag}." if args.tag else ""),
+        ),
+        "",
+        *report.table(
+            ["transfer", "raw socket", *MODES],
+            [
+                [f"{size // MIB} MiB", *(cell(k, size) for k in ("raw", *MODES))]
+                for size in SIZES
+            ],
+        ),
+    ]
+    if result["timers"]:
+        transfers = args.rounds * len(SIZES) * len(MODES)
+        lines += [
+            "",
+            "## Where the time goes",
+            "",
+            f"Every timed call of the {transfers} engine transfers, both modes and "
+            "sizes together (the raw samples call none of these).",
+            "",
+            *report.table(
+                ["side", "piece", "calls per transfer", "ms per transfer",
+                 "median ms per call"],
+                breakdown_rows(result["timers"], transfers),
+            ),
+        ]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument("--tag", default="", help="suffix of the result files")
+    report.add_out_argument(parser)
+    args = parser.parse_args()
+    start = time.monotonic()
+    load_before = os.getloadavg()[0]
+    result = measure(args)
+    args.load_average = [load_before, os.getloadavg()[0]]
+    summary = summarize(result)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    name = "p2p_transfer" + (f"-{args.tag}" if args.tag else "")
+    report.write(
+        (args.out or report.RESULTS) / name,
+        {"args": settings, "summary": summary, **result},
+        markdown(summary, result, args),
+        None,
+    )
+    print(f"took {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -46,6 +46,7 @@ import sys
 import time
 
 import torch
+from _deps import require  # benchmarks/_deps.py: sys.path[0] as a script
 from common import report
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -148,8 +149,12 @@ def receiver(ctrl, breakdown: bool) -> None:
         install_timers()
     engines = _engines(receiver=True)
     with socket.create_server((HOST, 0)) as server:
-        ctrl.send({"addrs": {m: e.addr for m, e in engines.items()},
-                   "raw": server.getsockname()[1]})
+        ctrl.send(
+            {
+                "addrs": {m: e.addr for m, e in engines.items()},
+                "raw": server.getsockname()[1],
+            }
+        )
         server.settimeout(OP_TIMEOUT_S)
         raw, _ = server.accept()
     raw.settimeout(OP_TIMEOUT_S)
@@ -227,7 +232,9 @@ def sender(ctrl, breakdown: bool) -> None:
             )
         else:
             start = None  # the decode's expect()
-            xfer = engine.hold(key, f"req-{seq}", _block_ids(size), prompt_digest=DIGEST)
+            xfer = engine.hold(
+                key, f"req-{seq}", _block_ids(size), prompt_digest=DIGEST
+            )
             ctrl.send("held")
         xfer.done.wait(OP_TIMEOUT_S)
         engine.take_finished_sends()
@@ -401,8 +408,13 @@ def markdown(summary: dict, result: dict, args) -> list[str]:
             "sizes together (the raw samples call none of these).",
             "",
             *report.table(
-                ["side", "piece", "calls per transfer", "ms per transfer",
-                 "median ms per call"],
+                [
+                    "side",
+                    "piece",
+                    "calls per transfer",
+                    "ms per transfer",
+                    "median ms per call",
+                ],
                 breakdown_rows(result["timers"], transfers),
             ),
         ]
@@ -416,6 +428,7 @@ def main() -> int:
     parser.add_argument("--tag", default="", help="suffix of the result files")
     report.add_out_argument(parser)
     args = parser.parse_args()
+    require()  # nothing beyond torch, which the target's requirements install
     start = time.monotonic()
     load_before = os.getloadavg()[0]
     result = measure(args)

@@ -160,6 +160,11 @@ class RelayStream:
         """Go on with a continuation on another pair (None: read on), or end
         the stream with the reason it cannot (its last bytes)."""
         assert self._resume is not None and self._ledger is not None
+        if self._ledger.done:
+            # The client's stream ended already ([DONE] sent): nothing to
+            # continue, whatever D did to its connection afterwards.
+            self._close(Outcome.OK, instance_ok)
+            return None
         self._ledger.reset_buffer()
         if (closing := self._ledger.closing_events()) is not None:
             # Every token was sent; only D's usage chunk and [DONE] were lost.
@@ -202,6 +207,17 @@ class RelayStream:
                     ledger.join_failed,
                 )
                 self._close(Outcome.UPSTREAM_ERROR, None)
+            elif ledger.malformed and not self._closed:
+                # The decode broke vLLM's stream format: its error event
+                # ends the stream, and it counts as a failure of the decode.
+                self._limited_log.warning(
+                    "malformed-stream",
+                    "request %s: decode %s broke the stream's format (%s)",
+                    self._ex.request_id,
+                    self._decode.http_addr,
+                    ledger.malformed,
+                )
+                self._close(Outcome.UPSTREAM_ERROR, False)
             return out
         self._at_event_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
         return chunk

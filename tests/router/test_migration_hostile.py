@@ -156,7 +156,9 @@ async def fleet(fakes, start_router, script: Script, **config):
 async def settled(router) -> None:
     """Every lease came back: no instance counts a request in flight."""
     async with asyncio.timeout(5):
-        while any(router.registry.get(f"{n}-id").outstanding for n in ("p", "d1", "d2")):
+        while any(
+            router.registry.get(f"{n}-id").outstanding for n in ("p", "d1", "d2")
+        ):
             await asyncio.sleep(0.01)
 
 
@@ -233,9 +235,7 @@ def dies_after(n: int, *, chat: bool = False) -> Script:
 
 
 @pytest.mark.parametrize("limit", ["20", 20.0, " 20 "])
-async def test_a_limit_vllm_reads_as_a_number_carries_over(
-    fakes, start_router, limit
-):
+async def test_a_limit_vllm_reads_as_a_number_carries_over(fakes, start_router, limit):
     router, calls = await fleet(fakes, start_router, dies_after(6))
     body = {**STREAM, "max_tokens": limit, "min_tokens": str(10)}
     status, raw, _ = await router.post("/v1/completions", body)
@@ -372,3 +372,152 @@ def test_an_event_that_never_ends_is_buffered_in_linear_time_and_bounded():
     # The decode is not speaking SSE: the stream ends with an error.
     assert events_of(out)[-1] == "[DONE]" and "error" in events_of(out)[-2]
     assert ledger.done
+
+
+# --- accounting: limits, leases, a client that leaves -----------------------
+
+
+async def test_max_migrations_holds_when_every_decode_dies(fakes, start_router):
+    router = await start_router(max_migrations=2)
+    p = await fakes("p")
+    router.add(p, Role.PREFILL)
+    decodes = [await fakes(f"d{i}") for i in range(4)]
+    calls = []
+
+    async def always_dies(fake, request, body):
+        calls.append(fake.name)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        prompt = body["prompt"] if isinstance(body["prompt"], list) else PROMPT_IDS
+        ids = greedy(prompt, 2)
+        for i, tok in enumerate(ids):
+            await resp.write(event(chunk([tok], prompt=prompt if i == 0 else None)))
+        await asyncio.sleep(0.02)
+        request.transport.close()
+        return resp
+
+    for d in decodes:
+        router.add(d, Role.DECODE)
+        d.handler = always_dies
+    status, raw, _ = await router.post("/v1/completions", STREAM)
+    chunks = events_of(raw)
+    assert chunks[-1] == "[DONE]" and "--max-migrations" in str(chunks[-2])
+    assert len(calls) == 3 and len(set(calls)) == 3  # never a failed decode again
+    assert len(chunks) == 2 + 2 + 2 + 2  # each sent 2 new tokens
+    limit = router.metric(
+        "vllm_disagg_router_migrations_total", outcome="limit", reason=""
+    )
+    assert limit == 1 and resumed(router, "broken") == 2
+    for d in decodes:
+        assert router.registry.get(f"{d.name}-id").outstanding == 0
+
+
+async def test_a_client_that_leaves_while_the_continuation_opens(fakes, start_router):
+    router = await start_router()
+    p, d1, d2 = await fakes("p"), await fakes("d1"), await fakes("d2")
+    router.add(p, Role.PREFILL)
+    router.add(d1, Role.DECODE)
+    router.add(d2, Role.DECODE)
+    calls: list = []
+    d1.handler = d2.handler = first_then_honest(dies_after(3), calls)
+    continuing = asyncio.Event()
+
+    async def continuation_prefill_hangs(fake, request, body):
+        if isinstance(body.get("prompt"), list):  # the continuation's prefix
+            continuing.set()
+            await asyncio.sleep(3600)
+        return web.json_response({"choices": [{"index": 0, "text": ""}]})
+
+    p.handler = continuation_prefill_hangs
+    async with asyncio.timeout(5):
+        async with router.client.post(router.url + "/v1/completions", json=STREAM) as r:
+            got = b""
+            while got.count(b"\n\n") < 3:
+                got += await r.content.readany()
+            await continuing.wait()
+        # The client is gone: the prefill leg is ended, every lease returned.
+        await p.disconnected.wait()
+    await settled(router)
+    assert len(calls) == 1
+    assert (
+        router.metric(
+            "vllm_disagg_router_requests_total",
+            endpoint="completions",
+            outcome="cancelled",
+        )
+        == 1
+    )
+
+
+CONTINUATION_ANSWERS = {
+    "sse_without_a_byte": (200, "text/event-stream", b""),
+    "json_200": (200, "application/json", b'{"choices": []}'),
+    "status_500": (500, "application/json", b'{"error": {"code": 500}}'),
+    "done_at_once": (200, "text/event-stream", b"data: [DONE]\n\n"),
+}
+
+
+@pytest.mark.parametrize("answer", sorted(CONTINUATION_ANSWERS))
+async def test_a_continuation_that_answers_nothing_usable(fakes, start_router, answer):
+    router = await start_router(max_migrations=3)
+    p, d1, d2 = await fakes("p"), await fakes("d1"), await fakes("d2")
+    router.add(p, Role.PREFILL)
+    router.add(d1, Role.DECODE)
+    router.add(d2, Role.DECODE)
+    calls: list = []
+    status, ctype, payload = CONTINUATION_ANSWERS[answer]
+
+    async def handler(fake, request, body):
+        calls.append(fake.name)
+        if len(calls) == 1:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for e in tokens(3):
+                await resp.write(e)
+            await asyncio.sleep(0.02)
+            request.transport.close()
+            return resp
+        return web.Response(status=status, body=payload, content_type=ctype)
+
+    d1.handler = d2.handler = handler
+    status, raw, _ = await router.post("/v1/completions", STREAM)
+    chunks = events_of(raw)
+    assert status == 200 and chunks[-1] == "[DONE]" and chunks.count("[DONE]") == 1
+    assert len(calls) == 2 and calls[0] != calls[1]
+    # Never a clean end short of the tokens owed.
+    assert "error" in chunks[-2] and len(chunks) == 3 + 2
+    await settled(router)
+
+
+async def test_an_error_event_after_tokens_is_relayed_once_and_not_moved(
+    fakes, start_router
+):
+    async def error_then_dies(fake, request, body, resp):
+        for e in tokens(2):
+            await resp.write(e)
+        await resp.write(event({"error": {"code": 500, "message": "boom"}}))
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.02)
+
+    router, calls = await fleet(fakes, start_router, error_then_dies)
+    status, raw, _ = await router.post("/v1/completions", STREAM)
+    chunks = events_of(raw)
+    assert chunks[-1] == "[DONE]" and chunks.count("[DONE]") == 1
+    assert chunks[-2]["error"]["message"] == "boom" and len(calls) == 1
+    await settled(router)
+
+
+async def test_events_split_at_every_byte_join_as_sent(fakes, start_router):
+    async def byte_by_byte(fake, request, body, resp):
+        for e in tokens(4):
+            for i in range(len(e)):
+                await resp.write(e[i : i + 1])
+        await asyncio.sleep(0.02)
+
+    router, calls = await fleet(fakes, start_router, byte_by_byte)
+    status, raw, _ = await router.post("/v1/completions", STREAM)
+    chunks = events_of(raw)
+    assert chunks[-1] == "[DONE]" and len(chunks) == 21
+    assert not any("error" in c for c in chunks[:-1])
+    assert calls[1][1]["prompt"] == [*PROMPT_IDS, *greedy(PROMPT_IDS, 4)]
+    await settled(router)

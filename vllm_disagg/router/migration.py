@@ -318,6 +318,10 @@ class StreamLedger:
 
     def _event(self, event: bytes) -> bytes:
         if event.strip() == SSE_DONE:
+            if self.continuing and self.finish_reason is None and not self.failed:
+                # A continuation ends only after its last token: this one
+                # would end the client's stream short, as if complete.
+                return self._fail_format("[DONE] before a finish_reason")
             self.done = True
             return event + EVENT_END
         obj = _payload(event)

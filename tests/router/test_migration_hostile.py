@@ -521,3 +521,22 @@ async def test_events_split_at_every_byte_join_as_sent(fakes, start_router):
     assert not any("error" in c for c in chunks[:-1])
     assert calls[1][1]["prompt"] == [*PROMPT_IDS, *greedy(PROMPT_IDS, 4)]
     await settled(router)
+
+
+async def test_a_decode_that_drips_after_done_ends_nothing_more(fakes, start_router):
+    async def done_then_drips(fake, request, body, resp):
+        for e in tokens(3, finish_last=True):
+            await resp.write(e)
+        await resp.write(b"data: [DONE]\n\n")
+        for _ in range(100):  # past the request deadline
+            await asyncio.sleep(0.05)
+            await resp.write(b":")
+
+    router, calls = await fleet(
+        fakes, start_router, done_then_drips, request_timeout_s=1.0
+    )
+    status, raw, _ = await router.post("/v1/completions", STREAM)
+    chunks = events_of(raw)
+    assert chunks.count("[DONE]") == 1 and chunks[-1] == "[DONE]", chunks[-3:]
+    assert len(calls) == 1
+    await settled(router)

@@ -160,11 +160,6 @@ class RelayStream:
         """Go on with a continuation on another pair (None: read on), or end
         the stream with the reason it cannot (its last bytes)."""
         assert self._resume is not None and self._ledger is not None
-        if self._ledger.done:
-            # The client's stream ended already ([DONE] sent): nothing to
-            # continue, whatever D did to its connection afterwards.
-            self._close(Outcome.OK, instance_ok)
-            return None
         self._ledger.reset_buffer()
         if (closing := self._ledger.closing_events()) is not None:
             # Every token was sent; only D's usage chunk and [DONE] were lost.
@@ -218,6 +213,11 @@ class RelayStream:
                     ledger.malformed,
                 )
                 self._close(Outcome.UPSTREAM_ERROR, False)
+            elif ledger.done and not self._closed:
+                # [DONE] ended the client's stream: whatever D does to its
+                # connection afterwards (breaks, stalls, drips) ends nothing
+                # more and is never continued.
+                self._close(Outcome.OK, True)
             return out
         self._at_event_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
         return chunk

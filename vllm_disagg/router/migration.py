@@ -39,12 +39,16 @@ import msgspec
 
 from vllm_disagg.router.registry import Lease
 from vllm_disagg.router.replies import error_json
+from vllm_disagg.router.validation import lax_bool, lax_int
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 MIGRATED_PATHS = (COMPLETIONS, CHAT)
 SSE_DONE = b"data: [DONE]"
 EVENT_END = b"\n\n"
+# The largest SSE event a decode may send (its first carries the prompt's
+# token ids): beyond it the decode is not speaking vLLM's stream format.
+MAX_EVENT_BYTES = 32 << 20
 
 # Options a continuation carries unchanged: they act on each next token alone.
 CARRIED = (
@@ -190,9 +194,11 @@ def not_migratable_reason(body: Mapping[str, Any], path: str) -> str | None:
 def token_limit(body: Mapping[str, Any], path: str) -> int | None:
     """The request's output token limit as vLLM reads it (None: the model's
     length is the limit)."""
-    if path == CHAT and body.get("max_completion_tokens") is not None:
-        return body["max_completion_tokens"]
     value = body.get("max_tokens")
+    if path == CHAT and body.get("max_completion_tokens") is not None:
+        value = body["max_completion_tokens"]
+    # Read as vLLM's pydantic models read it: "20" and 20.0 are 20.
+    value = lax_int(value) if value is not None else None
     return value if isinstance(value, int) else None
 
 
@@ -210,6 +216,37 @@ def _payload(event: bytes) -> Any:
         return msgspec.json.decode(event[6:])
     except msgspec.DecodeError:
         return None
+
+
+def _token_ids(value: Any) -> bool:
+    """Whether ``value`` is a list of token ids (ints, not bools)."""
+    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+
+
+def _malformed(obj: dict[str, Any]) -> str | None:
+    """What in a decode's chunk is not vLLM's stream format (None: nothing):
+    its token ids would become another pair's prompt, its text the seam."""
+    if obj.get("prompt_token_ids") is not None and not _token_ids(
+        obj["prompt_token_ids"]
+    ):
+        return "prompt_token_ids"
+    choices = obj.get("choices")
+    if choices is None:
+        return None
+    if not isinstance(choices, list):
+        return "choices"
+    for choice in choices:
+        if not isinstance(choice, dict):
+            return "choices"
+        for name in ("token_ids", "prompt_token_ids"):
+            if choice.get(name) is not None and not _token_ids(choice[name]):
+                return name
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else None
+        for value in (choice.get("text"), text):
+            if value is not None and not isinstance(value, str):
+                return "text"
+    return None
 
 
 def _encode(obj: Any) -> bytes:
@@ -234,8 +271,9 @@ class StreamLedger:
     ident: dict[str, Any] = field(default_factory=dict)  # id, created, model
     continuing: bool = False  # the events come from a continuation
     join_failed: str | None = None  # a continuation disagreed with what was sent
+    malformed: str | None = None  # a decode broke the stream's format
     _base: int = 0  # tokens generated before the current continuation
-    _buffer: bytes = b""
+    _buffer: bytearray = field(default_factory=bytearray)
     _usage_sent: bool = False
     # The last clean seam (see the module's docstring): how many generated
     # tokens precede it and the text the client got after it.
@@ -254,23 +292,36 @@ class StreamLedger:
     def feed(self, data: bytes) -> bytes:
         """What the client is sent for ``data`` read from the decode: whole
         events only, translated; an incomplete one waits for its rest."""
-        if self.join_failed:
+        if self.done:  # [DONE] or an error ended the client's stream
             return b""
-        events, self._buffer = split_events(self._buffer + data)
+        # Only new bytes can end an event: a long one arriving in small
+        # pieces is gathered in linear time, and up to MAX_EVENT_BYTES.
+        ends = EVENT_END in self._buffer[-1:] + data
+        self._buffer += data
+        if not ends:
+            if len(self._buffer) > MAX_EVENT_BYTES:
+                return self._fail_format(f"an event over {MAX_EVENT_BYTES} bytes")
+            return b""
+        events, rest = split_events(bytes(self._buffer))
+        self._buffer = bytearray(rest)
         out = b""
         for e in events:
             out += self._event(e)
-            if self.join_failed:
+            if self.done:
                 break
         return out
 
     def reset_buffer(self) -> None:
         """A failed decode's incomplete event is dropped: its tokens were
         not sent, the continuation computes them again."""
-        self._buffer = b""
+        self._buffer = bytearray()
 
     def _event(self, event: bytes) -> bytes:
         if event.strip() == SSE_DONE:
+            if self.continuing and self.finish_reason is None and not self.failed:
+                # A continuation ends only after its last token: this one
+                # would end the client's stream short, as if complete.
+                return self._fail_format("[DONE] before a finish_reason")
             self.done = True
             return event + EVENT_END
         obj = _payload(event)
@@ -279,6 +330,8 @@ class StreamLedger:
         if "error" in obj:
             self.failed = True
             return event + EVENT_END
+        if (why := _malformed(obj)) is not None:
+            return self._fail_format(f"malformed {why}")
         if self.continuing:
             return self._translate(obj)
         return self._observe(obj, event)
@@ -365,6 +418,7 @@ class StreamLedger:
         if limit is not None:
             body["max_tokens"] = limit - kept
         min_tokens = self.body.get("min_tokens")
+        min_tokens = lax_int(min_tokens) if min_tokens is not None else None
         if isinstance(min_tokens, int) and min_tokens:
             body["min_tokens"] = max(0, min_tokens - kept)
         return body
@@ -379,7 +433,7 @@ class StreamLedger:
         del self.generated[seam:]
         self.continuing = True
         self._base = seam
-        self._buffer = b""
+        self._buffer = bytearray()
 
     def _repeat(self, ids: list[int], text: str) -> tuple[list[int], str] | str:
         """A continuation chunk's ids and text less what the client already
@@ -407,6 +461,13 @@ class StreamLedger:
             502,
             "the decode instance failed and its continuation on another pair "
             f"did not repeat the {why} the client already had",
+        )
+
+    def _fail_format(self, why: str) -> bytes:
+        self.malformed = why
+        self.done = True
+        return error_events(
+            502, f"the decode instance broke vLLM's stream format ({why})"
         )
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -492,7 +553,7 @@ class StreamLedger:
         options = self.body.get("stream_options")
         if (
             isinstance(options, dict)
-            and options.get("include_usage")
+            and lax_bool(options.get("include_usage")) is True
             and not self._usage_sent
         ):
             prompt, completion = len(self.prompt_ids or ()), len(self.generated)

@@ -202,6 +202,22 @@ class RelayStream:
                     ledger.join_failed,
                 )
                 self._close(Outcome.UPSTREAM_ERROR, None)
+            elif ledger.malformed and not self._closed:
+                # The decode broke vLLM's stream format: its error event
+                # ends the stream, and it counts as a failure of the decode.
+                self._limited_log.warning(
+                    "malformed-stream",
+                    "request %s: decode %s broke the stream's format (%s)",
+                    self._ex.request_id,
+                    self._decode.http_addr,
+                    ledger.malformed,
+                )
+                self._close(Outcome.UPSTREAM_ERROR, False)
+            elif ledger.done and not self._closed:
+                # [DONE] ended the client's stream: whatever D does to its
+                # connection afterwards (breaks, stalls, drips) ends nothing
+                # more and is never continued.
+                self._close(Outcome.OK, True)
             return out
         self._at_event_boundary = chunk.endswith((b"\n\n", b"\r\n\r\n"))
         return chunk

@@ -22,6 +22,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from vllm_disagg import envs
 from vllm_disagg.testing.router import RouterProcess
 from vllm_disagg.testing.server import cpu_test_env
 from vllm_disagg.wire.discovery import (
@@ -109,7 +110,7 @@ def workers_router(tmp_path):
 
 async def test_workers_share_one_port_and_one_fleet(fakes, workers_router):
     router = workers_router
-    token = router.env["VLLM_DISAGG_ROUTER_TOKEN"].encode()
+    token = router.env[envs.VLLM_DISAGG_ROUTER_TOKEN].encode()
     p, d = await fakes("p"), await fakes("d")
     await asyncio.to_thread(router.start)
     workers = workers_of(router)

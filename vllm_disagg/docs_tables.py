@@ -9,7 +9,7 @@ tests/test_docs_tables.py fails while any of them is stale.
 from __future__ import annotations
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import (
-    config as p2p_config,
+    extra_config as p2p_config,
 )
 from vllm_disagg.options.tables import DocTable
 from vllm_disagg.router import config as router_config

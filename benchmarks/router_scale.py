@@ -7,7 +7,8 @@ registrant processes holding one DEALER socket per instance, as the
 connector's registration thread does. The router side is the real
 ``DiscoveryServer`` and ``InstanceRegistry`` on this process's event loop.
 Then prompts go through the real per-request selection (the proxy's
-``_pick`` with the prefix-aware prefill policy and ``_pick_paired_decode``)
+``Picker``: ``pick`` with the prefix-aware prefill policy and
+``pick_paired_decode``)
 while the registrants keep heartbeating on the same loop, as in the router.
 
 Per fleet size it measures: registration time, heartbeat processing (CPU of
@@ -41,8 +42,8 @@ from common.stats import pcts
 from vllm_disagg.router.app import build_registry
 from vllm_disagg.router.config import RouterConfig
 from vllm_disagg.router.discovery import DiscoveryServer
+from vllm_disagg.router.picking import Picker
 from vllm_disagg.router.policy import Policies
-from vllm_disagg.router.proxy import RequestProxy
 from vllm_disagg.testing.fake_registrants import MODEL, Registrants, fake_register
 from vllm_disagg.wire.discovery import HEARTBEAT_INTERVAL_S, Role, seal
 
@@ -71,12 +72,9 @@ def prompts(count: int, shared_share: float, seed: int = 0):
             yield "distinct", {"model": MODEL, "prompt": text}
 
 
-def selector(registry, policies) -> SimpleNamespace:
-    """The proxy's own selection methods over ``registry`` and ``policies``."""
-    proxy = SimpleNamespace(registry=registry, policies=policies)
-    proxy._pick = RequestProxy._pick.__get__(proxy)
-    proxy._pick_paired_decode = RequestProxy._pick_paired_decode.__get__(proxy)
-    return proxy
+def selector(registry, policies) -> Picker:
+    """The proxy's own selection over ``registry`` and ``policies``."""
+    return Picker(registry, policies)
 
 
 async def select_prompts(registry, policies, count, shared_share, in_flight):
@@ -92,8 +90,8 @@ async def select_prompts(registry, policies, count, shared_share, in_flight):
     for n, (kind, body) in enumerate(prompts(count, shared_share)):
         ex = SimpleNamespace(model=MODEL, body=body)
         start, cpu_start = clock(), cpu_clock()
-        decode = proxy._pick_paired_decode(ex)
-        prefill = proxy._pick(
+        decode = proxy.pick_paired_decode(ex)
+        prefill = proxy.pick(
             Role.PREFILL, ex, {decode.instance_id}, model=decode.model, partner=decode
         )
         times[kind].append(clock() - start)

@@ -9,15 +9,15 @@ tests/test_docs_tables.py fails while any of them is stale.
 from __future__ import annotations
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import (
-    config as p2p_config,
+    extra_config as p2p_config,
 )
 from vllm_disagg.options.tables import DocTable
-from vllm_disagg.router import config as router_config
+from vllm_disagg.router import flags as router_flags
 from vllm_disagg.v1.engine.step_sync import config as step_sync_config
 
 DOC_TABLES: dict[str, DocTable] = {
     "docs/p2p_connector.md": p2p_config.DOC_TABLE,
-    "docs/router.md": router_config.DOC_TABLE,
+    "docs/router.md": router_flags.DOC_TABLE,
     "docs/step_sync.md": step_sync_config.DOC_TABLE,
 }
 

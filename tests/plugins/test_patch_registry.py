@@ -14,7 +14,7 @@ import vllm_disagg
 import vllm_disagg.patches as patches_pkg
 from vllm_disagg import envs
 from vllm_disagg.errors import UnsupportedVllmVersionError
-from vllm_disagg.patches import PATCHES
+from vllm_disagg.patches import PATCHES, REGISTRY_MODULES
 from vllm_disagg.patches.__main__ import (
     BEGIN,
     END,
@@ -32,7 +32,7 @@ def _patch_modules_on_disk() -> set[str]:
     for info in pkgutil.walk_packages(
         patches_pkg.__path__, prefix="vllm_disagg.patches."
     ):
-        if info.ispkg or info.name.endswith("__main__"):
+        if info.ispkg or info.name in REGISTRY_MODULES:
             continue
         found.add(info.name)
     return found

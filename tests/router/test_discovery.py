@@ -417,7 +417,7 @@ def test_a_removed_instance_is_not_revived_by_its_old_frames(removal):
     assert registry.get("i-1") is None
     # Still remembered just before REMOVED_TTL_S; after it, the frame's
     # sent_at is far outside the clock window: refused by the other rule.
-    from vllm_disagg.router.registry import REMOVED_TTL_S
+    from vllm_disagg.router.departures import REMOVED_TTL_S
     from vllm_disagg.wire.clocks import MAX_CLOCK_SKEW_S
 
     assert REMOVED_TTL_S >= 2 * MAX_CLOCK_SKEW_S
@@ -438,9 +438,9 @@ def test_forgetting_removed_instances_when_full_refuses_rather_than_revives(
 ):
     """The memory of removed instances is bounded; one forgotten early is
     still refused (its frames are no newer than the newest forgotten)."""
-    from vllm_disagg.router import registry as registry_module
+    from vllm_disagg.router import departures
 
-    monkeypatch.setattr(registry_module, "MAX_REMOVED", 2)
+    monkeypatch.setattr(departures, "MAX_REMOVED", 2)
     server, _, wall, ack = _server()
     captured = {}
     for n, name in enumerate(("a", "b", "c")):
@@ -453,7 +453,7 @@ def test_forgetting_removed_instances_when_full_refuses_rather_than_revives(
         captured[name] = seal(TOKEN, msg)
         assert ack(captured[name]).accepted
         assert ack(seal(TOKEN, Deregister(DISCOVERY_VERSION, name, wall[0]))).accepted
-    assert "a" not in server.registry._removed  # forgotten: the memory is full
+    assert "a" not in server.registry._departed.removed  # forgotten: the memory is full
     refused = ack(captured["a"])
     assert not refused.accepted and "could not remember" in refused.reason
     assert not ack(captured["c"]).accepted  # still remembered

@@ -15,11 +15,8 @@ import json
 import pytest
 from aiohttp import web
 
-from vllm_disagg.router.migration import (
-    StreamLedger,
-    not_migratable_reason,
-    split_events,
-)
+from vllm_disagg.router.migratable import not_migratable_reason
+from vllm_disagg.router.migration import StreamLedger, split_events
 from vllm_disagg.wire.discovery import Role
 
 PROMPT_IDS = [5, 6, 7]

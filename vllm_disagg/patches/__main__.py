@@ -16,7 +16,7 @@ from pathlib import Path
 from vllm_disagg.patches import PATCHES, Patch
 
 BEGIN = (
-    "<!-- BEGIN patch table: generated from vllm_disagg/patches/__init__.py by "
+    "<!-- BEGIN patch table: generated from vllm_disagg/patches/ by "
     "`python -m vllm_disagg.patches --update-readme`; do not edit by hand -->"
 )
 END = "<!-- END patch table -->"

@@ -1,16 +1,17 @@
 """Lookups the registry answers without scanning its instances: who holds an
 address, which model a name names, and whether an instance has any instance
 of the other side to pair with (40,000 registrations each scanning every
-instance slowed registration five-fold). Its ``version`` changes with every
-change of who is registered in which role: what the registry's per-request
-candidate lists are cached against (benchmarks/router_scale.py).
+instance slowed registration five-fold), and which ranks form each DP group.
+Its ``version`` changes with every change of who is registered in which role:
+what the registry's per-request candidate lists are cached against
+(benchmarks/router_scale.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from vllm_disagg.router.instance import Instance
+from vllm_disagg.router.instance import DpGroup, Instance
 from vllm_disagg.wire.discovery import Register, Role
 
 
@@ -27,9 +28,12 @@ class InstanceIndex:
         # Bumped by every add, remove and role change (all pass through
         # count_for_pairing): heartbeats of known instances leave it alone.
         self.version = 0
+        # "role/dp_group" -> its registered ranks (Instance.group)
+        self.groups: dict[str, DpGroup] = {}
 
     def add(self, instance: Instance) -> None:
         self.count_for_pairing(instance)
+        self._join_group(instance)
         self._by_http.setdefault(instance.http_addr, set()).add(instance.instance_id)
         self._by_kv.setdefault(instance.kv_addr, set()).add(instance.instance_id)
         if instance.model is not None:
@@ -38,6 +42,7 @@ class InstanceIndex:
 
     def remove(self, instance: Instance) -> None:
         self.count_for_pairing(instance, -1)
+        self._leave_group(instance)
         for index, addr in (
             (self._by_http, instance.http_addr),
             (self._by_kv, instance.kv_addr),
@@ -56,6 +61,35 @@ class InstanceIndex:
                         del holders[instance.model]
                     if not holders:
                         del self._by_name[name]
+
+    def change_role(self, instance: Instance, role: Role) -> None:
+        """``instance`` now serves ``role``: re-count its pairing and group."""
+        self.count_for_pairing(instance, -1)
+        self._leave_group(instance)
+        instance.role = role
+        self.count_for_pairing(instance)
+        self._join_group(instance)
+
+    def _join_group(self, instance: Instance) -> None:
+        """Ranks of one DP group (same role: a prefill and a decode never
+        share one) are placed as one (``policy.py``: dp_balanced)."""
+        if not instance.dp_group:
+            return
+        key = f"{instance.role.value}/{instance.dp_group}"
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = DpGroup(instance.dp_group)
+        group.members.append(instance)
+        instance.group = group
+
+    def _leave_group(self, instance: Instance) -> None:
+        group = instance.group
+        if group is None:
+            return
+        group.members.remove(instance)
+        instance.group = None
+        if not group.members:
+            self.groups.pop(f"{instance.role.value}/{instance.dp_group}", None)
 
     def count_for_pairing(self, instance: Instance, sign: int = 1) -> None:
         """Count ``instance`` (sign -1: uncount it) in the pairing index

@@ -29,13 +29,8 @@ from vllm_disagg.router.exchange import Exchange, decode_body
 from vllm_disagg.router.health import InstanceHealth
 from vllm_disagg.router.legs import DecodeLost, Legs
 from vllm_disagg.router.metrics import Outcome, RouterMetrics
-from vllm_disagg.router.migration import (
-    MIGRATED_PATHS,
-    Opened,
-    Refused,
-    StreamLedger,
-    not_migratable_reason,
-)
+from vllm_disagg.router.migratable import MIGRATED_PATHS, not_migratable_reason
+from vllm_disagg.router.migration import Opened, Refused, StreamLedger
 from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease
 from vllm_disagg.router.replies import Reply
 from vllm_disagg.router.validation import lax_bool

@@ -40,6 +40,7 @@ from vllm_disagg.router.metrics import Outcome, RouterMetrics
 from vllm_disagg.router.migrator import Migrator
 from vllm_disagg.router.models_cache import ModelsCache
 from vllm_disagg.router.passthrough import Passthrough
+from vllm_disagg.router.picking import Picker
 from vllm_disagg.router.policy import Policies
 from vllm_disagg.router.prompt_size import request_tokens
 from vllm_disagg.router.registry import Instance, InstanceRegistry, Lease
@@ -77,6 +78,7 @@ class RequestProxy:
         self.registry = registry
         self.policies = policies
         self.metrics = metrics
+        self.picker = Picker(registry, policies)
         self._session: aiohttp.ClientSession | None = None
         self.limited_log = RateLimitedLog(logger)
         self.health = InstanceHealth(
@@ -100,7 +102,7 @@ class RequestProxy:
             metrics,
             self.health,
             self.legs,
-            self._pick,
+            self.picker.pick,
             self.limited_log,
         )
         self.legs.resume = self.migrator.resume
@@ -239,66 +241,6 @@ class RequestProxy:
             return listed
         return None
 
-    def _pick(
-        self,
-        side: Role,
-        ex: Exchange,
-        exclude: set[str] = frozenset(),
-        model: str | None = None,
-        partner: Instance | None = None,
-    ) -> Instance | None:
-        """An instance of ``side`` serving ``model`` (default: the request's)
-        whose KV is ``partner``'s (the same model fingerprint)."""
-        model = ex.model if model is None else model
-        candidates = self.registry.healthy(side, model)
-        fingerprint = "" if partner is None else partner.fingerprint
-        if exclude or fingerprint:
-            # compatible(i, partner) inlined: a call per candidate per request
-            # was a tenth of selection at 1,000 instances.
-            candidates = [
-                i
-                for i in candidates
-                if i.instance_id not in exclude
-                and (
-                    not fingerprint or not i.fingerprint or i.fingerprint == fingerprint
-                )
-            ]
-        if not candidates:
-            return None
-        policy = self.policies.prefill if side is Role.PREFILL else self.policies.decode
-        return policy.select(candidates, ex.body)
-
-    def _pick_paired_decode(
-        self, ex: Exchange, exclude: set[str] = frozenset()
-    ) -> Instance | None:
-        """A decode that some healthy prefill can serve: the same model
-        fingerprint. With no healthy prefill at all, any decode (the request
-        goes on to the no-prefill handling). None of ``exclude``."""
-        prefills = self.registry.healthy(Role.PREFILL, ex.model)
-        if not prefills:
-            return self._pick(Role.DECODE, ex, exclude)
-        fingerprints = {p.fingerprint for p in prefills}
-        candidates = [
-            d
-            for d in self.registry.healthy(Role.DECODE, ex.model)
-            if (
-                not d.fingerprint or "" in fingerprints or d.fingerprint in fingerprints
-            )
-            and d.instance_id not in exclude
-        ]
-        if not candidates:
-            return None
-        return self.policies.decode.select(candidates, ex.body)
-
-    def _no_decode_reason(self, ex: Exchange) -> str:
-        if self.registry.healthy(Role.DECODE, ex.model):
-            return (
-                "no prefill and decode instance of this model can form a pair: "
-                "their model fingerprints differ (other weights, config, "
-                "tokenizer, dtype or layout; see /instances)"
-            )
-        return "no healthy decode instance is registered"
-
     async def _route(self, ex: Exchange) -> Reply:
         model = ex.model
         if (unknown := await self._unknown_model(ex)) is not None:
@@ -316,12 +258,16 @@ class RequestProxy:
                 "model",
             )
         alone = ex.alone or decode_alone_reason(ex.body, ex.path)
-        decode = self._pick(Role.DECODE, ex) if alone else self._pick_paired_decode(ex)
+        decode = (
+            self.picker.pick(Role.DECODE, ex)
+            if alone
+            else self.picker.pick_paired_decode(ex)
+        )
         if decode is None:
             return ex.error(
                 Outcome.NO_INSTANCE,
                 503,
-                self._no_decode_reason(ex),
+                self.picker.no_decode_reason(ex),
             )
         if alone is None and over_context(ex.body, ex.path, decode.max_model_len):
             # vLLM answers its own 400 ("... cannot be greater than
@@ -339,7 +285,7 @@ class RequestProxy:
             return await self._handoff(ex, decode, alone)
         except DecodeLost as lost:
             return await self.migrator.restart(
-                ex, lost, self._handoff, self._pick_paired_decode
+                ex, lost, self._handoff, self.picker.pick_paired_decode
             )
 
     async def _handoff(
@@ -372,7 +318,7 @@ class RequestProxy:
         the one that refused), so the answer costs a recompute, not a 502."""
         tried = {refused_by.instance_id, *ex.failed_decodes}
         for _ in range(self.config.max_retries):
-            other = self._pick(Role.DECODE, ex, tried, model=refused_by.model)
+            other = self.picker.pick(Role.DECODE, ex, tried, model=refused_by.model)
             if other is None:
                 break
             tried.add(other.instance_id)
@@ -402,7 +348,7 @@ class RequestProxy:
         leg is (``forwarded_headers``: an ``--api-key`` decode checks the
         key first, its 401 is relayed). Only a 4xx is relayed."""
         ex = self._exchange(endpoint, path, {}, {}, self.config.connect_timeout_s + 5.0)
-        decode = self._pick(Role.DECODE, ex)
+        decode = self.picker.pick(Role.DECODE, ex)
         if decode is None:
             return None
         sent = {**forwarded_headers(headers, client), "Content-Type": JSON}
@@ -432,7 +378,7 @@ class RequestProxy:
         failures: list[str] = []
         for attempt in range(self.config.max_retries + 1):
             # The prefill computes the decode's model's KV, never another's.
-            prefill = self._pick(
+            prefill = self.picker.pick(
                 Role.PREFILL, ex, tried, model=decode.model, partner=decode
             )
             if prefill is None:
@@ -459,7 +405,7 @@ class RequestProxy:
 
     async def _concurrent(self, ex: Exchange, lease: Lease) -> Reply:
         decode = lease.instance
-        prefill = self._pick(
+        prefill = self.picker.pick(
             Role.PREFILL, ex, {decode.instance_id}, model=decode.model, partner=decode
         )
         if prefill is None:

@@ -28,7 +28,7 @@ gets its breaker opened (it has no heartbeat to come back with).
 Replays: each heartbeat of an instance must carry a larger ``seq`` than the
 last one accepted (its counter for this router, see the connector's
 ``registration.py``), and an instance removed (deregistered, expired,
-unreachable) is remembered with its last ``seq`` for ``REMOVED_TTL_S``: only
+unreachable) is remembered with its last ``seq`` (``departures.py``): only
 a newer heartbeat of it brings it back, never an old frame. Beyond that
 time, an old frame's ``sent_at`` is outside discovery's clock window
 (``wire/clocks.py``) and refused there.
@@ -41,16 +41,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm_disagg.router.circuit_breaker import (
     BreakerConfig,
     BreakerState,
     CircuitBreaker,
 )
-from vllm_disagg.router.instance import DpGroup, Instance, Lease, compatible
+from vllm_disagg.router.departures import Departures
+from vllm_disagg.router.instance import Instance, Lease
 from vllm_disagg.router.instance_index import InstanceIndex
-from vllm_disagg.wire.clocks import CLOCK_SLACK_S, MAX_CLOCK_SKEW_S
+from vllm_disagg.router.registry_views import RegistryViews
 from vllm_disagg.wire.discovery import Register, Role
 from vllm_disagg.wire.logs import RateLimitedLog
 
@@ -72,18 +72,6 @@ class RegistryFull(RegistryRefused):
         super().__init__("full", detail)
 
 
-# An incarnation replaced by a newer one at its address is refused this long
-# (a captured frame of it replayed must not evict its successor).
-RETIRED_TTL_S = 600.0
-MAX_RETIRED = 4096
-# A removed instance's last seq is remembered this long: longer than a frame
-# stays within discovery's clock window (sent by a clock MAX_CLOCK_SKEW_S
-# ahead, opened until MAX_CLOCK_SKEW_S after that), so an old frame of it is
-# refused by one rule or the other.
-REMOVED_TTL_S = max(RETIRED_TTL_S, 2 * MAX_CLOCK_SKEW_S + CLOCK_SLACK_S)
-MAX_REMOVED = 4096
-
-
 # Why instances leave the registry (the reason label of instance_removals).
 REMOVAL_REASONS = ("replaced", "deregistered", "expired", "unreachable")
 # (side, model) candidate lists kept between membership changes; more are
@@ -92,7 +80,7 @@ MAX_SERVING_LISTS = 256
 
 
 @dataclass
-class InstanceRegistry:
+class InstanceRegistry(RegistryViews):
     heartbeat_timeout_s: float = 10.0
     stall_timeout_s: float = 20.0
     breaker_failures: int = 3
@@ -114,17 +102,8 @@ class InstanceRegistry:
     # Instances stalled or with a breaker not closed: the only ones healthy()
     # checks one by one (a check of every candidate was half the selection).
     _suspects: dict[str, Instance] = field(default_factory=dict, init=False)
-    # instance id -> until: incarnations a newer one replaced
-    _retired: dict[str, float] = field(default_factory=dict, init=False)
-    # instance id -> (until, its last seq, its last sent_at): removed instances
-    _removed: dict[str, tuple[float, int, float]] = field(
-        default_factory=dict, init=False
-    )
-    # Removed instances forgotten early (more than MAX_REMOVED within
-    # REMOVED_TTL_S): until then, a new instance id whose frame is no newer
-    # than the newest of theirs may be one of them, and is refused.
-    _forgotten_sent_at: float = field(default=-1.0, init=False)
-    _forgotten_until: float = field(default=-1.0, init=False)
+    # Retired incarnations and removed instances: their old frames are refused.
+    _departed: Departures = field(default_factory=Departures, init=False)
     # What happened to instances, for /metrics: removals by reason, breaker opens.
     # Every reason starts at 0: a series that appears only with its first
     # event hides that event from rate() and increase() (and so from alerts).
@@ -143,8 +122,6 @@ class InstanceRegistry:
         default_factory=list, init=False
     )
     stalls: int = field(default=0, init=False)
-    # DP group id -> its registered ranks (Instance.group)
-    _groups: dict[str, DpGroup] = field(default_factory=dict, init=False)
     # Breaker state changes by (old, new) state, and leases collected unreleased.
     breaker_transitions: Counter[tuple[str, str]] = field(
         default_factory=Counter, init=False
@@ -200,14 +177,8 @@ class InstanceRegistry:
                 f"{msg.instance_id}: heartbeat {msg.seq} after {known.seq} "
                 "(each must be newer)",
             )
-        if known is None:
-            self._refuse_removed(msg, now)
-        until = self._retired.get(msg.instance_id)
-        if known is None and until is not None and now < until:
-            raise RegistryRefused(
-                "stale",
-                f"{msg.instance_id} was replaced by a newer incarnation at its address",
-            )
+        if known is None and (refusal := self._departed.refusal(msg, now)):
+            raise RegistryRefused(*refusal)
         # An address belongs to one instance: a newer incarnation (a later
         # sender clock) takes it over; an older one (a replayed frame) may not.
         others = [
@@ -225,9 +196,7 @@ class InstanceRegistry:
                 )
         for other in others:
             self._remove(other, "replaced")
-            self._retired[other.instance_id] = now + RETIRED_TTL_S
-            while len(self._retired) > MAX_RETIRED:
-                del self._retired[next(iter(self._retired))]
+            self._departed.retire(other.instance_id, now)
         if known is None and len(self._instances) >= self.max_instances:
             raise RegistryFull(
                 f"the registry holds {self.max_instances} instances already"
@@ -235,11 +204,7 @@ class InstanceRegistry:
         expires_after_s = max(self.heartbeat_timeout_s, 3 * msg.interval_s)
         if known is not None:
             if known.role is not msg.role:
-                self._index.count_for_pairing(known, -1)
-                self._leave_group(known)
-                known.role = msg.role
-                self._index.count_for_pairing(known)
-                self._join_group(known)
+                self._index.change_role(known, msg.role)
             known.seq, known.sent_at = msg.seq, msg.sent_at
             known.dp_rank, known.dp_size = msg.dp_rank, msg.dp_size
             known.max_model_len = msg.max_model_len
@@ -266,10 +231,9 @@ class InstanceRegistry:
             dp_group=msg.dp_group if msg.dp_size > 1 else "",
             breaker=self._new_breaker(msg.instance_id, msg.http_addr),
         )
-        self._removed.pop(msg.instance_id, None)  # a newer heartbeat: it lives
+        self._departed.returned(msg.instance_id)  # a newer heartbeat: it lives
         self._next_expiry = min(self._next_expiry, now + expires_after_s)
         self._index.add(instance)
-        self._join_group(instance)
         self._progress(instance, msg.stalled_s)
         logger.info(
             "instance %s joined: %s http=%s kv=%s model=%s dp=%d/%d%s",
@@ -297,58 +261,6 @@ class InstanceRegistry:
                     ", ".join(sorted(others)),
                 )
         return True
-
-    def _join_group(self, instance: Instance) -> None:
-        """Ranks of one DP group (same role: a prefill and a decode never
-        share one) are placed as one (``policy.py``: dp_balanced)."""
-        if not instance.dp_group:
-            return
-        key = f"{instance.role.value}/{instance.dp_group}"
-        group = self._groups.get(key)
-        if group is None:
-            group = self._groups[key] = DpGroup(instance.dp_group)
-        group.members.append(instance)
-        instance.group = group
-
-    def _leave_group(self, instance: Instance) -> None:
-        group = instance.group
-        if group is None:
-            return
-        group.members.remove(instance)
-        instance.group = None
-        if not group.members:
-            key = f"{instance.role.value}/{instance.dp_group}"
-            self._groups.pop(key, None)
-
-    def _refuse_removed(self, msg: Register, now: float) -> None:
-        """Refuse an old frame of an instance that was removed."""
-        gone = self._removed.get(msg.instance_id)
-        if gone is not None:
-            until, seq, _ = gone
-            if now < until and msg.seq <= seq:
-                raise RegistryRefused(
-                    "replayed",
-                    f"{msg.instance_id} was removed after heartbeat {seq}: "
-                    f"heartbeat {msg.seq} is an old frame",
-                )
-        elif now < self._forgotten_until and msg.sent_at <= self._forgotten_sent_at:
-            raise RegistryRefused(
-                "replayed",
-                f"{msg.instance_id}: a frame no newer than those of removed "
-                "instances this router could not remember (more than "
-                f"{MAX_REMOVED} removals within {REMOVED_TTL_S:.0f} s); "
-                "a live instance is accepted once its clock passes them",
-            )
-
-    def _remember_removed(self, instance: Instance, now: float) -> None:
-        until = now + REMOVED_TTL_S
-        self._removed[instance.instance_id] = (until, instance.seq, instance.sent_at)
-        while len(self._removed) > MAX_REMOVED:
-            oldest = next(iter(self._removed))
-            old_until, _, old_sent_at = self._removed.pop(oldest)
-            if old_until > now:  # forgotten early: refuse what it could replay
-                self._forgotten_until = max(self._forgotten_until, old_until)
-                self._forgotten_sent_at = max(self._forgotten_sent_at, old_sent_at)
 
     def _progress(self, instance: Instance, stalled_s: float) -> None:
         """Take ``instance`` out of rotation while its engine does not step."""
@@ -443,9 +355,10 @@ class InstanceRegistry:
         del self._instances[instance.instance_id]
         self._suspects.pop(instance.instance_id, None)
         self._index.remove(instance)
-        self._leave_group(instance)
         if not instance.static:
-            self._remember_removed(instance, self.clock())
+            self._departed.remember_removed(
+                instance.instance_id, instance.seq, instance.sent_at, self.clock()
+            )
         self.removals[reason] += 1
         logger.info(
             "instance %s (%s %s) removed: %s",
@@ -567,7 +480,7 @@ class InstanceRegistry:
         else:
             self._suspects.pop(instance.instance_id, None)
 
-    # --- introspection -----------------------------------------------------
+    # --- lookups (the listing and /metrics views: registry_views.py) -------
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
@@ -575,102 +488,6 @@ class InstanceRegistry:
     def __len__(self) -> int:
         return len(self._instances)
 
-    def models(self) -> list[str]:
-        """Model names the registered instances serve, sorted."""
-        self.expire()
-        return sorted(
-            {i.model for i in self._instances.values() if i.model is not None}
-        )
-
-    def model_names(self) -> list[str]:
-        """Every name a request may use: models and their aliases, sorted."""
-        self.expire()
-        return self._index.names()
-
-    def partners(self, instance: Instance) -> list[Instance]:
-        """Registered instances of the other side that may form a pair with
-        ``instance``: the same model, and the same model fingerprint (an
-        unknown one, static instances', pairs with any)."""
-        other = Role.PREFILL if instance.role is Role.DECODE else Role.DECODE
-        return [
-            i
-            for i in self._instances.values()
-            if i is not instance
-            and i.serves(other)
-            and (i.model is None or instance.model is None or i.model == instance.model)
-            and compatible(i, instance)
-        ]
-
     def has_partner(self, instance: Instance) -> bool:
         """:meth:`partners` is not empty, from the index (no scan)."""
         return self._index.has_partner(instance)
-
-    def unpaired_counts(self) -> dict[str, int]:
-        """Instances no instance of the other side can pair with, by role:
-        their model fingerprints differ from every one of the other side's
-        (other weights, config or layout under one model name)."""
-        self.expire()
-        counts = dict.fromkeys((r.value for r in Role), 0)
-        for instance in self._instances.values():
-            if not self.has_partner(instance):
-                counts[instance.role.value] += 1
-        return counts
-
-    def stalled_counts(self) -> dict[str, int]:
-        """Instances out of rotation because they stopped stepping, by role."""
-        self.expire()
-        counts = dict.fromkeys((r.value for r in Role), 0)
-        for instance in self._instances.values():
-            if instance.stalled:
-                counts[instance.role.value] += 1
-        return counts
-
-    def dp_groups(self) -> dict[str, list[str]]:
-        """DP group -> the instance ids of its registered ranks, by rank."""
-        self.expire()
-        return {
-            key: [m.instance_id for m in sorted(group.members, key=lambda m: m.dp_rank)]
-            for key, group in sorted(self._groups.items())
-        }
-
-    def counts(self) -> dict[str, int]:
-        """Registered instances by role (``prefill``, ``decode``, ``both``)."""
-        self.expire()
-        counts = dict.fromkeys((r.value for r in Role), 0)
-        for instance in self._instances.values():
-            counts[instance.role.value] += 1
-        return counts
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """One JSON-able dict per instance, for the listing endpoint."""
-        self.expire()
-        now = self.clock()
-        return [
-            {
-                "instance_id": i.instance_id,
-                "role": i.role.value,
-                "http_addr": i.http_addr,
-                "kv_addr": i.kv_addr,
-                "model": i.model,
-                "aliases": list(i.aliases),
-                "dp_rank": i.dp_rank,
-                "dp_size": i.dp_size,
-                "static": i.static,
-                "age_s": round(now - i.first_seen, 3),
-                "last_heartbeat_s": None if i.static else round(now - i.last_seen, 3),
-                "outstanding": i.outstanding,
-                "tokens_in_flight": i.tokens_in_flight,
-                # Ranks of one DP group step together ("": none).
-                "dp_group": i.dp_group,
-                "breaker": self.breaker_state(i, now).value,
-                "consecutive_failures": i.consecutive_failures,
-                # "stalled": its engine held requests stalled_s without a step.
-                "state": "stalled" if i.stalled else "ready",
-                "stalled_s": i.stalled_s,
-                "fingerprint": i.fingerprint,
-                "max_model_len": i.max_model_len,
-                # False: no instance of the other side has its fingerprint.
-                "paired": self.has_partner(i),
-            }
-            for i in self._instances.values()
-        ]

@@ -38,7 +38,7 @@ from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutputs, EngineCoreRequestType
+from vllm.v1.engine import EngineCoreRequestType
 from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
 from vllm.v1.fault_tolerance import fault_tolerant_wrapper
 from vllm.v1.request import Request
@@ -54,6 +54,7 @@ from vllm_disagg.v1.engine.step_sync import (
 )
 from vllm_disagg.v1.engine.step_sync.credentials import group_secret
 from vllm_disagg.v1.engine.step_sync.rendezvous import join, not_formed_hint
+from vllm_disagg.v1.engine.step_sync.wave_audit import AuditedOutputQueue, WaveAudit
 from vllm_disagg.v1.engine.step_sync.work_bound import (
     passes_after_this,
     passes_for_new,
@@ -94,37 +95,6 @@ class StepSyncFailure(RuntimeError):
     pass
 
 
-class _WaveAudit:
-    """Counts wave traffic crossing this engine's boundary; step sync sends
-    and expects none, so anything counted here is a bug somewhere."""
-
-    def __init__(self):
-        self.start_dp_wave_received = 0
-        self.wave_stamped_requests = 0
-        self.wave_outputs_sent = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(vars(self))
-
-
-class _AuditedOutputQueue:
-    """Wraps the engine's output queue to count outputs carrying wave fields."""
-
-    def __init__(self, inner, audit: _WaveAudit):
-        self._inner = inner
-        self._audit = audit
-
-    def put_nowait(self, item):
-        if isinstance(item, tuple) and isinstance(item[1], EngineCoreOutputs):
-            outputs = item[1]
-            if outputs.wave_complete is not None or outputs.start_wave is not None:
-                self._audit.wave_outputs_sent += 1
-        self._inner.put_nowait(item)
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 class StepSyncDPEngineCoreProc(DPEngineCoreProc):
     """DP engine core for MoE models, kept in lockstep by step sync."""
 
@@ -157,9 +127,9 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
         # and whether it gave up waiting for the peers.
         self._leaving_since: float | None = None
         self._left_alone = False
-        self.wave_audit = _WaveAudit()
+        self.wave_audit = WaveAudit()
         super().__init__(vllm_config, *args, **kwargs)
-        self.output_queue = _AuditedOutputQueue(self.output_queue, self.wave_audit)
+        self.output_queue = AuditedOutputQueue(self.output_queue, self.wave_audit)
         # The decision "this is a real forward pass" is made by schedule();
         # ask for steps there, before execute_model can enter a collective.
         self._upstream_schedule = self.scheduler.schedule

@@ -19,14 +19,14 @@ import torch
 
 from vllm_disagg import envs
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import config as p2p_config
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.api_address import (
+    api_listen_addr,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import P2pConfig
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
     KVLayout,
     P2pEngine,
     SlotState,
-)
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import (
-    api_listen_addr,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
     create_transport,

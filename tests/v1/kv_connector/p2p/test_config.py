@@ -13,8 +13,10 @@ import pytest
 from vllm.config.kv_transfer import KVTransferConfig
 
 from vllm_disagg import envs
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import config as p2p_config
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import seed_json
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import (
+    extra_config,
+    seed_json,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
     CONNECTOR_NAME,
     EXTRA_CONFIG_KEYS,
@@ -607,7 +609,7 @@ def test_proxy_ip_refusals_with_their_own_reason():
     assert error(proxy_ip="10.0.0.1,10.0.0.1:30001") == (
         "kv_connector_extra_config.proxy_ip: router 10.0.0.1:30001 is listed twice"
     )
-    many = ",".join(f"10.0.0.{i}" for i in range(p2p_config.MAX_ROUTERS + 1))
+    many = ",".join(f"10.0.0.{i}" for i in range(extra_config.MAX_ROUTERS + 1))
     assert error(proxy_ip=many).startswith(
         "kv_connector_extra_config.proxy_ip: 17 routers"
     )
@@ -772,8 +774,8 @@ def test_both_ways_in_share_the_cross_field_rules():
 
 def test_every_option_is_a_field_with_the_tables_default():
     fields = {f.name: f for f in dataclasses.fields(P2pConfig)}
-    assert tuple(o.key for o in p2p_config.OPTIONS) == EXTRA_CONFIG_KEYS
-    for option in p2p_config.OPTIONS:
+    assert tuple(o.key for o in extra_config.OPTIONS) == EXTRA_CONFIG_KEYS
+    for option in extra_config.OPTIONS:
         assert fields[option.name].default == option.default, option.key
         assert option.help and option.refused and option.type, option.key
 
@@ -786,17 +788,19 @@ def test_docs_key_table_is_the_option_table():
     rendered from OPTIONS; after a change run
     `.venv/bin/python -m
     vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config`."""
-    assert p2p_config.doc_table(DOC.read_text()) == p2p_config.markdown_table()
+    assert extra_config.doc_table(DOC.read_text()) == extra_config.markdown_table()
 
 
 def test_update_doc_rewrites_only_the_table(tmp_path):
     path = tmp_path / "doc.md"
-    stale = f"intro\n\n{p2p_config.DOC_BEGIN}\n| old |\n{p2p_config.DOC_END}\n\nafter\n"
+    stale = (
+        f"intro\n\n{extra_config.DOC_BEGIN}\n| old |\n{extra_config.DOC_END}\n\nafter\n"
+    )
     path.write_text(stale)
-    assert p2p_config.update_doc(path) is True
+    assert extra_config.update_doc(path) is True
     text = path.read_text()
     assert text.startswith("intro\n\n") and text.endswith(
-        f"{p2p_config.DOC_END}\n\nafter\n"
+        f"{extra_config.DOC_END}\n\nafter\n"
     )
-    assert p2p_config.doc_table(text) == p2p_config.markdown_table()
-    assert p2p_config.update_doc(path) is False
+    assert extra_config.doc_table(text) == extra_config.markdown_table()
+    assert extra_config.update_doc(path) is False

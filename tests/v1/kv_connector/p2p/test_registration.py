@@ -432,7 +432,7 @@ def test_scheduler_shutdown_deregisters(routers, tmp_path, monkeypatch):
 def test_an_advertised_http_address_where_vllm_serve_does_not_listen_is_said_at_start():
     """With the seed's JSON and `vllm serve --host 127.0.0.1`, instances used
     to register an address nothing listened on, after 120 s of silence."""
-    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.registration import (
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.api_address import (
         advertised_http_problems,
     )
 

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
         P2pConfig,
-        SendType,
     )
     from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.connector import (
         P2pNcclConnector,
+    )
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.extra_config import (
+        SendType,
     )
     from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
         LoadSpec,
@@ -48,7 +50,7 @@ _SOURCES = {
     "P2pSchedulerConnector": "scheduler",
     "P2pWorkerConnector": "worker",
     "SaveSpec": "metadata",
-    "SendType": "config",
+    "SendType": "extra_config",
 }
 
 __all__ = [

@@ -162,7 +162,7 @@ class P2pEngine:
         # The worker's API is the two sides' (see their docstrings).
         receiver, sender = self.receiver, self.sender
         self.expect, self.poll = receiver.expect, receiver.poll
-        self.copy_into_cache, self.abandon = receiver.copy_into_cache, receiver.abandon
+        self.copy_into_cache, self.abandon = self.layout.copy_slot, receiver.abandon
         self.release, self.occupancy = receiver.room.release, receiver.room.occupancy
         self.start_send, self.hold = sender.start_send, sender.hold
         self.take_finished_sends = sender.take_finished

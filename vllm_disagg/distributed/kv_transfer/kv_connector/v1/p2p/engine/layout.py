@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.transfers import (
+    RecvSlot,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import LayoutSpec
 
 
@@ -71,6 +74,28 @@ class KVLayout:
         index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
         t.index_copy_(0, index, pages)
         return crossing and t.device.type == "cuda"
+
+    def copy_slot(self, slot: RecvSlot, block_ids: list[int], first_block: int) -> None:
+        """Write blocks ``first_block..`` of the prompt from the received
+        ``slot`` into ``block_ids``; returns once ``slot`` may be reused."""
+        offset = first_block - slot.skip_blocks
+        if offset < 0 or offset + len(block_ids) != slot.blocks_held:
+            raise ValueError(
+                f"received blocks {slot.skip_blocks}..{slot.num_blocks} do not cover "
+                f"the {len(block_ids)} blocks from {first_block} this request needs"
+            )
+        pages = self.page_bytes
+        pending = False
+        for i in range(slot.num_layers):
+            data = slot.layer(i)[offset * pages :]
+            pending |= self.write_blocks(i, block_ids, data)
+        if pending:
+            # The source is a pinned pool block, freed (and free for the next
+            # receive to overwrite) once the caller releases the slot: wait
+            # until the copies queued on the current stream have read it.
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
 
 
 def check_compatible(local: LayoutSpec, remote: LayoutSpec) -> str | None:

@@ -2,7 +2,8 @@
 handlers.
 
 Each key has one explicit state in a :class:`~..recv_state.RecvTable`; the
-model thread expects, polls, copies and abandons keys, the listener accepts
+model thread expects, polls and abandons keys (a received slot is copied into
+the KV cache by the layout, ``KVLayout.copy_slot``), the listener accepts
 channels (``Hello``) and offers (``Offer``: decide, allocate, apply) into
 room from the receive buffer, else the host pool (room.py), and the receive
 threads (inbound.py) finish them through the
@@ -14,8 +15,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-
-import torch
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import limits
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.inbound import (
@@ -166,31 +165,6 @@ class Receiver:
             self.table.apply(key, Event.TAKEN, time.monotonic())
             slot, entry.slot = entry.slot, None
             return slot
-
-    def copy_into_cache(
-        self, slot: RecvSlot, block_ids: list[int], first_block: int
-    ) -> None:
-        """Write blocks ``first_block..`` of the prompt from ``slot`` into
-        ``block_ids``."""
-        offset = first_block - slot.skip_blocks
-        if offset < 0 or offset + len(block_ids) != slot.blocks_held:
-            raise ValueError(
-                f"received blocks {slot.skip_blocks}..{slot.num_blocks} do not cover "
-                f"the {len(block_ids)} blocks from {first_block} this request needs"
-            )
-        layout = self.local.layout
-        pages = layout.page_bytes
-        pending = False
-        for i in range(slot.num_layers):
-            data = slot.layer(i)[offset * pages :]
-            pending |= layout.write_blocks(i, block_ids, data)
-        if pending:
-            # The source is a pinned pool block, freed (and free for the next
-            # receive to overwrite) once the caller releases the slot: wait
-            # until the copies queued on the current stream have read it.
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(layout.device))
-            done.synchronize()
 
     def abandon(self, key: str) -> None:
         """The worker stops waiting for ``key``; its room is freed now, or when

@@ -6,7 +6,7 @@ import importlib
 
 import torch
 
-from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import (
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.extra_config import (
     TRANSPORTS as TRANSPORT_NAMES,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (

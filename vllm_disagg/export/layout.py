@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_disagg import envs as project_envs
+from vllm_disagg.export.envs_helpers import secret_helper
 
 SLICES = ("p2p", "step-sync", "router-example")
 
@@ -641,51 +642,14 @@ class EnvVar:
 
 # The P2P connector's variables are VLLM_P2P_NCCL_*: upstream already has
 # VLLM_P2P_* variables for the KV-offload tiering P2P (side channel, peers).
-_SECRET_HELPER = '''\
-def get_p2p_nccl_secret() -> bytes | None:
-    """The P2pNcclConnector control-plane secret as bytes, or None when unset:
-    VLLM_P2P_NCCL_SECRET, else the contents of the file VLLM_P2P_NCCL_SECRET_FILE
-    names (surrounding whitespace ignored)."""
-    value = os.getenv("VLLM_P2P_NCCL_SECRET")
-    if value:
-        return value.encode()
-    path = os.getenv("VLLM_P2P_NCCL_SECRET_FILE")
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as f:
-            secret = f.read(1 << 16).strip()
-    except OSError as e:
-        raise ValueError(
-            f"VLLM_P2P_NCCL_SECRET_FILE: cannot read {path!r} ({e.strerror})"
-        ) from None
-    if not secret:
-        raise ValueError(f"VLLM_P2P_NCCL_SECRET_FILE: {path!r} is empty")
-    return secret
-'''
-
-_DP_SECRET_HELPER = '''\
-def get_dp_sync_secret() -> bytes | None:
-    """The step-sync DP secret as bytes, or None when unset: VLLM_DP_SYNC_SECRET,
-    else the contents of the file VLLM_DP_SYNC_SECRET_FILE names (surrounding
-    whitespace ignored)."""
-    value = os.getenv("VLLM_DP_SYNC_SECRET")
-    if value:
-        return value.encode()
-    path = os.getenv("VLLM_DP_SYNC_SECRET_FILE")
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as f:
-            secret = f.read(1 << 16).strip()
-    except OSError as e:
-        raise ValueError(
-            f"VLLM_DP_SYNC_SECRET_FILE: cannot read {path!r} ({e.strerror})"
-        ) from None
-    if not secret:
-        raise ValueError(f"VLLM_DP_SYNC_SECRET_FILE: {path!r} is empty")
-    return secret
-'''
+_SECRET_HELPER = secret_helper(
+    "get_p2p_nccl_secret",
+    "VLLM_P2P_NCCL_SECRET",
+    "The P2pNcclConnector control-plane secret",
+)
+_DP_SECRET_HELPER = secret_helper(
+    "get_dp_sync_secret", "VLLM_DP_SYNC_SECRET", "The step-sync DP secret"
+)
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(

@@ -206,3 +206,175 @@ def attribute_chain(text: str) -> m.BaseMatcherNode:
     for part in rest:
         matcher = m.Attribute(value=matcher, attr=m.Name(part))
     return matcher
+
+
+# --- inserting project-written statements ----------------------------------------
+
+
+def insert_after(
+    module: cst.Module,
+    scope: str,
+    matcher: m.BaseMatcherNode,
+    new: Sequence[cst.BaseStatement],
+    what: str,
+    where: str,
+    before: bool = False,
+) -> cst.Module:
+    """Put statements right after (or ``before``) the one statement of
+    ``scope`` that ``matcher`` matches."""
+
+    def place(node: cst.CSTNode):
+        assert isinstance(node, cst.BaseStatement)
+        return cst.FlattenSentinel([*new, node] if before else [node, *new])
+
+    return replace_once(module, scope, matcher, place, what, where)
+
+
+def insert_field(
+    module: cst.Module,
+    class_name: str,
+    after: str,
+    new: Sequence[cst.BaseStatement],
+    where: str,
+) -> cst.Module:
+    """Add attributes to a class after the attribute ``after`` *and its
+    docstring* (config classes document each field by the string after it)."""
+    cls = find_scope(module, class_name, where)
+    assert isinstance(cls, cst.ClassDef)
+    body = list(cls.body.body)
+    present = set().union(*(_defined_names(s) for s in body))
+    for stmt in new:
+        for name in _defined_names(stmt) & present:
+            raise ExportError(f"{where}: {class_name}.{name} is defined already")
+    hits = [i for i, s in enumerate(body) if after in _defined_names(s)]
+    if len(hits) != 1:
+        raise ExportError(f"{where}: {class_name}.{after} is defined {len(hits)} times")
+    index = hits[0] + 1
+    if index < len(body) and m.matches(
+        body[index],
+        m.SimpleStatementLine(body=[m.Expr(m.SimpleString() | m.ConcatenatedString())]),
+    ):
+        index += 1
+    body[index:index] = new
+    return module.deep_replace(
+        cls, cls.with_changes(body=cls.body.with_changes(body=body))
+    )
+
+
+def add_import_name(
+    module: cst.Module, from_module: str, name: str, where: str
+) -> cst.Module:
+    """Add ``name`` to the one top-level ``from from_module import (...)``, in
+    isort's order (case-insensitive, as upstream's ruff config sorts)."""
+    matcher = m.ImportFrom(module=attribute_chain(from_module))
+
+    def add(node: cst.CSTNode) -> cst.CSTNode:
+        assert isinstance(node, cst.ImportFrom) and not isinstance(
+            node.names, cst.ImportStar
+        )
+        names = list(node.names)
+        if any(a.evaluated_name == name for a in names):
+            return node
+        index = next(
+            (i for i, a in enumerate(names) if a.evaluated_name.lower() > name.lower()),
+            len(names),
+        )
+        if index == len(names):
+            last = names[-1]
+            names[-1] = last.with_changes(comma=names[0].comma)
+            names.append(cst.ImportAlias(name=cst.Name(name), comma=last.comma))
+        else:
+            names.insert(
+                index, cst.ImportAlias(name=cst.Name(name), comma=names[index].comma)
+            )
+            if index == len(names) - 2:  # before the last, whose comma may be absent
+                names[index] = names[index].with_changes(comma=names[0].comma)
+        return node.with_changes(names=names)
+
+    return replace_once(
+        module, "", matcher, add, f"from {from_module} import (...)", where
+    )
+
+
+def ensure_import_sorted(module: cst.Module, from_module: str, name: str, where: str):
+    """Add ``from from_module import name`` among the module's top-level
+    ``from vllm... import`` lines, before the first that sorts after it."""
+    if defines(module, name):
+        return module
+    (stmt,) = statements(f"from {from_module} import {name}\n")
+    body = list(module.body)
+    top = from_module.split(".")[0]
+    hits = []
+    for i, s in enumerate(body):
+        if m.matches(s, m.SimpleStatementLine(body=[m.ImportFrom()])):
+            other = dotted(s.body[0].module)
+            if other.split(".")[0] == top:
+                hits.append((i, other))
+    if not hits:
+        raise ExportError(
+            f"{where}: no top-level `from {top}... import` to place {name} among"
+        )
+    index = next((i for i, other in hits if other > from_module), hits[-1][0] + 1)
+    body.insert(index, stmt)
+    return module.with_changes(body=body)
+
+
+def select_subclass(
+    scope: str,
+    class_name: str,
+    condition: str,
+    from_module: str,
+    subclass: str,
+    local: str,
+) -> Callable[[cst.Module, str], cst.Module]:
+    """At the one statement of ``scope`` that uses ``class_name`` (imports
+    aside), choose the class in a local first::
+
+        local: type[Cls] = Cls
+        if <condition>:
+            from <from_module> import <subclass>
+
+            local = <subclass>
+        <statement, with Cls replaced by local>
+
+    The subclass module is imported where it is chosen: it imports the module
+    being edited (no cycle), and only step-sync deployments load it."""
+
+    def edit(module: cst.Module, where: str) -> cst.Module:
+        scope_node = find_scope(module, scope, where)
+        imports = m.findall(scope_node, m.ImportAlias(name=m.Name(class_name)))
+        import_names = {id(a.name) for a in imports}
+        uses = [
+            n
+            for n in m.findall(scope_node, m.Name(class_name))
+            if id(n) not in import_names
+        ]
+        if len(uses) != 1:
+            raise ExportError(
+                f"{where}: {class_name} is used {len(uses)} times in {scope}, expected "
+                "once"
+            )
+        (use,) = uses
+        users = [
+            s
+            for s in m.findall(scope_node, m.SimpleStatementLine())
+            if m.findall(s, m.MatchIfTrue(lambda n: n is use))
+        ]
+        if len(users) != 1:
+            raise ExportError(
+                f"{where}: no single statement uses {class_name} in {scope}"
+            )
+        (statement,) = users
+        chooser = statements(
+            f"{local}: type[{class_name}] = {class_name}\n"
+            f"if {condition}:\n"
+            f"    from {from_module} import {subclass}\n\n"
+            f"    {local} = {subclass}\n"
+        )
+        chooser[0] = chooser[0].with_changes(leading_lines=statement.leading_lines)
+        renamed = statement.deep_replace(use, cst.Name(local)).with_changes(
+            leading_lines=[]
+        )
+        return module.deep_replace(statement, cst.FlattenSentinel([*chooser, renamed]))
+
+    return edit

@@ -99,6 +99,34 @@ def query(url: str, expr: str) -> list:
     return body["data"]["result"]
 
 
+def scraped_twice(url: str, jobs: int) -> bool:
+    """Whether each of the ``jobs`` targets has two successful scrapes in
+    the last minute: ``rate()`` needs two samples, and the targets' scrape
+    offsets differ, so one target's second scrape says nothing of another's."""
+    twice = query(url, "sum_over_time(up[1m]) >= 2")  # up: 1 per good scrape
+    return len(twice) == jobs
+
+
+def panels_without_data(url: str) -> list[str]:
+    """The titles of the dashboard's panels none of whose queries has data."""
+    panels = dashboard_exprs()
+    shown = {
+        title
+        for title, expr in panels
+        if query(url, expr.replace("$__rate_interval", "1m"))
+    }
+    return sorted({title for title, _ in panels} - shown)
+
+
+def targets_health(url: str) -> list[tuple[str, str, str]]:
+    """(job, health, last error) of every target, for a failure's message."""
+    body = requests.get(f"{url}/api/v1/targets", timeout=10).json()
+    return [
+        (t["labels"]["job"], t["health"], t["lastError"])
+        for t in body["data"]["activeTargets"]
+    ]
+
+
 def active_alerts(url: str) -> dict[str, list[dict]]:
     """The active alerts (pending or firing), by name."""
     body = requests.get(f"{url}/api/v1/alerts", timeout=10).json()

@@ -415,21 +415,18 @@ def test_prometheus_scrapes_every_rank_and_a_dead_prefill_rank_raises_alerts(
             "all five targets up",
             60,
         )
+        # Every panel's series exist from start-up (at 0), so once every
+        # target has two scrapes after the traffic, every panel has data.
         prometheus.until(
-            lambda: prometheus.query(
-                prom, "count_over_time(vllm:p2p_bytes_received_total[1m]) > 1"
-            ),
-            "two scrapes of the decodes' transfer counters",
+            lambda: prometheus.scraped_twice(prom, len(targets)),
+            "two scrapes of every target",
             60,
         )
-        panels = prometheus.dashboard_exprs()
-        shown = {  # a panel shows data when one of its queries has some
-            title
-            for title, expr in panels
-            if prometheus.query(prom, expr.replace("$__rate_interval", "1m"))
-        }
-        empty = sorted({title for title, _ in panels} - shown)
-        assert not empty, f"dashboard panels without data: {empty}"
+        empty = prometheus.panels_without_data(prom)
+        assert not empty, (
+            f"dashboard panels without data: {empty}; targets: "
+            f"{prometheus.targets_health(prom)}"
+        )
         # One series per DP group: the two ranks of each instance, found
         # across their own targets by dp_group.
         ranks = prometheus.query(

@@ -51,20 +51,28 @@ def _bad(result, *outcomes):
     return [r for r in result["records"] if r["outcome"] in outcomes or r["hang"]]
 
 
+def _why(result, *outcomes) -> str:
+    """A failed check's message: the fleet's first error lines lead (a CI
+    summary shows one line), then the first offending requests."""
+    return f"fleet: {result['first_errors']}; requests: {_bad(result, *outcomes)[:3]}"
+
+
 def _check_common(result):
     """Nothing wrong, nothing hung, the traffic ended, the fault happened."""
-    assert result["fault_error"] is None, result["fault_error"]
+    assert result["fault_error"] is None, (
+        f"{result['fault_error']}; fleet: {result['first_errors']}"
+    )
     assert result["traffic_ended"], "traffic did not end within its bound"
     r = result["requests"]
-    assert r["hangs"] == 0, _bad(result)[:5]
-    assert r["wrong"] == 0, _bad(result, "wrong")[:5]
+    assert r["hangs"] == 0, _why(result)
+    assert r["wrong"] == 0, _why(result, "wrong")
     assert r["issued"] > 0
 
 
 def _check_survived(result):
     """A fault the fleet absorbs: no request failed, and it ended quiet."""
     _check_common(result)
-    assert result["requests"]["failed"] == 0, _bad(result, "failed")[:5]
+    assert result["requests"]["failed"] == 0, _why(result, "failed")
     assert result["quiet"], result["load_after"]
 
 

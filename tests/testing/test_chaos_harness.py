@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from vllm_disagg.testing.chaos import _Accumulator, late_growth
-from vllm_disagg.testing.fleet import probe_tree
+from vllm_disagg.testing.fleet import Fleet, FleetConfig, probe_tree
 from vllm_disagg.testing.traffic import (
     SHAPES,
     Record,
@@ -95,6 +95,29 @@ def test_late_growth_compares_the_middle_with_the_end():
     series = [{"t": t, "rss": {"p1 1 Worker": 100 + t}} for t in range(0, 101, 10)]
     (row,) = late_growth(series, 0, 100)
     assert (row["rss_middle"], row["rss_end"]) == (150, 200)
+
+
+def test_first_errors_leads_with_the_earliest_failure_and_skips_rejections(tmp_path):
+    fleet = Fleet(FleetConfig(model="m", log_dir=tmp_path))
+    (tmp_path / "router.log").write_text(
+        "2026-11-28 09:56:30,001 WARNING vllm_disagg.router.proxy: decode failed\n"
+        "2026-11-28 09:56:31,001 ERROR vllm_disagg.router.app: boom\n"
+    )
+    (tmp_path / "d1.log").write_text(
+        "(EngineCore_DP1 pid=7) WARNING 11-28 09:56:01 [x.py:1] P2P offer rejected\n"
+        "(EngineCore_DP1 pid=7) ERROR 11-28 09:56:21 [core.py:9] StepSyncFailure: "
+        "DP rank 0 silent for 10.2s\n"
+        "(EngineCore_DP1 pid=7) ERROR 11-28 09:56:22 [core.py:9] later\n"
+    )
+    (tmp_path / "p1.log").write_text("INFO all fine\n")
+    assert fleet.first_errors() == (
+        "d1: (EngineCore_DP1 pid=7) ERROR 11-28 09:56:21 [core.py:9] StepSyncFailure: "
+        "DP rank 0 silent for 10.2s | router: 2026-11-28 09:56:31,001 ERROR "
+        "vllm_disagg.router.app: boom"
+    )
+    (tmp_path / "d1.log").unlink()
+    (tmp_path / "router.log").unlink()
+    assert fleet.first_errors() == "no error line in any log"
 
 
 def test_probe_tree_sees_children():

@@ -757,6 +757,7 @@ def run_scenario(
         "tail_from": round(tail_from, 3),
         "fault": fault,
         "fault_error": fault_error,
+        "first_errors": fleet.first_errors(),
         "events": [(round(t - t0, 3), what) for t, what in fleet.events if t >= t0],
         "router": {
             "prefill_retries": sum(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -217,6 +218,22 @@ def _is_engine_core(proc: psutil.Process) -> bool:
 
 
 # --- the fleet ---------------------------------------------------------------
+
+
+# What first_errors picks: errors, step sync's failures, a dead engine; not the
+# rejections the hostile scenario causes on purpose.
+_ERROR_LINE = re.compile(
+    r"\bERROR\b|Traceback|StepSyncFailure|EngineDeadError|exited unexpectedly"
+)
+_NOISE_LINE = re.compile(r"reject|unauthenticated|malformed|Invalid HTTP request")
+_LOG_TIME = re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")
+
+
+def _log_time(line: str) -> str:
+    """VLLM's ``MM-DD hh:mm:ss`` or the router's ``YYYY-MM-DD hh:mm:ss``, as
+    ``MM-DD hh:mm:ss`` for sorting; '~' (last) without one."""
+    found = _LOG_TIME.search(line)
+    return found.group(1)[-14:] if found else "~"
 
 
 class FleetError(RuntimeError):
@@ -463,6 +480,20 @@ class Fleet:
             text = path.read_text(errors="replace").splitlines()[-lines:]
             out.append((path.name, "\n".join(text)))
         return out
+
+    def first_errors(self, limit: int = 3) -> str:
+        """The first error line of each log that has one (at most ``limit``
+        logs, earliest first): a failed chaos test's message leads with it,
+        so a CI summary that shows one line still names what broke first."""
+        found = []
+        for path in sorted(self.log_dir.glob("*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                if _ERROR_LINE.search(line) and not _NOISE_LINE.search(line):
+                    found.append(f"{path.stem}: {line.strip()[:240]}")
+                    break
+        if not found:
+            return "no error line in any log"
+        return " | ".join(sorted(found, key=_log_time)[:limit])
 
     # --- faults --------------------------------------------------------------
 

@@ -275,3 +275,32 @@ async def test_a_dot_segment_id_reaches_the_decode_as_that_id(pd, request_line, 
         b"Connection: close\r\n\r\n",
     )
     assert [s.path for s in d.requests] == [path]  # vLLM decodes it to the id
+
+
+async def test_no_request_runs_code_in_a_thread(pd, monkeypatch):
+    """Every hook and view is a coroutine: Quart runs a plain function in the
+    loop's executor, which cost two thread hops per request and grew the
+    router by six threads under load (the chaos suite's thread bound)."""
+    router, p, d = await pd()
+    handed: list[object] = []
+    loop = asyncio.get_running_loop()
+    original = loop.run_in_executor
+
+    def spy(executor, func, *args):
+        handed.append(func)
+        return original(executor, func, *args)
+
+    monkeypatch.setattr(loop, "run_in_executor", spy)
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    for stream in (False, True):
+        status, _, _ = await router.post("/v1/completions", {**body, "stream": stream})
+        assert status == 200
+    for path in ("/metrics", "/health", "/v1/models", "/no-such-path"):
+        await router.get(path)
+    await _request(
+        router,
+        "OPTIONS",
+        "/v1/completions",
+        headers={"Origin": "https://e.com", "Access-Control-Request-Method": "POST"},
+    )
+    assert handed == []

@@ -288,11 +288,12 @@ _PREFLIGHT_VARY = (
 _ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT", "QUERY")
 
 
-def preflight() -> Response | None:
+async def preflight() -> Response | None:
     """The answer vLLM gives a CORS preflight (``OPTIONS`` with ``Origin`` and
     ``Access-Control-Request-Method``): with its default ``--allowed-origins``
     (none) every origin is refused, 400 in plain text; None for any other
-    request."""
+    request. A coroutine, as every hook: Quart runs a plain function in a
+    thread of the loop's executor, two thread hops on every request."""
     headers = request.headers
     if request.method != "OPTIONS" or "Origin" not in headers:
         return None
@@ -319,7 +320,7 @@ def preflight() -> Response | None:
     )
 
 
-def vary_origin(answer: Response) -> Response:
+async def vary_origin(answer: Response) -> Response:
     """``Vary: Origin`` on every other answer, as vLLM's CORS middleware adds
     it to every response of an origin it does not allow (any, by default),
     or of a request without one."""

@@ -1,7 +1,8 @@
 """Child processes a benchmark starts, stops and watches, and the machine's load.
 
 Every child runs in a session of its own with its output in a log file, so that
-stopping it (SIGTERM, then SIGKILL to its whole group) leaves nothing behind.
+stopping it (SIGTERM, then SIGKILL to its whole group) leaves nothing behind
+(:class:`~vllm_disagg.testing.process.ManagedProcess`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from vllm_disagg.testing.process import ManagedProcess
 
 STOP_TIMEOUT_S = 15.0
 
@@ -60,21 +63,6 @@ def label(sample: str, name: str) -> str:
     return sample.split(f'{name}="', 1)[1].split('"', 1)[0]
 
 
-def stop_process(
-    proc: subprocess.Popen | None, timeout_s: float = STOP_TIMEOUT_S
-) -> None:
-    """SIGTERM a child started in its own session, then SIGKILL its group."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout_s)
-
-
 def run_logged(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> int:
     """Run ``cmd`` to its end, its output appended to ``log``; its process group
     killed after ``timeout_s`` (then -9)."""
@@ -98,9 +86,11 @@ def run_logged(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str])
             return -9
 
 
-class Child:
+class Child(ManagedProcess):
     """A server this benchmark starts on loopback ``port``: up once ``health_path``
     answers 200."""
+
+    stop_timeout_s = STOP_TIMEOUT_S
 
     def __init__(
         self,
@@ -125,28 +115,14 @@ class Child:
     def url(self) -> str:
         return f"http://{self.http_addr}"
 
-    def start(self, timeout_s: float = 60.0) -> Child:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}")
-            if up(self.url + self.health_path):
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{self.name} not up after {timeout_s:.0f}s")
+    @property
+    def ready_url(self) -> str:
+        return self.url + self.health_path
 
-    def stop(self) -> None:
-        stop_process(self.proc)
+    def start(self, timeout_s: float = 60.0) -> Child:
+        self.launch()
+        self.wait_ready(timeout_s)
+        return self
 
 
 def cpu_seconds(pid: int) -> float:

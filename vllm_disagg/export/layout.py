@@ -122,6 +122,7 @@ UPSTREAM_PACKAGES: dict[str, str] = {
 HELPER_PACKAGE = "tests.v1.kv_connector.p2p_utils"
 HELPERS: dict[str, str] = {
     # project module -> slice
+    "vllm_disagg.testing.process": "p2p",
     "vllm_disagg.testing.server": "p2p",
     "vllm_disagg.testing.scheduler": "p2p",
     "vllm_disagg.testing.openai_client": "p2p",

@@ -1,14 +1,14 @@
 """Start the xPyD router as a subprocess (tests, benchmarks, the demo), and
 talk to it the way a client does.
 
-The router is stopped by its own PID (SIGTERM, then SIGKILL); its log is a
-file so a failing test can show it.
+The router runs as a :class:`~vllm_disagg.testing.process.ManagedProcess`:
+stopped by its process group (SIGTERM, then SIGKILL); its log is a file so a
+failing test can show it.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +17,8 @@ from typing import Any
 
 import requests
 
-from vllm_disagg.testing.server import LoggedProcess, cpu_test_env, get_free_port
+from vllm_disagg.testing.process import ManagedProcess
+from vllm_disagg.testing.server import cpu_test_env, get_free_port
 
 STARTUP_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -27,9 +28,13 @@ class RouterStartupError(RuntimeError):
     pass
 
 
-class RouterProcess(LoggedProcess):
+class RouterProcess(ManagedProcess):
     """``python -m vllm_disagg.router`` on loopback ports chosen here."""
 
+    name = "router"
+    startup_error = RouterStartupError
+    startup_timeout_s = STARTUP_TIMEOUT_S
+    stop_timeout_s = STOP_TIMEOUT_S
     DEFAULT_TAIL_LINES = 60
 
     def __init__(
@@ -69,33 +74,14 @@ class RouterProcess(LoggedProcess):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def ready_url(self) -> str:
+        return f"{self.url}/instances"
+
     def start(self) -> RouterProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RouterStartupError(
-                    f"router exited with {self.proc.returncode}\n{self.log_tail()}"
-                )
-            try:
-                if requests.get(f"{self.url}/instances", timeout=2).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RouterStartupError(
-            f"router not up after {STARTUP_TIMEOUT_S:.0f}s\n{self.log_tail()}"
-        )
+        self.launch()
+        self.wait_ready()
+        return self
 
     def instances(self) -> list[dict[str, Any]]:
         body = requests.get(f"{self.url}/instances", timeout=5).json()
@@ -119,17 +105,6 @@ class RouterProcess(LoggedProcess):
             return requests.get(f"{self.url}/health", timeout=5).status_code == 200
         except requests.RequestException:
             return False
-
-    def stop(self) -> int | None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return None if proc is None else proc.returncode
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            return proc.wait(timeout=STOP_TIMEOUT_S)
 
     def __enter__(self) -> RouterProcess:
         return self.start()

@@ -8,15 +8,12 @@ file, and on exit stops exactly the process group it started.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +21,9 @@ import requests
 
 from vllm_disagg import envs
 from vllm_disagg.testing import openai_client
+from vllm_disagg.testing.process import ManagedProcess, ProcessStartupError
 
 DEFAULT_STARTUP_TIMEOUT_S = 300.0
-DEFAULT_STOP_TIMEOUT_S = 30.0
 
 
 # Ports tests choose for servers come from below the kernel's ephemeral range
@@ -114,31 +111,16 @@ def cpu_test_env(*, vllm_omp_defaults: bool = False, **extra: str) -> dict[str, 
     return env
 
 
-class ServerStartupError(RuntimeError):
+class ServerStartupError(ProcessStartupError):
     pass
 
 
-class LoggedProcess:
-    """A helper process whose output goes to ``self.log_path``: its text and a
-    tail to show when something fails."""
-
-    log_path: Path
-    DEFAULT_TAIL_LINES = 80
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def log_tail(self, lines: int | None = None) -> str:
-        lines = lines or self.DEFAULT_TAIL_LINES
-        tail = "\n".join(self.log_text().splitlines()[-lines:])
-        return f"--- last {lines} lines of {self.log_path} ---\n{tail}"
-
-
-class VllmServer(LoggedProcess):
+class VllmServer(ManagedProcess):
     """One ``vllm serve`` process tree, started in its own process group."""
+
+    name = "vllm serve"
+    startup_error = ServerStartupError
+    poll_interval_s = 1.0
 
     def __init__(
         self,
@@ -176,72 +158,16 @@ class VllmServer(LoggedProcess):
         ]
 
     def start(self) -> VllmServer:
-        """Launch and wait until ``/health`` answers."""
+        """Launch and wait until ``/health`` answers (or :meth:`launch` alone,
+        for servers that must meet, such as the DP ranks of an external load
+        balancer, then :meth:`wait_ready`)."""
         self.launch()
         self.wait_ready()
         return self
 
-    def launch(self) -> VllmServer:
-        """Start the process without waiting (for servers that must meet,
-        such as the DP ranks of an external load balancer)."""
-        if self.proc is not None and self.proc.poll() is None:
-            raise RuntimeError(
-                f"server already running (pid {self.proc.pid}); stop() it first"
-            )
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # The child holds its own copy of the log's descriptor.
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                start_new_session=True,
-            )
-        return self
-
-    def wait_ready(self) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise ServerStartupError(
-                    f"vllm serve exited with {self.proc.returncode} during start-up\n"
-                    + self.log_tail()
-                )
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise ServerStartupError(
-            f"vllm serve not ready after {self.startup_timeout_s:.0f}s\n"
-            + self.log_tail()
-        )
-
-    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> int | None:
-        """SIGTERM the server, then SIGKILL its process group if it lingers."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=timeout_s)
-        # Engine cores and workers are in the group we created; end stragglers.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout_s)
-        return proc.returncode
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group at once: a crash, not a shutdown."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=DEFAULT_STOP_TIMEOUT_S)
+    @property
+    def ready_url(self) -> str:
+        return f"{self.url}/health"
 
     def __enter__(self) -> VllmServer:
         """``with VllmServer(...)`` starts it; ``with server.start()`` keeps

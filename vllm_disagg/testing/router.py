@@ -1,9 +1,9 @@
 """Start the xPyD router as a subprocess (tests, benchmarks, the demo), and
 talk to it the way a client does.
 
-The router runs as a :class:`~vllm_disagg.testing.process.ManagedProcess`:
-stopped by its process group (SIGTERM, then SIGKILL); its log is a file so a
-failing test can show it.
+The router runs as a ``ManagedProcess`` (the ``process`` helper): stopped by
+its process group (SIGTERM, then SIGKILL); its log is a file so a failing test
+can show it.
 """
 
 from __future__ import annotations

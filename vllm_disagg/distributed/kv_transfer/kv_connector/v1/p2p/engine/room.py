@@ -34,7 +34,6 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import 
     TensorMemoryPool,
 )
 
-
 # Kept host receive buffers at most (each within the budget anyway).
 MAX_SPARE_BUFFERS = 16
 

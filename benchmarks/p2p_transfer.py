@@ -23,6 +23,14 @@ reversed every other round) and is divided by their mean: these machines
 are shared and noisy, and the neighbouring samples follow the drift. The
 result is the median of those ratios over rounds.
 
+``--compare`` runs a second pair of processes side by side (each round
+samples both) set to work as the engine did before this benchmark's first
+findings: the decode takes a fresh receive buffer for every transfer
+(``Room.reuse`` off) and the prefill sends a torch view per block
+(``read_blocks``, not ``read_block_bytes``); it also adds a raw sample into
+a fresh buffer (``torch.empty``) each time. The decode process's minor page
+faults are counted for every sample.
+
 ``--breakdown`` also times the engine's pieces in both processes (wrapped
 from here, the engine is unchanged): the control round trips, the receive
 room's allocation, the per-layer reads of the KV cache and the socket calls.
@@ -30,7 +38,7 @@ room's allocation, the per-layer reads of the KV cache and the socket calls.
 Writes benchmarks/results/p2p_transfer.{json,md} (``--out DIR``: elsewhere;
 ``--tag NAME``: p2p_transfer-NAME.*).
 
-    .venv/bin/python benchmarks/p2p_transfer.py [--rounds 15] [--breakdown]
+    .venv/bin/python benchmarks/p2p_transfer.py [--rounds 15] [--breakdown] [--compare]
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import collections
 import functools
 import multiprocessing as mp
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -57,6 +66,7 @@ SIZES = (4 * MIB, 16 * MIB, 64 * MIB)
 MODES = ("PUT", "GET")
 OP_TIMEOUT_S = 60.0
 POLL_SLEEP_S = 20e-6
+BEFORE = "_before"  # --compare: the engine as before it kept buffers
 
 
 # --- time breakdown (--breakdown): wrappers installed in each process ---------
@@ -92,6 +102,9 @@ def install_timers() -> None:
     layout.KVLayout.read_blocks = _timed(
         "read_blocks (per layer)", layout.KVLayout.read_blocks
     )
+    layout.KVLayout.read_block_bytes = _timed(
+        "read_block_bytes (per layer)", layout.KVLayout.read_block_bytes
+    )
     room.Room.take = _timed("receive room allocation", room.Room.take)
 
 
@@ -104,7 +117,7 @@ def take_timers() -> dict[str, list[float]]:
 # --- the two processes -----------------------------------------------------------
 
 
-def _engines(*, receiver: bool):
+def _engines(*, receiver: bool, before: bool = False):
     from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
         KVLayout,
         P2pEngine,
@@ -133,6 +146,9 @@ def _engines(*, receiver: bool):
             mem_pool_size_bytes=0,
             hold_timeout_s=OP_TIMEOUT_S,
         )
+        if before:  # --compare: as before (see the docstring)
+            engines[mode].receiver.room.reuse = False
+            engines[mode].local.transport.sends_host_bytes = False
     return engines
 
 
@@ -144,10 +160,14 @@ def _raw_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.numpy())
 
 
-def receiver(ctrl, breakdown: bool) -> None:
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def receiver(ctrl, breakdown: bool, before: bool) -> None:
     if breakdown:
         install_timers()
-    engines = _engines(receiver=True)
+    engines = _engines(receiver=True, before=before)
     with socket.create_server((HOST, 0)) as server:
         ctrl.send(
             {
@@ -164,8 +184,10 @@ def receiver(ctrl, breakdown: bool) -> None:
             ctrl.send(take_timers())
             continue
         kind, key, size, prefill = job
-        if kind == "raw":
-            view = _raw_view(staging[:size])
+        faults = _minor_faults()
+        if kind in ("raw", "raw_fresh"):
+            buf = staging if kind == "raw" else torch.empty(size, dtype=torch.uint8)
+            view = _raw_view(buf[:size])
             ctrl.send("ready")
             got = 0
             while got < size:
@@ -173,7 +195,7 @@ def receiver(ctrl, breakdown: bool) -> None:
                 if n == 0:
                     raise ConnectionError("peer closed")
                 got += n
-            ctrl.send((time.monotonic(), ""))
+            ctrl.send((time.monotonic(), "", _minor_faults() - faults))
             continue
         engine = engines[kind]
         deadline = time.monotonic() + OP_TIMEOUT_S
@@ -190,19 +212,20 @@ def receiver(ctrl, breakdown: bool) -> None:
             if slot is None:
                 time.sleep(POLL_SLEEP_S)
         end = time.monotonic()
+        faults = _minor_faults() - faults
         reason = "no KV" if slot is None else slot.reason
         if slot is not None:
             engine.release(slot)
-        ctrl.send((end, reason))
+        ctrl.send((end, reason, faults))
     raw.close()
     for engine in engines.values():
         engine.close()
 
 
-def sender(ctrl, breakdown: bool) -> None:
+def sender(ctrl, breakdown: bool, before: bool) -> None:
     if breakdown:
         install_timers()
-    engines = _engines(receiver=False)
+    engines = _engines(receiver=False, before=before)
     peers = ctrl.recv()
     raw = socket.create_connection((HOST, peers["raw"]), timeout=OP_TIMEOUT_S)
     payload = torch.randint(0, 256, (max(SIZES),), dtype=torch.uint8)
@@ -214,7 +237,7 @@ def sender(ctrl, breakdown: bool) -> None:
             continue
         kind, key, size = job
         seq += 1
-        if kind == "raw":
+        if kind in ("raw", "raw_fresh"):
             start = time.monotonic()
             raw.sendall(_raw_view(payload[:size]))
             ctrl.send((start, ""))
@@ -247,13 +270,17 @@ def sender(ctrl, breakdown: bool) -> None:
 class Pair:
     """The two processes and the parent's side of their pipes."""
 
-    def __init__(self, breakdown: bool):
+    def __init__(self, breakdown: bool, before: bool = False):
         ctx = mp.get_context("spawn")
         self.to_send, send_end = ctx.Pipe()
         self.to_recv, recv_end = ctx.Pipe()
         self.procs = [
-            ctx.Process(target=sender, args=(send_end, breakdown), name="sender"),
-            ctx.Process(target=receiver, args=(recv_end, breakdown), name="receiver"),
+            ctx.Process(
+                target=sender, args=(send_end, breakdown, before), name="sender"
+            ),
+            ctx.Process(
+                target=receiver, args=(recv_end, breakdown, before), name="receiver"
+            ),
         ]
         for p in self.procs:
             p.start()
@@ -261,6 +288,7 @@ class Pair:
         self.to_send.send(recv_info)
         self.prefill = self._get(self.to_send)
         self.seq = 0
+        self.faults: list[int] = []  # the decode's minor faults, last sample
 
     def _get(self, conn):
         if not conn.poll(OP_TIMEOUT_S + 10):
@@ -283,7 +311,8 @@ class Pair:
             assert self._get(self.to_recv) == "ready"
             self.to_send.send((kind, key, size))
             start, send_failed = self._get(self.to_send)
-        end, recv_failed = self._get(self.to_recv)
+        end, recv_failed, faults = self._get(self.to_recv)
+        self.faults.append(faults)
         if send_failed or recv_failed:
             raise RuntimeError(f"{kind} {size}: failed: {send_failed} {recv_failed}")
         return end - start
@@ -306,28 +335,47 @@ class Pair:
 
 
 def measure(args) -> dict:
-    pair = Pair(args.breakdown)
-    seconds = {k: {s: [] for s in SIZES} for k in ("raw", *MODES)}
-    ratios = {m: {s: [] for s in SIZES} for m in MODES}
+    # column -> (pair, kind): the engine columns of each pair, and the raw ones
+    pairs = {"": Pair(args.breakdown)}
+    if args.compare:
+        pairs[BEFORE] = Pair(False, before=True)
+    columns = ["raw", *(("raw_fresh",) if args.compare else ())]
+    columns += [m + suffix for suffix in pairs for m in MODES]
+    seconds = {c: {s: [] for s in SIZES} for c in columns}
+    faults = {c: {s: [] for s in SIZES} for c in columns}
+    ratios = {c: {s: [] for s in SIZES} for c in columns if c.split("_")[0] in MODES}
+
+    def sample(pair: Pair, column: str, kind: str, size: int) -> float:
+        value = pair.sample(kind, size)
+        seconds[column][size].append(value)
+        faults[column][size].append(pair.faults[-1])
+        return value
+
     try:
-        for size in SIZES:  # warm-up: channels, TCP windows, allocator
-            for kind in ("raw", *MODES, "raw", *MODES):
-                pair.sample(kind, size)
-        pair.timers()  # the warm-up's are not counted
+        for pair in pairs.values():
+            for size in SIZES:  # warm-up: channels, TCP windows, allocator
+                for kind in ("raw", *MODES, "raw", *MODES):
+                    pair.sample(kind, size)
+            pair.timers()  # the warm-up's are not counted
         for r in range(args.rounds):
             for size in SIZES:
-                raw = [pair.sample("raw", size)]
-                for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                    value = pair.sample(mode, size)
-                    raw.append(pair.sample("raw", size))
-                    seconds[mode][size].append(value)
-                    ratios[mode][size].append(statistics.fmean(raw[-2:]) / value)
-                seconds["raw"][size].extend(raw)
+                order = list(pairs.items())
+                for suffix, pair in order if r % 2 == 0 else order[::-1]:
+                    raw = [sample(pair, "raw", "raw", size)]
+                    for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                        value = sample(pair, mode + suffix, mode, size)
+                        raw.append(sample(pair, "raw", "raw", size))
+                        ratios[mode + suffix][size].append(
+                            statistics.fmean(raw[-2:]) / value
+                        )
+                    if suffix:
+                        sample(pair, "raw_fresh", "raw_fresh", size)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
-        timers = pair.timers() if args.breakdown else {}
+        timers = pairs[""].timers() if args.breakdown else {}
     finally:
-        pair.close()
-    return {"seconds": seconds, "ratios": ratios, "timers": timers}
+        for pair in pairs.values():
+            pair.close()
+    return {"seconds": seconds, "ratios": ratios, "faults": faults, "timers": timers}
 
 
 def summarize(result: dict) -> dict:
@@ -338,6 +386,7 @@ def summarize(result: dict) -> dict:
             row[kind] = {
                 "seconds_median": statistics.median(per_size[size]),
                 "gbps_median": size / statistics.median(per_size[size]) / 1e9,
+                "minor_faults_median": statistics.median(result["faults"][kind][size]),
             }
             if kind in result["ratios"]:
                 r = result["ratios"][kind][size]
@@ -368,10 +417,12 @@ def markdown(summary: dict, result: dict, args) -> list[str]:
     def cell(kind: str, size: int) -> str:
         s = summary[size][kind]
         text = f"{report.ms(s['seconds_median'])} ms, {s['gbps_median']:.2f} GB/s"
-        if kind in MODES:
+        if "ratio_to_raw_median" in s:
             lo, hi = s["ratio_to_raw_min_max"]
             text += f" (**{s['ratio_to_raw_median']:.2f}x**, {lo:.2f}-{hi:.2f})"
-        return text
+        return text + f"; {s['minor_faults_median']:.0f} faults"
+
+    kinds = list(summary[SIZES[0]])
 
     lines = [
         "# One P2P KV transfer end to end vs the raw loopback socket",
@@ -386,16 +437,23 @@ def markdown(summary: dict, result: dict, args) -> list[str]:
             "ratio is their mean time over its time (1.0: as fast as the raw "
             "socket; the goal is >= 0.8). Times are medians; the ratio is the "
             "median (min-max) of the ratios. Load average (1 min) before and "
-            f"after the run: {args.load_average[0]:.1f}, {args.load_average[1]:.1f}."
+            f"after the run: {args.load_average[0]:.1f}, {args.load_average[1]:.1f}. "
+            "Faults: the decode process's minor page faults during the sample "
+            "(median)."
+            + (
+                " `_before`: the second pair of processes (same rounds), set to "
+                "work as before: a fresh receive buffer per transfer, a torch "
+                "view per block sent; `raw_fresh`: `recv_into` a fresh "
+                "`torch.empty` each time."
+                if args.compare
+                else ""
+            )
             + (f" Code: {args.tag}." if args.tag else ""),
         ),
         "",
         *report.table(
-            ["transfer", "raw socket", *MODES],
-            [
-                [f"{size // MIB} MiB", *(cell(k, size) for k in ("raw", *MODES))]
-                for size in SIZES
-            ],
+            ["sample", *(f"{size // MIB} MiB" for size in SIZES)],
+            [[k, *(cell(k, size) for size in SIZES)] for k in kinds],
         ),
     ]
     if result["timers"]:
@@ -405,7 +463,8 @@ def markdown(summary: dict, result: dict, args) -> list[str]:
             "## Where the time goes",
             "",
             f"Every timed call of the {transfers} engine transfers, both modes and "
-            "sizes together (the raw samples call none of these).",
+            "sizes together (the raw samples call none of these; with "
+            "`--compare`, the first pair's only).",
             "",
             *report.table(
                 [
@@ -425,6 +484,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--breakdown", action="store_true")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also a pair working as before (fresh buffers, views per block)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the result files")
     report.add_out_argument(parser)
     args = parser.parse_args()

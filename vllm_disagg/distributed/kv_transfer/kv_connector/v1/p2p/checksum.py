@@ -99,10 +99,12 @@ def _byte_array(nbytes: int) -> type[ctypes.Array]:
     return ctypes.c_ubyte * nbytes
 
 
-def page_views(tensors: Sequence[torch.Tensor], page_bytes: int) -> list[memoryview]:
+def page_views(
+    tensors: Sequence[torch.Tensor | memoryview], page_bytes: int
+) -> list[memoryview]:
     """One byte memoryview per ``page_bytes`` of ``tensors`` (contiguous CPU
-    tensors whose sizes are whole pages), no copy; the caller keeps the
-    tensors alive while the views are used. One view per underlying storage,
+    tensors or byte memoryviews, of whole pages), no copy; the caller keeps
+    the tensors alive while the views are used. One view per underlying storage,
     sliced: a layer message can carry thousands of block views, and a numpy
     view per block would cost about as much as hashing a small block."""
     bases: dict[int, memoryview] = {}
@@ -110,6 +112,13 @@ def page_views(tensors: Sequence[torch.Tensor], page_bytes: int) -> list[memoryv
     for t in tensors:
         size = t.nbytes
         if not size:
+            continue
+        if isinstance(t, memoryview):
+            if size % page_bytes:
+                raise ValueError(
+                    f"a part of {size} bytes is not whole {page_bytes}-byte blocks"
+                )
+            views.extend(t[o : o + page_bytes] for o in range(0, size, page_bytes))
             continue
         if not t.is_cpu or not t.is_contiguous():
             raise ValueError("kv_checksum hashes contiguous CPU tensors only")
@@ -148,7 +157,9 @@ class Checksum:
             ) from None
         self.name = name
 
-    def digests(self, parts: Sequence[torch.Tensor], page_bytes: int) -> torch.Tensor:
+    def digests(
+        self, parts: Sequence[torch.Tensor | memoryview], page_bytes: int
+    ) -> torch.Tensor:
         """The digests of every block of ``parts``, in order, as the uint8
         tensor the sender appends to the layer's message."""
         import torch

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.transfers import (
@@ -39,6 +41,7 @@ class KVLayout:
         self.device = first.device
         self.page_bytes = first[0].numel() * first.element_size()
         self.blocks_contiguous = all(t[0].is_contiguous() for t in self.tensors)
+        self._layer_bytes: list[memoryview | None] = [None] * len(self.tensors)
 
     @property
     def num_layers(self) -> int:
@@ -61,6 +64,44 @@ class KVLayout:
             return [t[b].reshape(-1).view(torch.uint8) for b in block_ids]
         index = torch.tensor(block_ids, dtype=torch.long, device=t.device)
         return [t.index_select(0, index).reshape(-1).view(torch.uint8)]
+
+    def read_block_bytes(self, layer: int, block_ids: list[int]) -> list[memoryview]:
+        """The bytes of ``block_ids`` of one layer of a CPU cache whose blocks
+        are contiguous, as memoryviews of the cache (one per run of adjacent
+        blocks), for a transport that sends host bytes. A torch view per
+        block costs a few microseconds, more than moving a 32 KiB block over
+        loopback; a memoryview slice costs a tenth of that."""
+        if not (self.blocks_contiguous and self.device.type == "cpu"):
+            raise ValueError("read_block_bytes needs a CPU cache of contiguous blocks")
+        base = self._layer_bytes[layer]
+        if base is None:
+            base = self._layer_bytes[layer] = self._bytes_of(self.tensors[layer])
+        t = self.tensors[layer]
+        stride = t.stride(0) * t.element_size()
+        page, last = self.page_bytes, self.num_blocks
+        views: list[memoryview] = []
+        begin = end = -1  # the current run of adjacent blocks, in bytes
+        for b in block_ids:
+            if not 0 <= b < last:
+                raise IndexError(f"block {b} is outside the cache's {last} blocks")
+            offset = b * stride
+            if offset == end and stride == page:
+                end += page
+                continue
+            if end >= 0:
+                views.append(base[begin:end])
+            begin, end = offset, offset + page
+        if end >= 0:
+            views.append(base[begin:end])
+        return views
+
+    def _bytes_of(self, t: torch.Tensor) -> memoryview:
+        """A byte memoryview from the first block of ``t`` to the end of its
+        last; valid while ``t`` lives (this layout keeps it)."""
+        nbytes = (self.num_blocks - 1) * t.stride(0) * t.element_size()
+        nbytes += self.page_bytes
+        raw = (ctypes.c_ubyte * nbytes).from_address(t.data_ptr())
+        return memoryview(raw).cast("B")
 
     def write_blocks(self, layer: int, block_ids: list[int], src: torch.Tensor) -> bool:
         """Copy ``len(block_ids)`` pages of bytes from ``src`` into the cache;

@@ -342,11 +342,19 @@ class Peer:
                 self._give_up(xfer, f"peer claimed skip={skip}")
                 return
             blocks = xfer.block_ids[skip:]
-            checksum, page_bytes = owner.local.checksum, owner.local.layout.page_bytes
+            layout, checksum = owner.local.layout, owner.local.checksum
+            page_bytes = layout.page_bytes
+            read = (
+                layout.read_block_bytes
+                if owner.local.transport.sends_host_bytes
+                and layout.blocks_contiguous
+                and layout.device.type == "cpu"
+                else layout.read_blocks
+            )
             for layer in range(xfer.num_layers):
                 xfer.wait_layer(layer)
-                parts = owner.local.layout.read_blocks(layer, blocks)
-                sent_bytes += sum(p.numel() for p in parts)
+                parts = read(layer, blocks)
+                sent_bytes += sum(p.nbytes for p in parts)
                 if checksum is not None:
                     # Over the very views handed to the transport: what the
                     # receiver checks is what left this side's KV cache.

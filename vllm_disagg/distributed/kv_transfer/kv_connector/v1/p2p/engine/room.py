@@ -3,6 +3,11 @@
 One per engine, guarded by the engine's lock (passed in); what it hands out
 goes back through :meth:`Room.release` once the worker copied the slot (or
 nobody will).
+
+Host receive buffers are kept for the next transfer (a free list within the
+``kv_buffer_size`` budget): a fresh buffer of tens of MiB is a fresh mmap,
+and the kernel's copy into it also takes one page fault per 4 KiB, which
+cost more than the copy itself (benchmarks/results/p2p_transfer.md).
 """
 
 from __future__ import annotations
@@ -29,6 +34,18 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.tensor_pool import 
     TensorMemoryPool,
 )
 
+# Kept host receive buffers at most (each within the budget anyway).
+MAX_SPARE_BUFFERS = 16
+
+
+def size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of 1/8 of its power of two (at most
+    12.5 % more), so transfers of similar sizes share kept buffers."""
+    if nbytes <= 4096:
+        return 4096
+    step = 1 << max((nbytes - 1).bit_length() - 4, 12)
+    return -(-nbytes // step) * step
+
 
 class Room:
     """The receive buffer's budget (``kv_buffer_size``) and the host pool
@@ -47,8 +64,13 @@ class Room:
         self.buffer_size = buffer_size
         self.pool_size = pool_size
         self.stats = stats
-        self.buffer_used = 0
+        self.buffer_used = 0  # capacity of the buffers in use
         self.pool: TensorMemoryPool | None = None
+        # Host buffers released and kept for reuse; they count against the
+        # budget too (buffer_used + spare_bytes <= buffer_size).
+        self.spare: list[torch.Tensor] = []
+        self.spare_bytes = 0
+        self.reuse = layout.device.type == "cpu"  # CUDA's allocator caches already
 
     def nbytes(self, blocks: int) -> int:
         """The bytes of ``blocks`` blocks of every layer."""
@@ -84,10 +106,8 @@ class Room:
         """Room for ``nbytes``: receive buffer first, then the pool; None if neither."""
         with self.lock:
             if self.buffer_used + nbytes <= self.buffer_size:
-                self.buffer_used += nbytes
-                tensor = torch.empty(
-                    nbytes, dtype=torch.uint8, device=self.layout.device
-                )
+                tensor = self._buffer(nbytes)
+                self.buffer_used += tensor.untyped_storage().nbytes()
                 self._report()
                 return tensor, None
             if self.pool_size > 0:
@@ -107,9 +127,45 @@ class Room:
                 self.pool.free(slot.pool_alloc)
                 slot.pool_alloc = None
             else:
-                self.buffer_used -= slot.nbytes
+                storage = slot.tensor.untyped_storage()
+                self.buffer_used -= storage.nbytes()
+                if (
+                    self.reuse
+                    and storage.nbytes()
+                    and len(self.spare) < MAX_SPARE_BUFFERS
+                ):
+                    # The whole allocation, whatever part the slot used.
+                    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+                    self.spare.append(whole)
+                    self.spare_bytes += whole.numel()
             slot.tensor = torch.empty(0, dtype=torch.uint8)
             self._report()
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of receive buffer: a kept one of the same size class
+        when there is one, else a new one of that class (or of exactly
+        ``nbytes`` where the class would not fit the budget). Caller holds
+        the lock and checked ``buffer_used + nbytes <= buffer_size``."""
+        device = self.layout.device
+        if not self.reuse or not nbytes:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        capacity = size_class(nbytes)
+        for i, spare in enumerate(self.spare):
+            if spare.numel() == capacity:
+                del self.spare[i]
+                self.spare_bytes -= capacity
+                if self.buffer_used + capacity <= self.buffer_size:
+                    return spare[:nbytes]
+                break  # too big for what is left: freed, made exactly below
+        if self.buffer_used + capacity > self.buffer_size:
+            capacity = nbytes
+        # Kept buffers give way to the budget, largest first.
+        while self.spare and (
+            self.buffer_used + self.spare_bytes + capacity > self.buffer_size
+        ):
+            largest = max(range(len(self.spare)), key=lambda j: self.spare[j].numel())
+            self.spare_bytes -= self.spare.pop(largest).numel()
+        return torch.empty(capacity, dtype=torch.uint8, device=device)[:nbytes]
 
     def occupancy(self) -> tuple[int, int]:
         """(receive buffer bytes, pool bytes) in use."""

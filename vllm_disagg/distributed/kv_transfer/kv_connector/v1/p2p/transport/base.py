@@ -95,6 +95,9 @@ class Transport(abc.ABC):
     #: True when ``recv`` may write into host (CPU, pinned) tensors directly;
     #: NCCL cannot, so on CUDA the engine receives into device memory first.
     receives_into_host: bool = True
+    #: True when ``Channel.send`` also takes byte memoryviews of host memory
+    #: (``KVLayout.read_block_bytes``), which cost less than a tensor per block.
+    sends_host_bytes: bool = False
 
     def __init__(self, device: torch.device, bind_host: str):
         self.device = device

@@ -62,7 +62,7 @@ def _byte_array(nbytes: int) -> type[ctypes.Array]:
     return ctypes.c_ubyte * nbytes
 
 
-def _memoryviews(tensors: Sequence[torch.Tensor]) -> list[memoryview]:
+def _memoryviews(tensors: Sequence[torch.Tensor | memoryview]) -> list[memoryview]:
     """Writable byte memoryviews of the tensors' memory, no copy.
 
     The caller keeps the tensors alive while the views are in use. One view
@@ -73,6 +73,10 @@ def _memoryviews(tensors: Sequence[torch.Tensor]) -> list[memoryview]:
     bases: dict[int, memoryview] = {}
     ranges: list[list] = []  # [base, begin, end]
     for t in tensors:
+        if isinstance(t, memoryview):  # host bytes already (send only)
+            if t.nbytes:
+                ranges.append([t, 0, t.nbytes])
+            continue
         if not t.is_cpu:
             raise TransportError(
                 f"tensor on {t.device}: the tcp transport moves CPU tensors"
@@ -131,7 +135,9 @@ class TcpChannel(Channel):
         self._recv_header = bytearray(_HEADER.size)
         self._error: str | None = None
 
-    def send(self, tensors: Sequence[torch.Tensor], deadline: float) -> None:
+    def send(
+        self, tensors: Sequence[torch.Tensor | memoryview], deadline: float
+    ) -> None:
         self._check()
         views = _memoryviews(tensors)
         _HEADER.pack_into(self._send_header, 0, sum(v.nbytes for v in views))
@@ -368,6 +374,7 @@ class TcpTransport(Transport):
     """Channels over plain TCP; the CPU default."""
 
     name = "tcp"
+    sends_host_bytes = True
 
     def __init__(
         self,

@@ -320,6 +320,40 @@ async def test_a_decode_that_breaks_the_format_ends_the_stream_closed(
     await settled(router)
 
 
+async def test_a_decode_past_the_requests_limit_is_not_continued(fakes, start_router):
+    """A decode that sent more tokens than ``max_tokens`` and then died: the
+    client gets what it sent and an error, never a continuation built on a
+    ledger nothing honest produced (and the ledger stops growing)."""
+
+    async def too_many_then_dies(fake, request, body, resp):
+        for e in tokens(8):
+            await resp.write(e)
+        await asyncio.sleep(0.02)
+
+    router, calls = await fleet(fakes, start_router, too_many_then_dies)
+    status, raw, _ = await router.post("/v1/completions", {**STREAM, "max_tokens": 5})
+    chunks = events_of(raw)
+    assert status == 200 and chunks[-1] == "[DONE]" and "error" in chunks[-2]
+    assert len(calls) == 1
+    assert (
+        router.metric(
+            "vllm_disagg_router_migrations_total",
+            outcome="not_migratable",
+            reason="over_limit",
+        )
+        == 1
+    )
+    await settled(router)
+
+
+def test_the_ledger_keeps_no_more_than_the_limit():
+    ledger = StreamLedger({"prompt": "x", "max_tokens": 3}, "/v1/completions", False)
+    for e in tokens(6):
+        ledger.feed(e)
+    assert len(ledger.generated) == 3
+    assert ledger.why_not_resumable() == "over_limit"
+
+
 @pytest.mark.parametrize("name", sorted(MALFORMED))
 async def test_a_continuation_that_breaks_the_format_ends_the_stream(
     fakes, start_router, name

@@ -107,6 +107,7 @@ NOT_MIGRATABLE_REASONS = (
     "prompts",  # several prompts in one completion request
     "multimodal",  # the prompt's placeholders need the media again
     "parser",  # the decode parsed reasoning or tool calls out of the text
+    "over_limit",  # the decode sent more tokens than the request's limit
     "option",  # an option not known to be exact: fail closed
 )
 

@@ -47,6 +47,10 @@ EVENT_END = b"\n\n"
 # The largest SSE event a decode may send (its first carries the prompt's
 # token ids): beyond it the decode is not speaking vLLM's stream format.
 MAX_EVENT_BYTES = 32 << 20
+# The most generated tokens a ledger keeps where the request sets no limit;
+# beyond it (or beyond the request's own limit, which an honest decode never
+# passes) the stream is relayed on but no longer migratable.
+MAX_LEDGER_TOKENS = 1 << 20
 
 
 @dataclass
@@ -221,6 +225,7 @@ class StreamLedger:
                     choice["prompt_token_ids"], changed = None, True
             if isinstance(choice.get("token_ids"), list):
                 self.generated.extend(choice["token_ids"])
+                self._cap_ledger()
                 text = choice.get("text") if not self.chat else None
                 if self.chat and isinstance(choice.get("delta"), dict):
                     text = choice["delta"].get("content")
@@ -243,6 +248,16 @@ class StreamLedger:
         if obj.get("usage") is not None and not obj.get("choices"):
             self._usage_sent = True
         return _encode(obj) if changed else event + EVENT_END
+
+    def _cap_ledger(self) -> None:
+        """A decode that generated more than the request allows (or than
+        MAX_LEDGER_TOKENS) is not trusted to be continued, and its ledger
+        stops growing: the stream is relayed, not migrated."""
+        limit = token_limit(self.body, self.path)
+        cap = MAX_LEDGER_TOKENS if limit is None else min(limit, MAX_LEDGER_TOKENS)
+        if len(self.generated) > cap:
+            self.unmigratable = "over_limit"
+            del self.generated[cap:]
 
     def _note_seam(self, n_ids: int, raw_text: str, sent_text: str) -> None:
         """Account a chunk of ``n_ids`` tokens whose detokenized text was

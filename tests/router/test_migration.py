@@ -267,6 +267,27 @@ def test_a_chat_delta_a_parser_made_is_not_continued():
     assert ledger.why_not_resumable() == "parser"
 
 
+def test_a_chat_without_a_plain_content_token_yet_is_not_continued():
+    """The role chunk alone does not say whether the server parses reasoning
+    out of the text: a continuation would send the raw text as content."""
+    ledger = StreamLedger({"messages": []}, "/v1/chat/completions", False)
+    role = {
+        "id": "c",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+        "prompt_token_ids": [1],
+    }
+    ledger.feed(event(role))
+    assert ledger.why_not_resumable() == "before_first_token"
+    token = {
+        **role,
+        "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [4]}],
+    }
+    ledger.feed(event(token))
+    assert ledger.why_not_resumable() is None
+
+
 def test_a_decode_that_died_after_its_last_token_owes_only_usage_and_done():
     body = {"prompt": "x", "stream_options": {"include_usage": True}}
     ledger = StreamLedger(body, "/v1/completions", False)

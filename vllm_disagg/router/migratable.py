@@ -108,6 +108,7 @@ NOT_MIGRATABLE_REASONS = (
     "multimodal",  # the prompt's placeholders need the media again
     "parser",  # the decode parsed reasoning or tool calls out of the text
     "over_limit",  # the decode sent more tokens than the request's limit
+    "before_first_token",  # a chat whose decode sent no token: parser unknown
     "option",  # an option not known to be exact: fail closed
 )
 

@@ -143,6 +143,9 @@ class StreamLedger:
     _base: int = 0  # tokens generated before the current continuation
     _buffer: bytearray = field(default_factory=bytearray)
     _usage_sent: bool = False
+    # A chat's decode sent a token as plain ``content``: a server-side
+    # reasoning parser would have shown itself by then (see why_not_resumable).
+    _content_seen: bool = False
     # The last clean seam (see the module's docstring): how many generated
     # tokens precede it and the text the client got after it.
     _seam: int = 0
@@ -223,6 +226,7 @@ class StreamLedger:
                 self.prompt_ids = list(ids)
                 if not self.client_token_ids:
                     choice["prompt_token_ids"], changed = None, True
+            has_tokens = bool(choice.get("token_ids"))
             if isinstance(choice.get("token_ids"), list):
                 self.generated.extend(choice["token_ids"])
                 self._cap_ledger()
@@ -238,6 +242,8 @@ class StreamLedger:
             if self.chat and isinstance(delta, dict):
                 if set(delta) - {"role", "content"} or not delta:
                     self.unmigratable = "parser"
+                elif has_tokens and isinstance(delta.get("content"), str):
+                    self._content_seen = True
                 if (
                     not delta
                     and not self.client_token_ids
@@ -278,6 +284,11 @@ class StreamLedger:
             return "decode_error"
         if self.prompt_ids is None or not self.ident:
             return "no_token_ids"
+        if self.chat and not self._content_seen:
+            # Nothing says yet whether the server parses reasoning or tool
+            # calls out of the text (that shows only in token deltas); a
+            # continuation through /v1/completions would send it raw.
+            return "before_first_token"
         return None
 
     def continuation_body(self) -> dict[str, Any]:

@@ -213,6 +213,14 @@ def points(which: str, quick: bool) -> list[stepsim.Scenario]:
         for dp in (2, 8, 32, 64, 128, 256):
             for m in MODELS:
                 out.append(stepsim.Scenario(m, dp, 20, 0.0 if m == "none" else 1.0))
+    if which == "lookahead":
+        # Does a longer lease (fewer grant round trips per pass) keep rank 0
+        # and the group at pace where the coordinator's messages add up?
+        for dp in (32, 64, 128):
+            out.append(stepsim.Scenario("none", dp, 20, 0.0))
+            out.append(stepsim.Scenario("waves", dp, 20, 1.0))
+            for lookahead in (2, 4, 8):
+                out.append(stepsim.Scenario("step_sync", dp, 20, 1.0, lookahead))
     if which in ("delay", "all"):
         for pass_ms in (5, 20, 50):
             load = max(40, int(2000 / pass_ms))
@@ -266,9 +274,12 @@ def markdown(results: list[dict], sat: dict, args) -> list[str]:
     rows = []
     for r in results:
         s, c = r["scenario"], r.get("coordinator", {})
+        model = s["model"]
+        if model == "step_sync" and s["lookahead"] != 2:
+            model += f" (lookahead {s['lookahead']})"
         rows.append(
             [
-                s["model"],
+                model,
                 s["dp"],
                 s["pass_ms"],
                 s["delay_ms"],
@@ -355,6 +366,7 @@ def plot(results: list[dict], path: Path) -> None:
         r
         for r in results
         if r["scenario"]["pass_ms"] == 20
+        and r["scenario"]["lookahead"] == 2
         and r["scenario"]["delay_ms"] in (1.0, 0.0)
         and (r["scenario"]["delay_ms"] == 1.0 or r["scenario"]["model"] == "none")
     ]
@@ -394,7 +406,13 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="CI smoke: tiny groups")
-    parser.add_argument("--points", choices=["dp", "delay", "all"], default="all")
+    parser.add_argument(
+        "--points",
+        choices=["dp", "delay", "lookahead", "all"],
+        default="all",
+        help="all: dp and delay; lookahead: step sync at look-ahead 2, 4, 8 "
+        "for DP = 32, 64, 128 beside waves",
+    )
     parser.add_argument(
         "--no-plot", action="store_true", help="tables only (no matplotlib)"
     )

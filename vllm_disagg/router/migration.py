@@ -155,6 +155,14 @@ class StreamLedger:
     # repeats them.
     _owed_text: str = ""
     _owed_ids: list[int] = field(default_factory=list)
+    # The most generated tokens kept (see _cap_ledger), from the request's
+    # limit, read once: the check runs on every chunk.
+    _ledger_cap: int = field(init=False, default=MAX_LEDGER_TOKENS)
+
+    def __post_init__(self) -> None:
+        limit = token_limit(self.body, self.path)
+        if limit is not None:
+            self._ledger_cap = min(limit, MAX_LEDGER_TOKENS)
 
     @property
     def chat(self) -> bool:
@@ -259,11 +267,9 @@ class StreamLedger:
         """A decode that generated more than the request allows (or than
         MAX_LEDGER_TOKENS) is not trusted to be continued, and its ledger
         stops growing: the stream is relayed, not migrated."""
-        limit = token_limit(self.body, self.path)
-        cap = MAX_LEDGER_TOKENS if limit is None else min(limit, MAX_LEDGER_TOKENS)
-        if len(self.generated) > cap:
+        if len(self.generated) > self._ledger_cap:
             self.unmigratable = "over_limit"
-            del self.generated[cap:]
+            del self.generated[self._ledger_cap :]
 
     def _note_seam(self, n_ids: int, raw_text: str, sent_text: str) -> None:
         """Account a chunk of ``n_ids`` tokens whose detokenized text was

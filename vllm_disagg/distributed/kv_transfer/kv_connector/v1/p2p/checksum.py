@@ -114,25 +114,21 @@ def page_views(
         if not size:
             continue
         if isinstance(t, memoryview):
-            if size % page_bytes:
-                raise ValueError(
-                    f"a part of {size} bytes is not whole {page_bytes}-byte blocks"
-                )
-            views.extend(t[o : o + page_bytes] for o in range(0, size, page_bytes))
-            continue
-        if not t.is_cpu or not t.is_contiguous():
+            base, offset = t, 0
+        elif not t.is_cpu or not t.is_contiguous():
             raise ValueError("kv_checksum hashes contiguous CPU tensors only")
+        else:
+            storage = t.untyped_storage()
+            start = storage.data_ptr()
+            base = bases.get(start)
+            if base is None:
+                raw = _byte_array(storage.nbytes()).from_address(start)
+                base = bases[start] = memoryview(raw).cast("B")
+            offset = t.data_ptr() - start
         if size % page_bytes:
             raise ValueError(
                 f"a part of {size} bytes is not whole {page_bytes}-byte blocks"
             )
-        storage = t.untyped_storage()
-        start = storage.data_ptr()
-        base = bases.get(start)
-        if base is None:
-            raw = _byte_array(storage.nbytes()).from_address(start)
-            base = bases[start] = memoryview(raw).cast("B")
-        offset = t.data_ptr() - start
         views.extend(
             base[o : o + page_bytes] for o in range(offset, offset + size, page_bytes)
         )

@@ -39,14 +39,6 @@ def http(
         return e.code, e.read()
 
 
-def up(url: str) -> bool:
-    """Whether ``url`` answers 200."""
-    try:
-        return http(url, timeout_s=2)[0] == 200
-    except OSError:
-        return False
-
-
 def scrape(url: str, prefix: str) -> dict[str, float]:
     """Every Prometheus sample of ``url`` starting with ``prefix``: name{labels} ->
     value."""

@@ -500,9 +500,8 @@ class Fleet:
     def kill(self, name: str) -> float:
         """SIGKILL a member's whole process group (``"router"`` too); the time."""
         if name == "router":
-            assert self.router is not None and self.router.proc is not None
-            os.killpg(self.router.proc.pid, signal.SIGKILL)
-            self.router.proc.wait(timeout=15)
+            assert self.router is not None
+            self.router.kill()
         else:
             self.members[name].server.kill()
         return self.note(f"kill -9 {name}")

@@ -28,12 +28,15 @@ class InFlight(threading.Thread):
         self.status: int | None = None
         self.error: str | None = None
         self.finished = threading.Event()
+        self.started_at: float | None = None  # time.monotonic() of the request
+        self.first_event_at: float | None = None  # and of its first stream event
 
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
 
     def run(self) -> None:
+        self.started_at = time.monotonic()
         try:
             with requests.post(
                 self.url + self.path,
@@ -49,6 +52,8 @@ class InFlight(threading.Thread):
                     if not line.startswith(b"data: "):
                         continue
                     data = line[6:]
+                    if self.first_event_at is None:
+                        self.first_event_at = time.monotonic()
                     self.events.append(
                         "[DONE]" if data == b"[DONE]" else json.loads(data)
                     )

@@ -25,7 +25,9 @@ GET and PUT have their own module (test_p2p_get_put_e2e.py).
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -446,11 +448,13 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
 
 # --- migration: a decode killed mid-generation (docs/router.md, Migration) ------
 
-# Long enough that nothing finishes before the kill (the streams had some
-# 150 tokens when it came); prompt + tokens stay under --max-model-len 1024.
-MIGRATION_MAX_TOKENS = 700
-MIGRATION_PROMPT = MANY_PROMPTS[2]  # 74 token ids
-# The kill comes once every stream got this many chunks: mid-stream.
+# Long enough that nothing finishes before the kill: a greedy answer that ends
+# by EOS after 885 tokens of the tiny Llama (MANY_PROMPTS[2]'s 423 ran out on
+# CI's two cores before the kill; the victim's streams have had at most ~180
+# tokens when it comes). The chat stops by length; 68 + 950 <= max_model_len.
+MIGRATION_MAX_TOKENS = 950
+MIGRATION_PROMPT = MANY_PROMPTS[14]  # 68 token ids
+# The kill comes once each request on the victim got this many tokens.
 KILL_AFTER_CHUNKS = 8
 MIGRATION_TIMEOUT_S = 240.0
 
@@ -476,8 +480,8 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
 ):
     """A third decode joins the "migrate" router (p1, d1) and the "solo"
     router (p1 alone); a streamed completion, a streamed chat and a whole
-    completion land on it (each kind sent twice: round-robin puts one of
-    each on either decode), and a stream through "solo". Once every stream
+    completion land on it (each kind sent as two requests at once: round-robin
+    puts one on either decode), and a stream through "solo". Once every stream
     got some chunks, the decode is SIGKILLed. Through "migrate" every client
     gets the colocated greedy output whole, one [DONE], the usage of its
     prompt, one id; through "solo" (no pair left) an error event and [DONE]."""
@@ -504,8 +508,9 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
         r.text for r in ref.values()
     ]
     ref = {k: v.json() for k, v in ref.items()}
-    # Long answers (the tiny Llama stops by EOS after some 400 tokens), so
-    # that the kill comes mid-generation; the stop must survive the move too.
+    # Long answers (the completion stops by EOS after 885 tokens, the chat by
+    # length), so that the kill comes mid-generation; the stop must survive
+    # the move too.
     lengths = [ref[k]["usage"]["completion_tokens"] for k in ("completion", "chat")]
     assert min(lengths) > 10 * KILL_AFTER_CHUNKS, lengths
     victim.server.wait_ready()
@@ -514,51 +519,91 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
     victim_addr = f"127.0.0.1:{victim.server.port}"
     decodes = (victim_addr, f"127.0.0.1:{put_async_set['d1'].server.port}")
 
-    def load() -> int:
-        return sum(decode_load(migrate, addr) for addr in decodes)
+    clients: list[tuple[str, InFlight]] = []
 
-    clients: list[tuple[str, bool, InFlight]] = []  # (kind, on the victim, client)
+    def picks() -> int:
+        """Decode picks of "migrate" so far. Monotonic, unlike the leases
+        alone: a routed request holds its lease until it ends."""
+        leases = sum(decode_load(migrate, addr) for addr in decodes)
+        return leases + sum(c.finished.is_set() for _, c in clients)
+
+    started = time.monotonic()
+    timeline: list[str] = []  # what happened when: in every failure message
+
+    def mark(what: str) -> None:
+        timeline.append(f"{time.monotonic() - started:.2f}s {what}")
+
+    orphan = InFlight(
+        solo.url, *_migration_body("stream", solo.model), MIGRATION_TIMEOUT_S
+    )
     try:
-        for kind in ("stream", "chat_stream", "plain") * 2:
-            before, on_victim = load(), decode_load(migrate, victim_addr)
-            client = InFlight(
-                migrate.url, *_migration_body(kind, migrate.model), MIGRATION_TIMEOUT_S
-            )
-            client.start()
-            # One at a time, each routed before the next: round-robin alternates.
-            wait_until(lambda b=before: load() > b, 30, f"{kind} routed")
-            landed = decode_load(migrate, victim_addr) > on_victim
-            clients.append((kind, landed, client))
-        orphan = InFlight(
-            solo.url, *_migration_body("stream", solo.model), MIGRATION_TIMEOUT_S
-        )
-        orphan.start()
-        on_victim = {kind for kind, landed, _ in clients if landed}
-        assert on_victim == {"stream", "chat_stream", "plain"}, clients
-        # Kill once the victim's streams are under way; the clients on d1 need
-        # not be. (Waiting for theirs too delayed the kill: on a host at load
-        # 14 a request finished before it.)
-        on_the_victim = [c for _, landed, c in clients if landed] + [orphan]
-        streams = [c for c in on_the_victim if c.stream]
+        orphan.start()  # the victim's stream through "solo", routed meanwhile
+        # Each kind as two requests at once, each pair routed before the
+        # next: consecutive round-robin picks go one to either decode, so
+        # the victim gets one of every kind, and its first request has only
+        # two more routings to wait for (sent one by one, four: on CI's two
+        # cores a victim's stream ended by EOS before the kill).
+        for kind in ("stream", "chat_stream", "plain"):
+            before = picks()
+            pair = [
+                InFlight(
+                    migrate.url,
+                    *_migration_body(kind, migrate.model),
+                    MIGRATION_TIMEOUT_S,
+                )
+                for _ in range(2)
+            ]
+            for client in pair:
+                client.start()
+                clients.append((kind, client))
+            wait_until(lambda b=before: picks() >= b + 2, 30, f"{kind} pair routed")
+            mark(f"{kind} pair routed")
+        # Kill once the victim decodes its four requests (one of each kind
+        # and the orphan) and each got KILL_AFTER_CHUNKS tokens: all in one
+        # batch, one token each a step. The victim's own counters, not the
+        # clients': waiting on d1's streams too let a victim's stream run to
+        # its end on a loaded host.
         wait_until(
-            lambda: all(len(c.chunks()) >= KILL_AFTER_CHUNKS for c in streams),
+            lambda: metric(victim, "vllm:num_requests_running") >= 4,
             60,
-            f"{KILL_AFTER_CHUNKS} chunks on every stream of the victim",
+            f"the victim decoding 4 requests; {timeline}",
+            pace_s=0.1,
         )
-        finished = [(c.path, c.stream) for c in on_the_victim if c.finished.is_set()]
-        assert not finished, (
-            f"finished before the kill: {finished}: raise MIGRATION_MAX_TOKENS"
+        generated = metric(victim, "vllm:generation_tokens")
+        wait_until(
+            lambda: metric(victim, "vllm:generation_tokens")
+            >= generated + 4 * KILL_AFTER_CHUNKS,
+            60,
+            f"{KILL_AFTER_CHUNKS} more tokens each on the victim; {timeline}",
+            pace_s=0.1,
+        )
+        streams = [c for _, c in clients if c.stream] + [orphan]
+        mark(f"chunks {[len(c.chunks()) for c in streams]}")
+        waits = [
+            c.first_event_at and round(c.first_event_at - c.started_at, 2)
+            for c in streams
+        ]
+        mark(f"first events {waits}")
+        # Hold the victim still, then check that it serves all it should: one
+        # of each kind through "migrate", the orphan through "solo", none of
+        # them finished (a lease ends only with its request).
+        os.killpg(victim.server.proc.pid, signal.SIGSTOP)
+        time.sleep(0.2)  # bytes it sent before the stop reach the routers
+        held = (decode_load(migrate, victim_addr), decode_load(solo, victim_addr))
+        assert held == (3, 1), (
+            f"the victim should hold 3 requests of migrate and 1 of solo, "
+            f"unfinished; it holds {held}: raise MIGRATION_MAX_TOKENS; {timeline}"
         )
         victim.server.kill()  # SIGKILL, its process group: a crash
-        for _, _, client in [*clients, (None, None, orphan)]:
+        for _, client in [*clients, (None, orphan)]:
             client.join(MIGRATION_TIMEOUT_S)
             assert client.finished.is_set(), "a client got no end"
     finally:
         victim.server.stop()
 
     want_ids = ref["ids"]["choices"][0]["token_ids"]
-    for kind, landed, client in clients:
-        what = (kind, landed, client.error, client.errors())
+    for kind, client in clients:
+        what = (kind, client.error, client.errors(), timeline)
         assert client.error is None and client.status == 200, what
         assert len(client.ids()) == 1, (what, client.ids())
         expected = ref["chat" if kind == "chat_stream" else "completion"]
@@ -592,6 +637,7 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
     assert router_metric(solo, name, outcome="no_pair") == 1
     latency = "vllm_disagg_router_migration_latency_seconds"
     assert router_metric(migrate, f"{latency}_count") == 3
+    print(f"migration timeline: {timeline}")
     print(
         f"migration latency: {router_metric(migrate, f'{latency}_sum') / 3:.3f} s mean"
     )

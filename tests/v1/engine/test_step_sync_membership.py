@@ -57,7 +57,13 @@ def test_a_rank_that_never_registers_fails_every_rank_at_start_up():
             time.monotonic() - started < 15
         )  # the coordinator's reason, not a 30 s wait
         # Participants append (rank, reason) and may hear the Abort before the
-        # coordinator's own report lands.
+        # coordinator's own report lands: it reports after sending the Aborts
+        # (CI saw the participants raise first), so wait for it.
+        wait_until(
+            lambda: any(isinstance(f, str) for f in failures),
+            timeout_s=5,
+            what="the coordinator's report",
+        )
         coordinator_reports = [f for f in failures if isinstance(f, str)]
         assert (
             coordinator_reports

@@ -37,13 +37,15 @@ NCCL.
 from __future__ import annotations
 
 import array
-import ctypes
-import functools
 import importlib
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.host_memory import (
+    storage_view,
+)
 
 if TYPE_CHECKING:  # torch is imported on use: config.py reads OFFERED cheaply
     import torch
@@ -94,11 +96,6 @@ class ChecksumUnavailable(ValueError):
     """The algorithm's library is not installed (or not for this tensor's device)."""
 
 
-@functools.lru_cache(maxsize=256)
-def _byte_array(nbytes: int) -> type[ctypes.Array]:
-    return ctypes.c_ubyte * nbytes
-
-
 def page_views(
     tensors: Sequence[torch.Tensor | memoryview], page_bytes: int
 ) -> list[memoryview]:
@@ -118,13 +115,7 @@ def page_views(
         elif not t.is_cpu or not t.is_contiguous():
             raise ValueError("kv_checksum hashes contiguous CPU tensors only")
         else:
-            storage = t.untyped_storage()
-            start = storage.data_ptr()
-            base = bases.get(start)
-            if base is None:
-                raw = _byte_array(storage.nbytes()).from_address(start)
-                base = bases[start] = memoryview(raw).cast("B")
-            offset = t.data_ptr() - start
+            base, offset = storage_view(t, bases)
         if size % page_bytes:
             raise ValueError(
                 f"a part of {size} bytes is not whole {page_bytes}-byte blocks"

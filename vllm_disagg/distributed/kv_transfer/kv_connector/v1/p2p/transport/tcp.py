@@ -16,8 +16,6 @@ it. Connections presenting anything else are closed.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import os
 import secrets
 import selectors
@@ -29,6 +27,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.host_memory import (
+    storage_view,
+)
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     AcceptFinish,
     Channel,
@@ -57,11 +58,6 @@ _MAX_GREETINGS = 256
 _POLL_S = 0.2
 
 
-@functools.lru_cache(maxsize=256)
-def _byte_array(nbytes: int) -> type[ctypes.Array]:
-    return ctypes.c_ubyte * nbytes
-
-
 def _memoryviews(tensors: Sequence[torch.Tensor | memoryview]) -> list[memoryview]:
     """Writable byte memoryviews of the tensors' memory, no copy.
 
@@ -86,13 +82,7 @@ def _memoryviews(tensors: Sequence[torch.Tensor | memoryview]) -> list[memoryvie
         size = t.nbytes
         if not size:
             continue
-        storage = t.untyped_storage()
-        start = storage.data_ptr()
-        base = bases.get(start)
-        if base is None:
-            base = _byte_array(storage.nbytes()).from_address(start)
-            base = bases[start] = memoryview(base).cast("B")
-        offset = t.data_ptr() - start
+        base, offset = storage_view(t, bases)
         if ranges and ranges[-1][0] is base and ranges[-1][2] == offset:
             ranges[-1][2] = offset + size
         else:

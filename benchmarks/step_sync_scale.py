@@ -25,6 +25,7 @@ import gc
 import json
 import multiprocessing as mp
 import os
+import re
 import secrets
 import socket
 import statistics
@@ -57,6 +58,31 @@ def proc_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def threads_cpu_s(pids: list[int]) -> dict[str, float]:
+    """CPU seconds of every thread of ``pids``, summed by thread name (digits dropped:
+    one entry for all ranks' participant threads)."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            name = text[text.index("(") + 1 : text.rindex(")")]
+            if tid == str(pid):
+                name = "main"
+            fields = text.rsplit(")", 1)[1].split()
+            kind = re.sub(r"[0-9]+", "", name).rstrip("/-_ ") or name
+            out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def run(sc: stepsim.Scenario, timeout_s: float = 240.0) -> dict:
@@ -101,12 +127,14 @@ def run(sc: stepsim.Scenario, timeout_s: float = 240.0) -> dict:
         gather(b"ready")
         pids = [p.pid for p in procs] + [hub.pid]
         cpu0, t0 = sum(map(proc_cpu_s, pids)), time.monotonic()
+        threads0 = threads_cpu_s(pids)
         push.send(b"C load %d" % sc.load_passes)
         # The steady phase: every rank has work for load_passes passes.
         busy_s = sc.load_passes * sc.pass_s * 1.02 + 0.2
         time.sleep(busy_s)
         load = os.getloadavg()[0]
         cpu_used = sum(map(proc_cpu_s, pids)) - cpu0
+        threads1 = threads_cpu_s(pids)
         wall = time.monotonic() - t0
         settle = (sc.lookahead + sc.sync_interval + 4) * sc.pass_s + 8 * sc.delay_s
         time.sleep(max(0.5, settle))
@@ -128,7 +156,17 @@ def run(sc: stepsim.Scenario, timeout_s: float = 240.0) -> dict:
             hub.kill()
         push.close()
         gc.unfreeze()
-    return {"records": records, "cores_used": cpu_used / wall, "loadavg_1m": load}
+    by_thread = {
+        name: (cpu - threads0.get(name, 0.0)) / wall
+        for name, cpu in threads1.items()
+        if cpu - threads0.get(name, 0.0) > 0
+    }
+    return {
+        "records": records,
+        "cores_used": cpu_used / wall,
+        "cores_by_thread": by_thread,
+        "loadavg_1m": load,
+    }
 
 
 def analyse(sc: stepsim.Scenario, raw: dict) -> dict:
@@ -155,6 +193,11 @@ def analyse(sc: stepsim.Scenario, raw: dict) -> dict:
         "rank0_own_ms": 1000 * own[0],
         "others_own_ms": 1000 * statistics.median(v for r, v in own.items() if r),
         "cores_used": raw["cores_used"],
+        # Per thread kind, ms of CPU per group pass per rank: where the extra goes.
+        "cpu_ms_per_rank_pass": {
+            name: 1000 * cores / rate / sc.dp
+            for name, cores in sorted(raw["cores_by_thread"].items())
+        },
         "loadavg_1m": raw["loadavg_1m"],
         "over_capacity": raw["cores_used"] > BUSY_SHARE * CORES,
     }

@@ -42,6 +42,7 @@ class Scenario:
     pass_ms: float
     delay_ms: float
     lookahead: int = 2
+    coordinator: str = "thread"  # step sync: thread (in rank 0) or process
     adaptive: bool = True  # step sync: the engine tells how many passes its work needs
     load_passes: int = 100  # passes every rank has work for, in the steady phase
     wakes: int = 4  # idle-wake + drain trials
@@ -301,14 +302,47 @@ def _coordinator_probe(coord) -> dict:
     return snap
 
 
+def _process_probe(coord) -> dict:
+    """The child's CPU from /proc now; its message counters as of its latest status
+    (``t_msgs``: when that status arrived, at most STATUS_REFRESH_S old)."""
+
+    def snap() -> dict:
+        stats = coord.stats
+        return {
+            "t": now(),
+            "coord_cpu_s": process_cpu_s(coord.pid),
+            "t_msgs": coord.status_at,
+            "msgs_in": stats.get("frames_received", 0),
+            "msgs_out": stats.get("grants_sent", 0),
+        }
+
+    return snap
+
+
+def process_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _step_sync(sc: Scenario, rank: int, ports: dict, conn) -> None:
-    from vllm_disagg.v1.engine.step_sync import Coordinator, Participant, StepSyncConfig
+    from vllm_disagg.v1.engine.step_sync import (
+        Coordinator,
+        CoordinatorProcess,
+        Participant,
+        StepSyncConfig,
+    )
 
     h = Rank(sc, rank, ports["pull"], ports["pub"])
-    config = StepSyncConfig(sc.dp, sc.lookahead, peer_timeout_s=60.0)
+    config = StepSyncConfig(
+        sc.dp, sc.lookahead, peer_timeout_s=60.0, coordinator=sc.coordinator
+    )
     secret = bytes.fromhex(ports["secret"])
     snap = None
-    if rank == 0:
+    if rank == 0 and config.coordinator_in_process:
+        coord = CoordinatorProcess(config, ports["coordinator"], secret).start()
+        snap = _process_probe(coord)
+    elif rank == 0:
         coord = Coordinator(config, ports["coordinator"], secret).start()
         snap = _coordinator_probe(coord)
     address = ports["coordinator"]

@@ -567,6 +567,10 @@ def dp2_delayed_lookup_server(tiny_models, start_server):
             str(int(SHUTDOWN_TIMEOUT_S)),
             "--api-server-count",
             "1",
+            # The coordinator in rank 0's child process (the default from DP = 32):
+            # the drain and the group's exit below run through its pipe.
+            "--additional-config",
+            json.dumps({"step_sync_coordinator": "process"}),
         ],
         name="stepsync-dp2-delayed-lookup",
     )

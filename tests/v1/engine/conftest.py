@@ -7,6 +7,7 @@ from step_sync_helpers import LossyRelay, SimEngine
 
 from vllm_disagg.v1.engine.step_sync import (
     Coordinator,
+    CoordinatorProcess,
     StepSyncConfig,
     new_group_secret,
 )
@@ -15,16 +16,29 @@ from vllm_disagg.v1.engine.step_sync import (
 @pytest.fixture
 def group():
     """Factory: (dp_size, work, ...) -> (coordinator, [SimEngine]); ``relay`` puts
-    a LossyRelay between rank 0 and the coordinator."""
+    a LossyRelay between rank 0 and the coordinator; ``host="process"`` runs the
+    coordinator in its child process (CoordinatorProcess)."""
     made = []
 
-    def make(dp_size, work, lookahead=2, timeout_s=10.0, delays=None, relay=False):
+    def make(
+        dp_size,
+        work,
+        lookahead=2,
+        timeout_s=10.0,
+        delays=None,
+        relay=False,
+        host="thread",
+    ):
         config = StepSyncConfig(
-            dp_size=dp_size, lookahead=lookahead, peer_timeout_s=timeout_s
+            dp_size=dp_size,
+            lookahead=lookahead,
+            peer_timeout_s=timeout_s,
+            coordinator=host,
         )
         secret = new_group_secret()
         failures: list[str] = []
-        coord = Coordinator(
+        host_class = CoordinatorProcess if host == "process" else Coordinator
+        coord = host_class(
             config, "tcp://127.0.0.1:0", secret, on_failure=failures.append
         )
         coord.failures = failures

@@ -22,13 +22,20 @@ from vllm_disagg.v1.engine.step_sync import (
     seal,
 )
 
+# Where rank 0 runs the coordinator: its own thread, or its child process.
+HOSTS = ["thread", "process"]
 
-@pytest.mark.parametrize("lookahead", [1, 2, 8])
-def test_every_rank_runs_the_same_number_of_passes(group, lookahead):
+
+@pytest.mark.parametrize(
+    ("lookahead", "host"), [(1, "thread"), (2, "thread"), (8, "thread"), (2, "process")]
+)
+def test_every_rank_runs_the_same_number_of_passes(group, lookahead, host):
     rng = random.Random(lookahead)
     work = [rng.randint(0, 60) for _ in range(4)]
     work[1] = 75  # one rank clearly busiest
-    coord, engines = group(4, work, lookahead=lookahead, delays=[0, 0.05, 0.02, 0])
+    coord, engines = group(
+        4, work, lookahead=lookahead, delays=[0, 0.05, 0.02, 0], host=host
+    )
     wait_until(
         lambda: _settled(coord, engines), what="all ranks at the coordinator step"
     )
@@ -51,8 +58,9 @@ def test_idle_group_runs_nothing(group):
     assert all(e.part.local_step == 0 for e in engines)
 
 
-def test_work_on_one_rank_wakes_the_others(group):
-    coord, engines = group(2, [0, 0])
+@pytest.mark.parametrize("host", HOSTS)
+def test_work_on_one_rank_wakes_the_others(group, host):
+    coord, engines = group(2, [0, 0], host=host)
     wait_until(lambda: coord.registered == [0, 1], what="registration")
     engines[1].add_work(10)  # a request lands on rank 1 only
     wait_until(lambda: _settled(coord, engines), what="rank 0 to follow rank 1")
@@ -107,10 +115,11 @@ def test_out_of_range_step_request_is_rejected(group):
     assert coord.step == 3
 
 
-def test_coordinator_shutdown_aborts_participants_at_once(group):
+@pytest.mark.parametrize("host", HOSTS)
+def test_coordinator_shutdown_aborts_participants_at_once(group, host):
     """A coordinator that goes away tells its peers, so they fail in well
     under a second instead of after step_sync_peer_timeout_s."""
-    coord, engines = group(2, [0, 0], timeout_s=30)
+    coord, engines = group(2, [0, 0], timeout_s=30, host=host)
     wait_until(lambda: coord.registered == [0, 1], what="registration")
     started = time.monotonic()
     coord.close(abort_reason="DP rank 0 crashed")
@@ -136,8 +145,9 @@ def test_silent_coordinator_fails_participants_fast(group):
     assert "coordinator silent" in engines[0].failures[0]
 
 
-def test_participant_death_aborts_the_group(group):
-    coord, engines = group(2, [0, 0], timeout_s=0.5)
+@pytest.mark.parametrize("host", HOSTS)
+def test_participant_death_aborts_the_group(group, host):
+    coord, engines = group(2, [0, 0], timeout_s=0.5, host=host)
     wait_until(lambda: coord.registered == [0, 1], what="registration")
     engines[1].stop.set()
     engines[1].part._stop.set()  # the process is gone: no goodbye
@@ -148,8 +158,9 @@ def test_participant_death_aborts_the_group(group):
     assert "aborted the DP group" in engines[0].failures[0]
 
 
-def test_a_rank_leaving_outside_an_agreed_exit_aborts_the_group(group):
-    coord, engines = group(2, [0, 0], timeout_s=30)
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_rank_leaving_outside_an_agreed_exit_aborts_the_group(group, host):
+    coord, engines = group(2, [0, 0], timeout_s=30, host=host)
     wait_until(lambda: coord.registered == [0, 1], what="registration")
     engines[1].part.close()  # says goodbye, but the group did not agree to exit
     wait_until(

@@ -47,6 +47,7 @@ from vllm_disagg.errors import ConfigError
 from vllm_disagg.logger import init_logger
 from vllm_disagg.v1.engine.step_sync import (
     Coordinator,
+    CoordinatorProcess,
     GroupPhase,
     Participant,
     StepSyncConfig,
@@ -102,7 +103,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
     # present for the whole life of the busy loop.
     step_sync: Participant
     # Only on DP rank 0.
-    step_sync_coordinator: Coordinator | None
+    step_sync_coordinator: Coordinator | CoordinatorProcess | None
 
     def __init__(self, vllm_config, *args, **kwargs):
         parallel_config = vllm_config.parallel_config
@@ -174,6 +175,7 @@ class StepSyncDPEngineCoreProc(DPEngineCoreProc):
             on_group=lambda state: self.input_queue.put_nowait(
                 (StepSyncInput.GROUP, state)
             ),
+            logging_config=vllm_config.logging_config,
         )
         # Every rank joins or none starts (raises with the reason).
         try:

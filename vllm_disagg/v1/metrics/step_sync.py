@@ -85,6 +85,12 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "Group-state messages (grants, acknowledgements, heartbeats) sent by the "
         "coordinator (DP rank 0 only).",
     ),
+    "coordinator_frames_received": (
+        "coordinator_frames_received",
+        "counter",
+        "Frames the coordinator read, valid or not: with grants_sent, its message "
+        "rate, which sets its CPU (DP rank 0 only).",
+    ),
     "coordinator_requests_received": (
         "coordinator_requests_received",
         "counter",

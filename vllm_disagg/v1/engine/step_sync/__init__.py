@@ -6,8 +6,9 @@ coordinator process, START_DP_WAVE broadcasts, an all-reduce every N steps),
 the ranks agree on a *coordinator step* ``G``: every rank runs forward passes
 1..G, with dummy batches where it has no work of its own.
 
-* One :class:`Coordinator` (a thread in DP rank 0's engine process) keeps
-  ``G``, the group's phase (running, paused, exiting) and the members.
+* One :class:`Coordinator` (a thread in DP rank 0's engine process, or from
+  DP = 32 in a child process of it: :class:`CoordinatorProcess`) keeps ``G``,
+  the group's phase (running, paused, exiting) and the members.
 * One :class:`Participant` per DP rank. Its engine thread counts
   ``local_step`` (real or dummy forward passes done) and knows the latest
   ``coord_step`` granted. A rank with work that is about to run pass ``s``
@@ -58,6 +59,7 @@ from vllm_disagg.v1.engine.step_sync.config import (
 )
 from vllm_disagg.v1.engine.step_sync.coordinator import Coordinator
 from vllm_disagg.v1.engine.step_sync.coordinator_core import CoordinatorCore
+from vllm_disagg.v1.engine.step_sync.coordinator_process import CoordinatorProcess
 from vllm_disagg.v1.engine.step_sync.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -76,6 +78,7 @@ __all__ = [
     "Abort",
     "Coordinator",
     "CoordinatorCore",
+    "CoordinatorProcess",
     "GroupPhase",
     "GroupState",
     "MAX_MESSAGE_BYTES",

@@ -24,6 +24,11 @@ REJECT_LOG_INTERVAL_S = 10.0
 FLUSH_TIMEOUT_S = 2.0
 MAX_LOOKAHEAD = 1024
 MAX_DP_SIZE = 1 << 16
+COORDINATOR_HOSTS = ("auto", "thread", "process")
+# From this DP size `auto` runs the coordinator in a process of its own: below it
+# the coordinator's share of rank 0's interpreter lock is too small to slow rank 0
+# (benchmarks/results/step_sync_scale-coordinator.md).
+COORDINATOR_PROCESS_FROM_DP = 32
 
 
 # One row per option key (vllm_disagg.options.rows.Option).
@@ -48,6 +53,17 @@ OPTIONS: tuple[Option, ...] = (
         "< 0.1, > 3600",
         field="peer_timeout_s",
     ),
+    Option(
+        "step_sync_coordinator",
+        "string",
+        "auto",
+        lambda key, value: parsers.choice(key, value, COORDINATOR_HOSTS),
+        "where DP rank 0 runs the coordinator: `thread` (in its engine process), "
+        "`process` (a child process with an interpreter of its own), `auto` "
+        f"(process from DP = {COORDINATOR_PROCESS_FROM_DP})",
+        f"anything but {', '.join(COORDINATOR_HOSTS)}",
+        field="coordinator",
+    ),
 )
 OPTION = by_key(OPTIONS)
 # --additional-config key -> StepSyncConfig field.
@@ -59,10 +75,15 @@ class StepSyncConfig:
     dp_size: int
     lookahead: int = OPTION["step_sync_lookahead"].default
     peer_timeout_s: float = OPTION["step_sync_peer_timeout_s"].default
+    coordinator: str = OPTION["step_sync_coordinator"].default
 
     def __post_init__(self):
         parsers.integer("dp_size", self.dp_size, 1, MAX_DP_SIZE)
-        given = {"lookahead": self.lookahead, "peer_timeout_s": self.peer_timeout_s}
+        given = {
+            "lookahead": self.lookahead,
+            "peer_timeout_s": self.peer_timeout_s,
+            "coordinator": self.coordinator,
+        }
         for name, value in parse_rows(
             OPTIONS, given, lambda key: key, by_field=True
         ).items():
@@ -84,6 +105,13 @@ class StepSyncConfig:
             )
         given = {key: options[key] for key in OPTION_KEYS if key in options}
         return cls(dp_size, **parse_rows(OPTIONS, given, str, by_field=False))
+
+    @property
+    def coordinator_in_process(self) -> bool:
+        """Whether rank 0 runs the coordinator in a child process."""
+        if self.coordinator == "auto":
+            return self.dp_size >= COORDINATOR_PROCESS_FROM_DP
+        return self.coordinator == "process"
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -69,6 +69,7 @@ class CoordinatorCore:
         self.phase_step = 0
         self.failed: str | None = None
         self.counters = Counters(
+            "frames_received",
             "grants_sent",
             "requests_received",
             "malformed_messages",
@@ -108,6 +109,7 @@ class CoordinatorCore:
 
     def on_frames(self, frames: list[bytes], now: float) -> list[Send]:
         """One multipart message from the ROUTER socket: ``[route, payload, mac]``."""
+        self.counters.inc("frames_received")
         if len(frames) < 2:
             self._drop("malformed_messages", "frame", "no payload")
             return []

@@ -17,6 +17,7 @@ from vllm.utils.network_utils import make_zmq_path
 
 from vllm_disagg.v1.engine.step_sync.config import StepSyncConfig
 from vllm_disagg.v1.engine.step_sync.coordinator import Coordinator
+from vllm_disagg.v1.engine.step_sync.coordinator_process import CoordinatorProcess
 from vllm_disagg.v1.engine.step_sync.credentials import (
     GroupSecret,
     group_key,
@@ -71,17 +72,24 @@ def join(
     on_grant: Callable[[int], None],
     on_failure: Callable[[str], None],
     on_group: Callable[[GroupState], None] | None = None,
-) -> tuple[Coordinator | None, Participant]:
+    logging_config=None,
+) -> tuple[Coordinator | CoordinatorProcess | None, Participant]:
     """Start this rank's side of the group (and, on rank 0, the coordinator on
-    ``host``, a free port); returns both, started. The caller waits for the group
-    (:meth:`Participant.wait_for_group`)."""
+    ``host``, a free port, in a thread or a child process as ``config`` says);
+    returns both, started. The caller waits for the group
+    (:meth:`Participant.wait_for_group`). ``logging_config``: vLLM's, for a
+    coordinator process."""
     coordinator = None
     if dp_rank == 0:
         group_id = new_group_id()
         key = group_key(secret.value, group_id)
-        coordinator = Coordinator(
-            config, make_zmq_path("tcp", host, 0), key, on_failure=on_failure
-        ).start()
+        address = make_zmq_path("tcp", host, 0)
+        if config.coordinator_in_process:
+            coordinator = CoordinatorProcess(
+                config, address, key, on_failure, logging_config=logging_config
+            ).start()
+        else:
+            coordinator = Coordinator(config, address, key, on_failure).start()
         address = coordinator.address
         publish(store, address, group_id)
     else:

@@ -1,0 +1,183 @@
+"""The coordinator in a child process of rank 0 (``step_sync_coordinator``): what
+either side going away does to the group, start-up failures, and the key's path.
+
+The protocol itself runs against the child in test_step_sync.py (``host``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from step_sync_helpers import wait_until
+
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.v1.engine.step_sync import (
+    CoordinatorProcess,
+    GroupPhase,
+    Participant,
+    StepSyncConfig,
+    new_group_secret,
+)
+
+# A peer timeout far above every bound below: a failure seen sooner was told, not
+# timed out.
+PEER_TIMEOUT_S = 60.0
+
+
+def _participants(config, address, key):
+    failures: list[list[str]] = [[] for _ in range(config.dp_size)]
+    parts = [
+        Participant(
+            config,
+            rank,
+            address,
+            key,
+            on_grant=lambda step: None,
+            on_failure=failures[rank].append,
+        ).start()
+        for rank in range(config.dp_size)
+    ]
+    for part in parts:
+        part.wait_for_group(30)
+    return parts, failures
+
+
+def _wait_gone(pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"process {pid} outlived {timeout_s}s")
+
+
+RANK0 = textwrap.dedent(
+    """
+    import sys, time
+    from vllm_disagg.v1.engine.step_sync import CoordinatorProcess, StepSyncConfig
+    key = bytes.fromhex(sys.stdin.readline().strip())
+    config = StepSyncConfig(2, peer_timeout_s={timeout}, coordinator="process")
+    coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key).start()
+    print(coord.address, coord.pid, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_rank_0_killed_aborts_every_rank_through_its_coordinator_child():
+    """SIGKILL gives rank 0 no chance to say goodbye; its child sees the pipe close
+    and aborts the group, so the ranks fail now, not after the peer timeout."""
+    key = new_group_secret()
+    rank0 = subprocess.Popen(
+        [sys.executable, "-c", RANK0.format(timeout=PEER_TIMEOUT_S)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        rank0.stdin.write(key.hex() + "\n")
+        rank0.stdin.flush()
+        address, child = rank0.stdout.readline().split()
+        config = StepSyncConfig(2, peer_timeout_s=PEER_TIMEOUT_S)
+        parts, failures = _participants(config, address, key)
+        killed = time.monotonic()
+        rank0.kill()
+        wait_until(lambda: all(failures), timeout_s=15, what="both ranks to fail")
+        assert time.monotonic() - killed < 15 < PEER_TIMEOUT_S
+        for got in failures:
+            assert "DP rank 0's engine core exited" in got[0], got
+        _wait_gone(int(child), 10)
+    finally:
+        rank0.kill()
+        rank0.wait()
+    for part in parts:
+        part.close(0.5)
+
+
+def test_a_coordinator_child_that_dies_fails_rank_0_and_the_ranks():
+    config = StepSyncConfig(2, peer_timeout_s=2.0, coordinator="process")
+    key = new_group_secret()
+    reported: list[str] = []
+    coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key, reported.append)
+    coord.start()
+    parts, failures = _participants(config, coord.address, key)
+    try:
+        os.kill(coord.pid, signal.SIGKILL)
+        wait_until(lambda: reported, timeout_s=10, what="rank 0's report")
+        assert "coordinator process (DP rank 0) exited" in reported[0]
+        # The ranks hear nothing more: they fail by the peer timeout.
+        wait_until(lambda: all(failures), timeout_s=15, what="the ranks to fail")
+        assert all("coordinator silent" in got[0] for got in failures), failures
+    finally:
+        coord.close(1.0)
+        for part in parts:
+            part.close(0.5)
+
+
+def test_an_agreed_exit_closes_the_child_without_an_abort():
+    config = StepSyncConfig(2, peer_timeout_s=PEER_TIMEOUT_S, coordinator="process")
+    key = new_group_secret()
+    reported: list[str] = []
+    coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key, reported.append)
+    coord.start()
+    parts, failures = _participants(config, coord.address, key)
+    for part in parts:
+        part.set_leaving()
+    wait_until(lambda: coord.phase == GroupPhase.EXITING, what="the exit phase")
+    for part in parts:
+        part.close(2.0)
+    wait_until(lambda: coord.all_left, what="every rank to leave")
+    coord.close(5.0)
+    assert coord._proc.returncode == 0
+    assert reported == [] and failures == [[], []]
+    assert coord.stats["frames_received"] > 0
+
+
+def test_a_child_that_cannot_bind_fails_start_up_with_its_reason():
+    config = StepSyncConfig(2, coordinator="process")
+    with pytest.raises(RuntimeError, match="step-sync coordinator process: .*Error"):
+        CoordinatorProcess(config, "tcp://192.0.2.1:0", new_group_secret())
+
+
+def test_the_group_key_is_not_in_the_childs_command_line_or_environment():
+    config = StepSyncConfig(2, coordinator="process")
+    key = new_group_secret()
+    coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key).start()
+    try:
+        for name in ("cmdline", "environ"):
+            with open(f"/proc/{coord.pid}/{name}", "rb") as f:
+                assert key.hex().encode() not in f.read(), name
+    finally:
+        coord.close(1.0)
+
+
+@pytest.mark.parametrize(
+    ("dp_size", "value", "in_process"),
+    [
+        (2, "auto", False),
+        (31, "auto", False),
+        (32, "auto", True),
+        (256, "auto", True),
+        (256, "thread", False),
+        (2, "process", True),
+    ],
+)
+def test_auto_runs_the_coordinator_in_a_process_from_dp_32(dp_size, value, in_process):
+    config = StepSyncConfig.from_additional_config(
+        {"step_sync_coordinator": value}, dp_size
+    )
+    assert config.coordinator_in_process is in_process
+
+
+def test_an_unknown_coordinator_host_names_the_key_and_the_choices():
+    allowed = "step_sync_coordinator.*auto, thread, process"
+    with pytest.raises(ConfigError, match=allowed):
+        StepSyncConfig.from_additional_config({"step_sync_coordinator": "gpu"}, 2)

@@ -264,6 +264,17 @@ def points(which: str, quick: bool) -> list[stepsim.Scenario]:
             out.append(stepsim.Scenario("waves", dp, 20, 1.0))
             for lookahead in (2, 4, 8):
                 out.append(stepsim.Scenario("step_sync", dp, 20, 1.0, lookahead))
+    if which == "coordinator":
+        # The coordinator in rank 0's thread against its own process
+        # (step_sync_coordinator), beside waves and the harness alone.
+        for dp in (32, 64, 128):
+            out.append(stepsim.Scenario("none", dp, 20, 0.0))
+            out.append(stepsim.Scenario("waves", dp, 20, 1.0))
+            for host in ("thread", "process"):
+                out.append(stepsim.Scenario("step_sync", dp, 20, 1.0, coordinator=host))
+            out.append(
+                stepsim.Scenario("step_sync", dp, 20, 1.0, 8, coordinator="process")
+            )
     if which in ("delay", "all"):
         for pass_ms in (5, 20, 50):
             load = max(40, int(2000 / pass_ms))
@@ -318,8 +329,13 @@ def markdown(results: list[dict], sat: dict, args) -> list[str]:
     for r in results:
         s, c = r["scenario"], r.get("coordinator", {})
         model = s["model"]
+        notes = []
+        if model == "step_sync" and s.get("coordinator", "thread") != "thread":
+            notes.append(f"coordinator {s['coordinator']}")
         if model == "step_sync" and s["lookahead"] != 2:
-            model += f" (lookahead {s['lookahead']})"
+            notes.append(f"lookahead {s['lookahead']}")
+        if notes:
+            model += f" ({', '.join(notes)})"
         rows.append(
             [
                 model,
@@ -343,7 +359,9 @@ def markdown(results: list[dict], sat: dict, args) -> list[str]:
         "",
         report.generated(
             "step_sync_scale.py",
-            "The real Coordinator (in rank 0's process) and Participants; passes are "
+            "The real Coordinator (a thread of rank 0's process, or with "
+            "`coordinator process` a child process of rank 0, as "
+            "`step_sync_coordinator` picks) and Participants; passes are "
             "sleeps, the MoE collective a barrier over a hub process (no injected "
             "delay: it is not step sync's transport); every step-sync message, and "
             "every hop of the waves' all-reduce and start-wave, delayed one way by "
@@ -356,7 +374,9 @@ def markdown(results: list[dict], sat: dict, args) -> list[str]:
         "Columns: group passes/s; its share of the ideal (1 / pass time) and of the "
         "harness alone (`none`); wait for a grant per pass (step sync: in "
         "`begin_forward`; waves: in the all-reduce) p50 / p99 ms; coordinator CPU ms "
-        "per group pass and messages (in + out) per second; rank 0's own time per pass "
+        "per group pass (a thread: that thread only; a process: the whole child, "
+        "its ZMQ I/O thread included) and messages (in + out) per second; rank 0's "
+        "own time per pass "
         "(from the last collective to the next, pass included) against the other "
         "ranks' median, ms; idle-wake latency p50 ms (work arrives at one idle rank "
         "until every rank started the first pass); wasted passes per drain (one "
@@ -410,6 +430,7 @@ def plot(results: list[dict], path: Path) -> None:
         for r in results
         if r["scenario"]["pass_ms"] == 20
         and r["scenario"]["lookahead"] == 2
+        and r["scenario"].get("coordinator", "thread") == "thread"
         and r["scenario"]["delay_ms"] in (1.0, 0.0)
         and (r["scenario"]["delay_ms"] == 1.0 or r["scenario"]["model"] == "none")
     ]
@@ -451,10 +472,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="CI smoke: tiny groups")
     parser.add_argument(
         "--points",
-        choices=["dp", "delay", "lookahead", "all"],
+        choices=["dp", "delay", "lookahead", "coordinator", "all"],
         default="all",
         help="all: dp and delay; lookahead: step sync at look-ahead 2, 4, 8 "
-        "for DP = 32, 64, 128 beside waves",
+        "for DP = 32, 64, 128 beside waves; coordinator: the coordinator in "
+        "rank 0's thread against its own process, DP = 32, 64, 128",
     )
     parser.add_argument(
         "--no-plot", action="store_true", help="tables only (no matplotlib)"

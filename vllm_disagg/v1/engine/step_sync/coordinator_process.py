@@ -77,7 +77,8 @@ class Status(msgspec.Struct, tag="status", forbid_unknown_fields=True):
 
 
 # Not imported by the package: ``-m`` must find it unimported.
-CHILD_MODULE = "vllm_disagg.v1.engine.step_sync.coordinator_child"
+# (Derived from this module's name, so it follows the package when it moves.)
+CHILD_MODULE = f"{__name__.rpartition('.')[0]}.coordinator_child"
 TO_CHILD = msgspec.json.Decoder(Start | Close)
 TO_PARENT = msgspec.json.Decoder(Ready | Status)
 

@@ -25,22 +25,43 @@ FLUSH_TIMEOUT_S = 2.0
 MAX_LOOKAHEAD = 1024
 MAX_DP_SIZE = 1 << 16
 COORDINATOR_HOSTS = ("auto", "thread", "process")
-# From this DP size `auto` runs the coordinator in a process of its own: below it
-# the coordinator's share of rank 0's interpreter lock is too small to slow rank 0
-# (benchmarks/results/step_sync_scale-coordinator.md).
-COORDINATOR_PROCESS_FROM_DP = 32
+# From this DP size, `auto` runs the coordinator in a process of its own and
+# grants a longer lease. The coordinator's messages grow with N and its CPU with
+# them: in the scale model (benchmarks/results/step_sync_scale-coordinator.md)
+# lookahead 8 and the coordinator's own process were at or above the thread with
+# lookahead 2 from DP = 32 on every figure (pass rate, grant wait, rank 0's pace),
+# with known-length drains still wasting no pass. The price of the longer lease:
+# work that ends by EOS can leave up to 7 dummy passes when a group goes idle.
+LARGE_GROUP_FROM_DP = 32
+COORDINATOR_PROCESS_FROM_DP = LARGE_GROUP_FROM_DP
+SMALL_GROUP_LOOKAHEAD = 2
+LARGE_GROUP_LOOKAHEAD = 8
+
+
+def parse_lookahead(key: str, value) -> int | str:
+    """An integer in 1..MAX_LOOKAHEAD, or ``auto`` (resolved by the DP size)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parsers.integer(key, value, 1, MAX_LOOKAHEAD)
+    except ConfigError:
+        raise parsers.refuse(
+            key, value, f"an integer in 1..{MAX_LOOKAHEAD} or auto"
+        ) from None
 
 
 # One row per option key (vllm_disagg.options.rows.Option).
 OPTIONS: tuple[Option, ...] = (
     Option(
         "step_sync_lookahead",
-        "integer",
-        2,
-        lambda key, value: parsers.integer(key, value, 1, MAX_LOOKAHEAD),
+        "integer or `auto`",
+        "auto",
+        lambda key, value: parse_lookahead(key, value),
         "steps a rank asks the coordinator to grant ahead of its pass (it renews "
-        "when fewer than half remain); every rank of a DP group needs the same",
-        f"< 1, > {MAX_LOOKAHEAD}, anything but an integer",
+        "when fewer than half remain); every rank of a DP group needs the same; "
+        f"`auto`: {SMALL_GROUP_LOOKAHEAD} below DP = {LARGE_GROUP_FROM_DP}, "
+        f"{LARGE_GROUP_LOOKAHEAD} from it",
+        f"< 1, > {MAX_LOOKAHEAD}, anything but an integer or auto",
         field="lookahead",
     ),
     Option(
@@ -73,6 +94,7 @@ OPTION_KEYS = {option.key: option.name for option in OPTIONS}
 @dataclass(frozen=True)
 class StepSyncConfig:
     dp_size: int
+    # An int once constructed: ``auto`` is resolved by ``dp_size``.
     lookahead: int = OPTION["step_sync_lookahead"].default
     peer_timeout_s: float = OPTION["step_sync_peer_timeout_s"].default
     coordinator: str = OPTION["step_sync_coordinator"].default
@@ -88,6 +110,13 @@ class StepSyncConfig:
             OPTIONS, given, lambda key: key, by_field=True
         ).items():
             object.__setattr__(self, name, value)
+        if self.lookahead == "auto":
+            large = self.dp_size >= LARGE_GROUP_FROM_DP
+            object.__setattr__(
+                self,
+                "lookahead",
+                LARGE_GROUP_LOOKAHEAD if large else SMALL_GROUP_LOOKAHEAD,
+            )
 
     @classmethod
     def from_additional_config(

@@ -1,5 +1,6 @@
-"""The coordinator in a child process of rank 0 (``step_sync_coordinator``): what
-either side going away does to the group, start-up failures, and the key's path.
+"""Large groups: the coordinator in a child process of rank 0
+(``step_sync_coordinator``): what either side going away does to the group,
+start-up failures, the key's path; and ``auto`` for both that and the lookahead.
 
 The protocol itself runs against the child in test_step_sync.py (``host``)."""
 
@@ -181,3 +182,20 @@ def test_an_unknown_coordinator_host_names_the_key_and_the_choices():
     allowed = "step_sync_coordinator.*auto, thread, process"
     with pytest.raises(ConfigError, match=allowed):
         StepSyncConfig.from_additional_config({"step_sync_coordinator": "gpu"}, 2)
+
+
+@pytest.mark.parametrize(
+    ("dp_size", "value", "lookahead"),
+    [(2, None, 2), (31, "auto", 2), (32, None, 8), (256, "AUTO", 8), (256, 3, 3)],
+)
+def test_auto_lookahead_grows_from_dp_32(dp_size, value, lookahead):
+    """Large groups get a longer lease (fewer coordinator messages per pass); an
+    explicit value wins."""
+    options = {} if value is None else {"step_sync_lookahead": value}
+    config = StepSyncConfig.from_additional_config(options, dp_size)
+    assert config.lookahead == lookahead
+
+
+def test_a_bad_lookahead_names_the_integers_and_auto():
+    with pytest.raises(ConfigError, match=r"step_sync_lookahead.*1\.\.1024 or auto"):
+        StepSyncConfig.from_additional_config({"step_sync_lookahead": "long"}, 2)

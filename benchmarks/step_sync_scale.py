@@ -60,6 +60,14 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
 def threads_cpu_s(pids: list[int]) -> dict[str, float]:
     """CPU seconds of every thread of ``pids``, summed by thread name (digits dropped:
     one entry for all ranks' participant threads)."""
@@ -126,6 +134,7 @@ def run(sc: stepsim.Scenario, timeout_s: float = 240.0) -> dict:
     try:
         gather(b"ready")
         pids = [p.pid for p in procs] + [hub.pid]
+        pids += children(procs[0].pid)  # the coordinator's process, if any
         cpu0, t0 = sum(map(proc_cpu_s, pids)), time.monotonic()
         threads0 = threads_cpu_s(pids)
         push.send(b"C load %d" % sc.load_passes)

@@ -148,16 +148,70 @@ def test_a_child_that_cannot_bind_fails_start_up_with_its_reason():
         CoordinatorProcess(config, "tcp://192.0.2.1:0", new_group_secret())
 
 
-def test_the_group_key_is_not_in_the_childs_command_line_or_environment():
+def test_no_secret_reaches_the_childs_command_line_or_environment(monkeypatch):
+    """The child gets the per-group key through its pipe, and not the operator's
+    secret it is derived from at all."""
+    operator_secret = "s3cr3t-" + new_group_secret().hex()
+    monkeypatch.setenv("VLLM_DISAGG_DP_SECRET", operator_secret)
     config = StepSyncConfig(2, coordinator="process")
     key = new_group_secret()
     coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key).start()
     try:
         for name in ("cmdline", "environ"):
             with open(f"/proc/{coord.pid}/{name}", "rb") as f:
-                assert key.hex().encode() not in f.read(), name
+                text = f.read()
+            assert key.hex().encode() not in text, name
+            assert operator_secret.encode() not in text, name
+        # Its own session: a signal to rank 0's process group does not reach it.
+        assert os.getsid(coord.pid) != os.getsid(0)
     finally:
         coord.close(1.0)
+
+
+def test_sigterm_to_the_child_aborts_the_ranks_at_once():
+    config = StepSyncConfig(2, peer_timeout_s=PEER_TIMEOUT_S, coordinator="process")
+    key = new_group_secret()
+    reported: list[str] = []
+    coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key, reported.append)
+    coord.start()
+    parts, failures = _participants(config, coord.address, key)
+    try:
+        sent = time.monotonic()
+        os.kill(coord.pid, signal.SIGTERM)
+        wait_until(lambda: all(failures), timeout_s=15, what="both ranks to fail")
+        assert time.monotonic() - sent < 15 < PEER_TIMEOUT_S
+        assert all("got SIGTERM" in got[0] for got in failures), failures
+        wait_until(lambda: reported, timeout_s=10, what="rank 0's report")
+    finally:
+        coord.close(1.0)
+        for part in parts:
+            part.close(0.5)
+
+
+def test_what_the_childs_imports_print_stays_off_the_status_pipe(tmp_path):
+    """Anything printed to stdout before the child's main (a sitecustomize, a
+    library's banner) goes to rank 0's stdout, not into the protocol."""
+    (tmp_path / "sitecustomize.py").write_text("print('hello from sitecustomize')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from vllm_disagg.v1.engine.step_sync import CoordinatorProcess, "
+            "StepSyncConfig, new_group_secret\n"
+            "c = CoordinatorProcess(StepSyncConfig(2, coordinator='process'), "
+            "'tcp://127.0.0.1:0', new_group_secret()).start()\n"
+            "print('address', c.address, flush=True)\n"
+            "c.close(1.0)\n",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert "address tcp://127.0.0.1:" in probe.stdout
+    assert probe.stdout.count("hello from sitecustomize") == 2  # rank 0 and child
 
 
 @pytest.mark.parametrize(

@@ -51,15 +51,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def proc_cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -72,7 +63,6 @@ def threads_cpu_s(pids: list[int]) -> dict[str, float]:
     """CPU seconds of every thread of ``pids``, summed by thread name (digits dropped:
     one entry for all ranks' participant threads)."""
     out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -87,9 +77,8 @@ def threads_cpu_s(pids: list[int]) -> dict[str, float]:
             name = text[text.index("(") + 1 : text.rindex(")")]
             if tid == str(pid):
                 name = "main"
-            fields = text.rsplit(")", 1)[1].split()
             kind = re.sub(r"[0-9]+", "", name).rstrip("/-_ ") or name
-            out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            out[kind] = out.get(kind, 0.0) + stepsim.stat_cpu_s(text)
     return out
 
 
@@ -135,14 +124,14 @@ def run(sc: stepsim.Scenario, timeout_s: float = 240.0) -> dict:
         gather(b"ready")
         pids = [p.pid for p in procs] + [hub.pid]
         pids += children(procs[0].pid)  # the coordinator's process, if any
-        cpu0, t0 = sum(map(proc_cpu_s, pids)), time.monotonic()
+        cpu0, t0 = sum(map(stepsim.process_cpu_s, pids)), time.monotonic()
         threads0 = threads_cpu_s(pids)
         push.send(b"C load %d" % sc.load_passes)
         # The steady phase: every rank has work for load_passes passes.
         busy_s = sc.load_passes * sc.pass_s * 1.02 + 0.2
         time.sleep(busy_s)
         load = os.getloadavg()[0]
-        cpu_used = sum(map(proc_cpu_s, pids)) - cpu0
+        cpu_used = sum(map(stepsim.process_cpu_s, pids)) - cpu0
         threads1 = threads_cpu_s(pids)
         wall = time.monotonic() - t0
         settle = (sc.lookahead + sc.sync_interval + 4) * sc.pass_s + 8 * sc.delay_s

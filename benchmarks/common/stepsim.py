@@ -61,11 +61,25 @@ class Scenario:
         return json.dumps(asdict(self), sort_keys=True)
 
 
+def stat_cpu_s(stat_text: str) -> float:
+    """User + system CPU seconds from the text of a /proc .../stat file."""
+    fields = stat_text.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def thread_cpu_s(native_id: int) -> float:
     """User + system CPU of one thread of this process."""
     with open(f"/proc/self/task/{native_id}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return stat_cpu_s(f.read())
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU of a whole process; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return stat_cpu_s(f.read())
+    except OSError:
+        return 0.0
 
 
 class Relay(threading.Thread):
@@ -317,12 +331,6 @@ def _process_probe(coord) -> dict:
         }
 
     return snap
-
-
-def process_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _step_sync(sc: Scenario, rank: int, ports: dict, conn) -> None:

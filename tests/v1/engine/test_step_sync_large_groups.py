@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 
 import pytest
 from step_sync_helpers import wait_until
@@ -46,6 +47,37 @@ def _participants(config, address, key):
     for part in parts:
         part.wait_for_group(30)
     return parts, failures
+
+
+@dataclass
+class ProcessGroup:
+    coord: CoordinatorProcess
+    reported: list[str]  # what rank 0's handle reported (on_failure)
+    parts: list[Participant]
+    failures: list[list[str]]  # per rank
+
+
+@pytest.fixture
+def process_group():
+    """Factory: (peer_timeout_s) -> a 2-rank group around a coordinator child;
+    everything closed at teardown."""
+    made: list[ProcessGroup] = []
+
+    def make(peer_timeout_s: float) -> ProcessGroup:
+        config = StepSyncConfig(2, peer_timeout_s=peer_timeout_s, coordinator="process")
+        key = new_group_secret()
+        reported: list[str] = []
+        coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key, reported.append)
+        coord.start()
+        parts, failures = _participants(config, coord.address, key)
+        made.append(ProcessGroup(coord, reported, parts, failures))
+        return made[-1]
+
+    yield make
+    for group in made:
+        group.coord.close(1.0)
+        for part in group.parts:
+            part.close(0.5)
 
 
 def _wait_gone(pid: int, timeout_s: float) -> None:
@@ -103,42 +135,28 @@ def test_rank_0_killed_aborts_every_rank_through_its_coordinator_child():
         part.close(0.5)
 
 
-def test_a_coordinator_child_that_dies_fails_rank_0_and_the_ranks():
-    config = StepSyncConfig(2, peer_timeout_s=2.0, coordinator="process")
-    key = new_group_secret()
-    reported: list[str] = []
-    coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key, reported.append)
-    coord.start()
-    parts, failures = _participants(config, coord.address, key)
-    try:
-        os.kill(coord.pid, signal.SIGKILL)
-        wait_until(lambda: reported, timeout_s=10, what="rank 0's report")
-        assert "coordinator process (DP rank 0) exited" in reported[0]
-        # The ranks hear nothing more: they fail by the peer timeout.
-        wait_until(lambda: all(failures), timeout_s=15, what="the ranks to fail")
-        assert all("coordinator silent" in got[0] for got in failures), failures
-    finally:
-        coord.close(1.0)
-        for part in parts:
-            part.close(0.5)
+def test_a_coordinator_child_that_dies_fails_rank_0_and_the_ranks(process_group):
+    group = process_group(peer_timeout_s=2.0)
+    os.kill(group.coord.pid, signal.SIGKILL)
+    wait_until(lambda: group.reported, timeout_s=10, what="rank 0's report")
+    assert "coordinator process (DP rank 0) exited" in group.reported[0]
+    # The ranks hear nothing more: they fail by the peer timeout.
+    wait_until(lambda: all(group.failures), timeout_s=15, what="the ranks to fail")
+    assert all("coordinator silent" in got[0] for got in group.failures), group.failures
 
 
-def test_an_agreed_exit_closes_the_child_without_an_abort():
-    config = StepSyncConfig(2, peer_timeout_s=PEER_TIMEOUT_S, coordinator="process")
-    key = new_group_secret()
-    reported: list[str] = []
-    coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key, reported.append)
-    coord.start()
-    parts, failures = _participants(config, coord.address, key)
-    for part in parts:
+def test_an_agreed_exit_closes_the_child_without_an_abort(process_group):
+    group = process_group(peer_timeout_s=PEER_TIMEOUT_S)
+    coord = group.coord
+    for part in group.parts:
         part.set_leaving()
     wait_until(lambda: coord.phase == GroupPhase.EXITING, what="the exit phase")
-    for part in parts:
+    for part in group.parts:
         part.close(2.0)
     wait_until(lambda: coord.all_left, what="every rank to leave")
     coord.close(5.0)
     assert coord._proc.returncode == 0
-    assert reported == [] and failures == [[], []]
+    assert group.reported == [] and group.failures == [[], []]
     assert coord.stats["frames_received"] > 0
 
 
@@ -168,24 +186,14 @@ def test_no_secret_reaches_the_childs_command_line_or_environment(monkeypatch):
         coord.close(1.0)
 
 
-def test_sigterm_to_the_child_aborts_the_ranks_at_once():
-    config = StepSyncConfig(2, peer_timeout_s=PEER_TIMEOUT_S, coordinator="process")
-    key = new_group_secret()
-    reported: list[str] = []
-    coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key, reported.append)
-    coord.start()
-    parts, failures = _participants(config, coord.address, key)
-    try:
-        sent = time.monotonic()
-        os.kill(coord.pid, signal.SIGTERM)
-        wait_until(lambda: all(failures), timeout_s=15, what="both ranks to fail")
-        assert time.monotonic() - sent < 15 < PEER_TIMEOUT_S
-        assert all("got SIGTERM" in got[0] for got in failures), failures
-        wait_until(lambda: reported, timeout_s=10, what="rank 0's report")
-    finally:
-        coord.close(1.0)
-        for part in parts:
-            part.close(0.5)
+def test_sigterm_to_the_child_aborts_the_ranks_at_once(process_group):
+    group = process_group(peer_timeout_s=PEER_TIMEOUT_S)
+    sent = time.monotonic()
+    os.kill(group.coord.pid, signal.SIGTERM)
+    wait_until(lambda: all(group.failures), timeout_s=15, what="both ranks to fail")
+    assert time.monotonic() - sent < 15 < PEER_TIMEOUT_S
+    assert all("got SIGTERM" in got[0] for got in group.failures), group.failures
+    wait_until(lambda: group.reported, timeout_s=10, what="rank 0's report")
 
 
 def test_what_the_childs_imports_print_stays_off_the_status_pipe(tmp_path):

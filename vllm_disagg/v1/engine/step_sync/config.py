@@ -33,7 +33,6 @@ COORDINATOR_HOSTS = ("auto", "thread", "process")
 # with known-length drains still wasting no pass. The price of the longer lease:
 # work that ends by EOS can leave up to 7 dummy passes when a group goes idle.
 LARGE_GROUP_FROM_DP = 32
-COORDINATOR_PROCESS_FROM_DP = LARGE_GROUP_FROM_DP
 SMALL_GROUP_LOOKAHEAD = 2
 LARGE_GROUP_LOOKAHEAD = 8
 
@@ -81,7 +80,7 @@ OPTIONS: tuple[Option, ...] = (
         lambda key, value: parsers.choice(key, value, COORDINATOR_HOSTS),
         "where DP rank 0 runs the coordinator: `thread` (in its engine process), "
         "`process` (a child process with an interpreter of its own), `auto` "
-        f"(process from DP = {COORDINATOR_PROCESS_FROM_DP})",
+        f"(process from DP = {LARGE_GROUP_FROM_DP})",
         f"anything but {', '.join(COORDINATOR_HOSTS)}",
         field="coordinator",
     ),
@@ -139,7 +138,7 @@ class StepSyncConfig:
     def coordinator_in_process(self) -> bool:
         """Whether rank 0 runs the coordinator in a child process."""
         if self.coordinator == "auto":
-            return self.dp_size >= COORDINATOR_PROCESS_FROM_DP
+            return self.dp_size >= LARGE_GROUP_FROM_DP
         return self.coordinator == "process"
 
     @property

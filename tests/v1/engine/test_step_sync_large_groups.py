@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 from step_sync_helpers import wait_until
 
+from vllm_disagg import envs
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.v1.engine.step_sync import (
     CoordinatorProcess,
@@ -170,7 +171,7 @@ def test_no_secret_reaches_the_childs_command_line_or_environment(monkeypatch):
     """The child gets the per-group key through its pipe, and not the operator's
     secret it is derived from at all."""
     operator_secret = "s3cr3t-" + new_group_secret().hex()
-    monkeypatch.setenv("VLLM_DISAGG_DP_SECRET", operator_secret)
+    monkeypatch.setenv(envs.VLLM_DISAGG_DP_SECRET, operator_secret)
     config = StepSyncConfig(2, coordinator="process")
     key = new_group_secret()
     coord = CoordinatorProcess(config, "tcp://127.0.0.1:0", key).start()

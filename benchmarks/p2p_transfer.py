@@ -26,10 +26,15 @@ result is the median of those ratios over rounds.
 ``--compare`` runs a second pair of processes side by side (each round
 samples both) set to work as the engine did before this benchmark's first
 findings: the decode takes a fresh receive buffer for every transfer
-(``Room.reuse`` off) and the prefill sends a torch view per block
-(``read_blocks``, not ``read_block_bytes``); it also adds a raw sample into
+(``Room.reuse`` off), the prefill sends a torch view per block
+(``read_blocks``, not ``read_block_bytes``) and one data message per layer
+(``protocol.LAYER_MESSAGE_BYTES`` 0, not runs of layers); it also adds a raw sample into
 a fresh buffer (``torch.empty``) each time. The decode process's minor page
 faults are counted for every sample.
+
+``--message-bytes N,M`` adds a pair per value, side by side, whose data
+messages carry runs of layers up to that many bytes
+(``protocol.LAYER_MESSAGE_BYTES``; 0: one layer per message).
 
 ``--breakdown`` also times the engine's pieces in both processes (wrapped
 from here, the engine is unchanged): the control round trips, the receive
@@ -39,6 +44,7 @@ Writes benchmarks/results/p2p_transfer.{json,md} (``--out DIR``: elsewhere;
 ``--tag NAME``: p2p_transfer-NAME.*).
 
     .venv/bin/python benchmarks/p2p_transfer.py [--rounds 15] [--breakdown] [--compare]
+        [--message-bytes 0,1048576]
 """
 
 from __future__ import annotations
@@ -95,8 +101,8 @@ def install_timers() -> None:
     )
     from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import tcp
 
-    tcp.TcpChannel.send = _timed("channel.send (per layer)", tcp.TcpChannel.send)
-    tcp.TcpChannel.recv = _timed("channel.recv (per layer)", tcp.TcpChannel.recv)
+    tcp.TcpChannel.send = _timed("channel.send (per message)", tcp.TcpChannel.send)
+    tcp.TcpChannel.recv = _timed("channel.recv (per message)", tcp.TcpChannel.recv)
     tcp._memoryviews = _timed("memoryviews of the parts", tcp._memoryviews)
     peer.Peer.request = _timed("control round trip", peer.Peer.request)
     layout.KVLayout.read_blocks = _timed(
@@ -117,7 +123,7 @@ def take_timers() -> dict[str, list[float]]:
 # --- the two processes -----------------------------------------------------------
 
 
-def _engines(*, receiver: bool, before: bool = False):
+def _engines(*, receiver: bool, before: bool = False, message_bytes=None):
     from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import (
         KVLayout,
         P2pEngine,
@@ -149,7 +155,19 @@ def _engines(*, receiver: bool, before: bool = False):
         if before:  # --compare: as before (see the docstring)
             engines[mode].receiver.room.reuse = False
             engines[mode].local.transport.sends_host_bytes = False
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol
+
+    if before:  # one data message per layer (both processes of the pair)
+        protocol.LAYER_MESSAGE_BYTES = 0
+    elif message_bytes is not None:  # --message-bytes: both processes of a pair
+        protocol.LAYER_MESSAGE_BYTES = message_bytes
     return engines
+
+
+def _default_message_bytes() -> int:
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol
+
+    return protocol.LAYER_MESSAGE_BYTES
 
 
 def _block_ids(size: int) -> list[int]:
@@ -164,10 +182,10 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def receiver(ctrl, breakdown: bool, before: bool) -> None:
+def receiver(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
     if breakdown:
         install_timers()
-    engines = _engines(receiver=True, before=before)
+    engines = _engines(receiver=True, before=before, message_bytes=message_bytes)
     with socket.create_server((HOST, 0)) as server:
         ctrl.send(
             {
@@ -222,10 +240,10 @@ def receiver(ctrl, breakdown: bool, before: bool) -> None:
         engine.close()
 
 
-def sender(ctrl, breakdown: bool, before: bool) -> None:
+def sender(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
     if breakdown:
         install_timers()
-    engines = _engines(receiver=False, before=before)
+    engines = _engines(receiver=False, before=before, message_bytes=message_bytes)
     peers = ctrl.recv()
     raw = socket.create_connection((HOST, peers["raw"]), timeout=OP_TIMEOUT_S)
     payload = torch.randint(0, 256, (max(SIZES),), dtype=torch.uint8)
@@ -270,17 +288,14 @@ def sender(ctrl, breakdown: bool, before: bool) -> None:
 class Pair:
     """The two processes and the parent's side of their pipes."""
 
-    def __init__(self, breakdown: bool, before: bool = False):
+    def __init__(self, breakdown: bool, before: bool = False, message_bytes=None):
         ctx = mp.get_context("spawn")
         self.to_send, send_end = ctx.Pipe()
         self.to_recv, recv_end = ctx.Pipe()
+        how = (breakdown, before, message_bytes)
         self.procs = [
-            ctx.Process(
-                target=sender, args=(send_end, breakdown, before), name="sender"
-            ),
-            ctx.Process(
-                target=receiver, args=(recv_end, breakdown, before), name="receiver"
-            ),
+            ctx.Process(target=sender, args=(send_end, *how), name="sender"),
+            ctx.Process(target=receiver, args=(recv_end, *how), name="receiver"),
         ]
         for p in self.procs:
             p.start()
@@ -339,6 +354,8 @@ def measure(args) -> dict:
     pairs = {"": Pair(args.breakdown)}
     if args.compare:
         pairs[BEFORE] = Pair(False, before=True)
+    for n in args.message_bytes:  # side by side: other LAYER_MESSAGE_BYTES
+        pairs[f"_mb{n}"] = Pair(False, message_bytes=n)
     columns = ["raw", *(("raw_fresh",) if args.compare else ())]
     columns += [m + suffix for suffix in pairs for m in MODES]
     seconds = {c: {s: [] for s in SIZES} for c in columns}
@@ -368,7 +385,7 @@ def measure(args) -> dict:
                         ratios[mode + suffix][size].append(
                             statistics.fmean(raw[-2:]) / value
                         )
-                    if suffix:
+                    if suffix == BEFORE:
                         sample(pair, "raw_fresh", "raw_fresh", size)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
         timers = pairs[""].timers() if args.breakdown else {}
@@ -443,9 +460,17 @@ def markdown(summary: dict, result: dict, args) -> list[str]:
             + (
                 " `_before`: the second pair of processes (same rounds), set to "
                 "work as before: a fresh receive buffer per transfer, a torch "
-                "view per block sent; `raw_fresh`: `recv_into` a fresh "
-                "`torch.empty` each time."
+                "view per block sent, one message per layer; `raw_fresh`: "
+                "`recv_into` a fresh `torch.empty` each time."
                 if args.compare
+                else ""
+            )
+            + (
+                " `_mb<N>`: another pair (same rounds) whose data messages "
+                "group layers up to N bytes (`protocol.LAYER_MESSAGE_BYTES`; 0: "
+                "one layer per message); the unsuffixed pair runs the default, "
+                f"{_default_message_bytes()}."
+                if args.message_bytes
                 else ""
             )
             + (f" Code: {args.tag}." if args.tag else ""),
@@ -490,6 +515,13 @@ def main() -> int:
         help="also a pair working as before (fresh buffers, views per block)",
     )
     parser.add_argument("--tag", default="", help="suffix of the result files")
+    parser.add_argument(
+        "--message-bytes",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="comma-separated: one more pair (columns _mb<N>) for each, with "
+        "protocol.LAYER_MESSAGE_BYTES N (0: one layer per message)",
+    )
     report.add_out_argument(parser)
     args = parser.parse_args()
     require()  # nothing beyond torch, which the target's requirements install

@@ -43,7 +43,7 @@ ADDRS = [
 
 
 def test_protocol_version_and_keys():
-    assert PROTOCOL_VERSION == 3
+    assert PROTOCOL_VERSION == 4
     assert PEER_INFO_KEYS == (PREFILL_ADDR_KEY, DECODE_ADDR_KEY, REQUEST_KEY_KEY)
     assert len(set(PEER_INFO_KEYS)) == 3
 

@@ -53,6 +53,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.fake import (
     FakeTransport,
 )
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.tcp import (
+    TcpChannel,
+)
 
 LAYERS = 3
 BLOCKS = 64
@@ -105,6 +108,12 @@ def wait_for(pred, what: str, timeout: float = WAIT_S):
 
 def wait_slot(node: Node, key: str, timeout: float = WAIT_S):
     return wait_for(lambda: node.poll(key), f"slot {key}", timeout)
+
+
+def _nbytes(part: torch.Tensor | memoryview) -> int:
+    if isinstance(part, memoryview):
+        return part.nbytes
+    return part.numel() * part.element_size()
 
 
 def wait_done(xfer: SendTransfer, timeout: float = WAIT_S) -> SendTransfer:
@@ -274,6 +283,50 @@ def test_transfer_lands_byte_equal(make_engine, transport, mode, skip):
     for node in (got, sent):
         assert node["failed_sends"] == node["rejected_messages"] == node["dropped"] == 0
         assert node["spills"] == 0
+
+
+@pytest.mark.parametrize(
+    "per_message, messages", [(1, 3), (2, 2), (3, 1)], ids=["1", "2", "3"]
+)
+@pytest.mark.parametrize("mode", ["PUT_ASYNC", "GET"])
+def test_layers_travel_in_the_messages_both_sides_compute(
+    make_engine, monkeypatch, mode, per_message, messages
+):
+    # protocol.layer_groups: runs of ``per_message`` layers of this transfer,
+    # each one channel message; PUT_ASYNC sends a run once its last layer is saved.
+    held = 4
+    monkeypatch.setattr(proto, "LAYER_MESSAGE_BYTES", per_message * held * PAGE)
+    sizes: list[int] = []
+    real_send = TcpChannel.send
+
+    def counting_send(channel, tensors, deadline):
+        sizes.append(sum(_nbytes(t) for t in tensors))
+        real_send(channel, tensors, deadline)
+
+    monkeypatch.setattr(TcpChannel, "send", counting_send)
+    prefill = make_engine("tcp", mode, seed=1)
+    decode = make_engine("tcp", mode, seed=2)
+    src, dst = [2, 4, 6, 8], [20, 21, 22, 23]
+    if mode == "PUT_ASYNC":
+        decode.expect("k", 0, deadline(), get_from=None, prompt_digest=DIGEST)
+        xfer = prefill.start_send(
+            "k", "req-k", decode.addr, src, all_saved=False, prompt_digest=DIGEST
+        )
+        for layer in range(LAYERS):
+            time.sleep(0.05)
+            if layer < per_message:
+                assert sizes == [], "a run left before its last layer was saved"
+            xfer.layer_saved(layer, None)
+    else:
+        xfer = send(prefill, decode, "k", src, mode=mode)
+    receive(decode, "k", dst, 0)
+    assert wait_done(xfer).ok, xfer.reason
+    assert_blocks_equal(decode, dst, prefill, src)
+    layer_bytes = held * PAGE
+    runs = [len(g) for g in proto.layer_groups(LAYERS, layer_bytes)]
+    assert len(runs) == messages
+    assert sizes == [n * layer_bytes for n in runs]
+    assert_nothing_held(decode)
 
 
 def test_bf16_blocks_and_a_capped_skip(make_engine):
@@ -969,16 +1022,16 @@ def test_a_receive_that_fails_after_the_sender_finished_does_not_wedge_the_peer(
     receive(decode, "a", [10, 11], 0)
     assert wait_done(x1).ok
 
-    real_recv_layer = InboundChannel._recv_layer
+    real_recv_layers = InboundChannel._recv_layers
     x2_holder: list[SendTransfer] = []
 
-    def recv_after_the_sender_is_done(inbound, slot, layer):
+    def recv_after_the_sender_is_done(inbound, slot, layers):
         if slot.key == "b":
             wait_for(lambda: x2_holder and x2_holder[0].done.is_set(), "the send of b")
             raise TransportError("injected: receive deadline passed")
-        real_recv_layer(inbound, slot, layer)
+        real_recv_layers(inbound, slot, layers)
 
-    monkeypatch.setattr(InboundChannel, "_recv_layer", recv_after_the_sender_is_done)
+    monkeypatch.setattr(InboundChannel, "_recv_layers", recv_after_the_sender_is_done)
     x2_holder.append(send(prefill, decode, "b", [3, 4], mode="PUT"))
     assert wait_done(x2_holder[0]).ok  # as far as the sender can tell
     slot = wait_slot(decode, "b")

@@ -168,27 +168,33 @@ class Corruptor:
 
     def __init__(self, monkeypatch, channel_cls, *, part: int):
         self.armed = 0
+        self.parts = 2  # one layer's pages and digests: a message of the transfer
         offset = PAGE + 7 if part == 0 else DIGEST_BYTES + 3
         real = channel_cls.recv
         corruptor = self
 
         def recv(channel, tensors, deadline):
             real(channel, tensors, deadline)
-            if corruptor.armed and len(tensors) == 2:
+            if corruptor.armed and len(tensors) == corruptor.parts:
                 corruptor.armed -= 1
                 tensors[part][offset] ^= 0x20
 
         monkeypatch.setattr(channel_cls, "recv", recv)
 
 
+@pytest.mark.parametrize("per_message", [1, 2], ids=["1-layer", "2-layer"])
 @pytest.mark.parametrize("part", [0, 1], ids=["kv", "digests"])
 @pytest.mark.parametrize("transport", ["fake", "tcp"])
 def test_a_corrupted_block_fails_the_load_at_once_and_the_channel_goes_on(
-    make_engine, monkeypatch, transport, part
+    make_engine, monkeypatch, transport, part, per_message
 ):
+    # Messages of ``per_message`` layers of the 3-block transfer "bad"
+    # (protocol.layer_groups): its first is corrupted, the rest drained.
+    monkeypatch.setattr(proto, "LAYER_MESSAGE_BYTES", per_message * 3 * PAGE)
     prefill = make_engine(transport, "PUT_ASYNC", seed=1, checksum=ALGORITHM)
     decode = make_engine(transport, "PUT_ASYNC", seed=2, checksum=ALGORITHM)
     corruptor = Corruptor(monkeypatch, CHANNELS[transport], part=part)
+    corruptor.parts = 2 * per_message
 
     x0 = send(prefill, decode, "a", [1, 2, 3], mode="PUT")  # channel up, checked
     receive(decode, "a", [30, 31, 32], 0)
@@ -206,14 +212,15 @@ def test_a_corrupted_block_fails_the_load_at_once_and_the_channel_goes_on(
             prompt_digest=DIGEST,
         )
         corruptor.armed = 1
-        xfer.layer_saved(0, None)  # only the first layer exists yet
+        for layer in range(per_message):  # only the first message's layers exist
+            xfer.layer_saved(layer, None)
         slot = wait_slot(decode, "bad")
-        # failed on its first layer: the sender has not even saved the others
+        # failed on its first message: the sender has not even saved the others
         assert slot.state is SlotState.FAILED
         assert "checksum mismatch (crc32c): layer 0, block 1 " in slot.reason
         assert not xfer.done.is_set()
         decode.release(slot)
-        for layer in range(1, LAYERS):
+        for layer in range(per_message, LAYERS):
             xfer.layer_saved(layer, None)
         assert wait_done(xfer).ok  # as far as the sender can tell
 
@@ -239,6 +246,7 @@ def test_mismatches_are_logged_rate_limited(make_engine, monkeypatch):
     prefill = make_engine("fake", "PUT", seed=1, checksum=ALGORITHM)
     decode = make_engine("fake", "PUT", seed=2, checksum=ALGORITHM)
     corruptor = Corruptor(monkeypatch, FakeChannel, part=0)
+    corruptor.parts = 2 * LAYERS  # one message carries the whole small transfer
     with WarningCounter() as warnings:
         for k in range(4):
             corruptor.armed = 1

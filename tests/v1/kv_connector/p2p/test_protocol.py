@@ -451,3 +451,33 @@ def _in_bounds(msg) -> bool:
             and len(msg.sender_addr) <= MAX_ADDR_CHARS
         )
     return len(msg.reason) <= MAX_REASON_CHARS and msg.skip_blocks >= 0
+
+
+# --- layers per data message -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "num_layers, layer_bytes, target, expected",
+    [
+        (4, 100, 1, [[0], [1], [2], [3]]),  # every layer reaches the target
+        (4, 100, 250, [[0, 1, 2], [3]]),  # ceil(250 / 100) = 3 per message
+        (4, 100, 10_000, [[0, 1, 2, 3]]),  # capped at the transfer's layers
+        (3, 0, 10, [[0], [1], [2]]),  # nothing to carry: one message a layer
+        (1, 5, 5, [[0]]),
+    ],
+)
+def test_layer_groups_cover_every_layer_once_in_order(
+    num_layers, layer_bytes, target, expected
+):
+    groups = proto.layer_groups(num_layers, layer_bytes, target)
+    assert [list(g) for g in groups] == expected
+
+
+def test_layer_groups_follow_the_module_target(monkeypatch):
+    # Read at call time: both ends of a test (one process) set it together.
+    monkeypatch.setattr(proto, "LAYER_MESSAGE_BYTES", 200)
+    assert [len(g) for g in proto.layer_groups(5, 100)] == [2, 2, 1]
+    # A 2 MiB layer goes alone at the default.
+    monkeypatch.undo()
+    assert len(proto.layer_groups(32, 2 << 20)) == 32
+    assert len(proto.layer_groups(32, 128 << 10)) == 2

@@ -39,8 +39,9 @@ from vllm_disagg.wire.peers import MAX_KEY_CHARS
 #   2: Offer carries the prompt's digest; peers need a grant (p2p_grant).
 #   3: Abort: a sender that gives up tells the receiver, which recomputes at once;
 #      Hello.model (the model fingerprint), which prompt digests cover too;
-#      Hello.checksum (kv_checksum: digests appended to every layer message).
-PROTOCOL_VERSION = 3
+#      Hello.checksum (kv_checksum: each layer's digests follow its pages).
+#   4: a data message carries a run of layers (layer_groups), not always one.
+PROTOCOL_VERSION = 4
 DIGEST_BYTES = 16
 
 
@@ -65,6 +66,32 @@ def embeds_digest(embeds, context: bytes = b"") -> bytes:
     h.update(f"{tuple(t.shape)}|{t.dtype}".encode())
     h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
     return h.digest()[:DIGEST_BYTES]
+
+
+# A data message carries whole layers, at least this many bytes of them
+# where the transfer has that many: below about 1 MiB a message's fixed cost
+# (a header, a timeout set, a system call and a thread hand-off on each side,
+# some 60 us of Python) outweighs its bytes on loopback
+# (benchmarks/p2p_transfer.py).
+LAYER_MESSAGE_BYTES = 2 << 20
+
+
+def layer_groups(
+    num_layers: int, layer_bytes: int, target: int | None = None
+) -> list[range]:
+    """The layers of one transfer as its data messages carry them, in order.
+
+    Both sides compute it from what both know (the layer count from the
+    Hello's layout, a layer's bytes from the Offer's block count and the
+    answer's skip), so no message says where one ends. A layer of
+    ``target`` bytes or more goes alone; smaller ones are grouped, so short
+    prompts cross in a few messages rather than one per layer. PUT's sender
+    waits for the last layer of a group before sending it: at most
+    ``target`` bytes of layers wait for the rest of their group."""
+    target = LAYER_MESSAGE_BYTES if target is None else target
+    per = 1 if layer_bytes <= 0 else -(-target // layer_bytes)
+    per = max(1, min(per, num_layers))
+    return [range(i, min(i + per, num_layers)) for i in range(0, num_layers, per)]
 
 
 MAX_FRAME_BYTES = 8192

@@ -36,7 +36,7 @@ class SendState(enum.IntEnum):
     """Where one transfer is; ordered: a transfer only moves forward."""
 
     HELD = 1  # GET: kept until a Get pulls it or kv_hold_timeout_s passes
-    SENDING = 2  # on its peer's thread: the offer, then one message per layer
+    SENDING = 2  # on its peer's thread: the offer, then the layers' messages
     SENT = 3  # released: every layer was written
     FAILED = 4  # released: refused, a broken channel, no reply, replaced
     EXPIRED = 5  # released: not pulled and sent by its deadline

@@ -14,9 +14,10 @@ the side that holds the KV (the *sender*):
    expectation on the channel's receive thread and replies with how many
    leading blocks it already holds (``skip_blocks``: its own prefix cache), or
    ``no_space`` / ``not_wanted``;
-3. the sender writes one data message per layer with blocks
-   ``[skip_blocks:]``; in PUT_ASYNC it writes layer *i* as soon as the forward
-   pass has computed it.
+3. the sender writes the blocks ``[skip_blocks:]`` of every layer in data
+   messages of one or more whole layers (``protocol.layer_groups``, which
+   both sides compute); in PUT_ASYNC it writes a run of layers as soon as
+   the forward pass has computed its last.
 
 GET only adds a step 0: the decode side asks the prefill side (``Get``) to
 make the offer now. Because each channel direction has one sending thread that

@@ -2,8 +2,9 @@
 
 A peer's ``Hello`` makes an :class:`InboundChannel` with its own receive
 thread; each accepted ``Offer`` queues a :class:`~.transfers.RecvSlot` on
-it, and the thread fills the slots in order, one data message per layer (the
-n-th message on a channel belongs to the n-th accepted offer). The thread
+it, and the thread fills the slots in order, in data messages of one or
+more layers (``protocol.layer_groups``; the n-th offer's messages follow the
+(n-1)-th's on a channel). The thread
 talks to the receive side only through :class:`~.ports.InboundOwner`.
 """
 
@@ -24,6 +25,9 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.ports import
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine.transfers import (
     RecvSlot,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.protocol import (
+    layer_groups,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport.base import (
     Channel,
@@ -92,15 +96,19 @@ class InboundChannel:
             start = time.monotonic()
             corrupt = None  # why the slot was discarded (kv_checksum), once it was
             try:
-                for i in range(slot.num_layers):
+                for group in layer_groups(
+                    slot.num_layers, slot.blocks_held * slot.page_bytes
+                ):
                     if corrupt is not None:
-                        self._drain_layer(slot)
+                        self._drain(slot, group)
                         continue
-                    self._recv_layer(slot, i)
-                    corrupt = self._corrupt_blocks(slot, i)
-                    if corrupt is not None:
-                        # Failed now, not after the sender's last layer.
-                        owner.discard_corrupt(slot, self.peer, corrupt)
+                    self._recv_layers(slot, group)
+                    for i in group:
+                        corrupt = self._corrupt_blocks(slot, i)
+                        if corrupt is not None:
+                            # Failed now, not after the sender's last layer.
+                            owner.discard_corrupt(slot, self.peer, corrupt)
+                            break
             except TransportError as e:
                 if corrupt is None:
                     owner.finish_slot(slot, ok=False, reason=f"receive failed: {e}")
@@ -113,19 +121,26 @@ class InboundChannel:
             )
             owner.finish_slot(slot, ok=True)
 
-    def _recv_layer(self, slot: RecvSlot, layer: int) -> None:
+    def _recv_layers(self, slot: RecvSlot, layers: range) -> None:
+        """Receive the one data message that carries ``layers`` of ``slot``."""
         local = self.owner.local
-        dst = slot.layer(layer)
-        # With kv_checksum, the layer's block digests come in the same message.
-        tail = [] if slot.digests is None else [slot.layer_digests(layer)]
-        if slot.pool_alloc is not None and not local.transport.receives_into_host:
-            staging = torch.empty(
-                dst.numel(), dtype=torch.uint8, device=local.layout.device
-            )
-            self.channel.recv([staging, *tail], slot.deadline)
+        dsts, parts = [], []
+        staged = slot.pool_alloc is not None and not local.transport.receives_into_host
+        for layer in layers:
+            dst = slot.layer(layer)
+            if staged:
+                staging = torch.empty(
+                    dst.numel(), dtype=torch.uint8, device=local.layout.device
+                )
+                dsts.append((dst, staging))
+                dst = staging
+            parts.append(dst)
+            # With kv_checksum, each layer's block digests follow its pages.
+            if slot.digests is not None:
+                parts.append(slot.layer_digests(layer))
+        self.channel.recv(parts, slot.deadline)
+        for dst, staging in dsts:
             dst.copy_(staging)
-        else:
-            self.channel.recv([dst, *tail], slot.deadline)
 
     def _corrupt_blocks(self, slot: RecvSlot, layer: int) -> str | None:
         """Why layer ``layer`` of ``slot`` (just received) must not be used:
@@ -146,13 +161,13 @@ class InboundChannel:
             f"{shown}{more} of the prompt"
         )
 
-    def _drain_layer(self, slot: RecvSlot) -> None:
-        """Receive one more layer message of a discarded transfer and drop it,
+    def _drain(self, slot: RecvSlot, layers: range) -> None:
+        """Receive one more data message of a discarded transfer and drop it,
         so the channel's next message belongs to the next offer (the slot's
         own memory is no longer this thread's)."""
         held = slot.blocks_held
         scratch = torch.empty(
-            held * (slot.page_bytes + DIGEST_BYTES), dtype=torch.uint8
+            len(layers) * held * (slot.page_bytes + DIGEST_BYTES), dtype=torch.uint8
         )
         self.channel.recv([scratch], slot.deadline)
 

@@ -1,7 +1,8 @@
 """The thread that does everything this side asks of one peer worker.
 
 It runs one job at a time, in order: a send (Hello on first contact, Offer,
-then one data message per layer on the channel it created) or a GET's ``Get``;
+then the layers in data messages of one or more layers each,
+``protocol.layer_groups``, on the channel it created) or a GET's ``Get``;
 "not ready" answers wait in a retry heap, not in the thread, so other jobs go
 first. A peer that leaves a request unanswered is not asked again for
 ``PEER_RETRY_AFTER_S``; an idle thread retires after ``PEER_IDLE_S`` (limits.py).
@@ -351,15 +352,20 @@ class Peer:
                 and layout.device.type == "cpu"
                 else layout.read_blocks
             )
-            for layer in range(xfer.num_layers):
-                xfer.wait_layer(layer)
-                parts = read(layer, blocks)
-                sent_bytes += sum(p.nbytes for p in parts)
-                if checksum is not None:
-                    # Over the very views handed to the transport: what the
-                    # receiver checks is what left this side's KV cache.
-                    parts.append(checksum.digests(parts, page_bytes))
-                self.channel.send(parts, xfer.deadline)
+            # One message per run of layers (proto.layer_groups), each layer
+            # read as soon as it is saved, the run sent once its last is.
+            for group in proto.layer_groups(xfer.num_layers, len(blocks) * page_bytes):
+                message = []
+                for layer in group:
+                    xfer.wait_layer(layer)
+                    parts = read(layer, blocks)
+                    sent_bytes += sum(p.nbytes for p in parts)
+                    message += parts
+                    if checksum is not None:
+                        # Over the very views handed to the transport: what the
+                        # receiver checks is what left this side's KV cache.
+                        message.append(checksum.digests(parts, page_bytes))
+                self.channel.send(message, xfer.deadline)
         except TransportError as e:
             self._close_channel()
             self._give_up(xfer, str(e))

@@ -13,6 +13,9 @@ decode's last byte placed, i.e. the moment ``poll()`` hands the decode its
 complete slot:
 
 * PUT: from the prefill's ``start_send`` (every layer saved);
+* PUT-after-pass: ``start_send`` 20 ms earlier (the worker offers before the
+  forward pass), timed from the moment every layer is saved: what a PUT
+  request waits for after its forward pass;
 * GET: from the decode's ``expect`` with ``get_from`` (the prefill holds the
   KV already): its ``Get``, the prefill's ``Offer``, the data;
 * raw: from the sender's ``sendall`` to the receiver's last byte.
@@ -69,7 +72,13 @@ HOST = "127.0.0.1"
 DIGEST = b"\x01" * 16
 LAYERS, PAGE = 32, 32 * KIB
 SIZES = (4 * MIB, 16 * MIB, 64 * MIB)
-MODES = ("PUT", "GET")
+ENGINE_MODES = ("PUT", "GET")  # one engine of each per process
+# Samples: PUT from start_send with every layer saved (the Offer's round trip
+# included), GET, and PUT-after-pass: offered FORWARD_PASS_S before its
+# layers are saved, timed from then, as the worker does (it offers in bind,
+# before the forward pass, and saves in wait_for_save, after it).
+MODES = ("PUT", "GET", "PUT-after-pass")
+FORWARD_PASS_S = 0.02
 OP_TIMEOUT_S = 60.0
 POLL_SLEEP_S = 20e-6
 BEFORE = "_before"  # --compare: the engine as before it kept buffers
@@ -141,7 +150,7 @@ def _engines(*, receiver: bool, before: bool = False, message_bytes=None):
         for i in range(LAYERS)
     }
     engines = {}
-    for mode in MODES:
+    for mode in ENGINE_MODES:
         engines[mode] = P2pEngine(
             layout=KVLayout(kv, 16),
             host=HOST,
@@ -215,9 +224,9 @@ def receiver(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
                 got += n
             ctrl.send((time.monotonic(), "", _minor_faults() - faults))
             continue
-        engine = engines[kind]
+        engine = engines["GET" if kind == "GET" else "PUT"]
         deadline = time.monotonic() + OP_TIMEOUT_S
-        if kind == "PUT":
+        if kind != "GET":
             engine.expect(key, 0, deadline, get_from=None, prompt_digest=DIGEST)
             ctrl.send("ready")
         else:
@@ -260,17 +269,21 @@ def sender(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
             raw.sendall(_raw_view(payload[:size]))
             ctrl.send((start, ""))
             continue
-        engine = engines[kind]
-        if kind == "PUT":
+        engine = engines["GET" if kind == "GET" else "PUT"]
+        if kind != "GET":
             start = time.monotonic()
             xfer = engine.start_send(
                 key,
                 f"req-{seq}",
                 peers["addrs"]["PUT"],
                 _block_ids(size),
-                all_saved=True,
+                all_saved=kind == "PUT",
                 prompt_digest=DIGEST,
             )
+            if kind != "PUT":  # the forward pass, then its end
+                time.sleep(FORWARD_PASS_S)
+                start = time.monotonic()
+                xfer.all_saved()
         else:
             start = None  # the decode's expect()
             xfer = engine.hold(
@@ -447,7 +460,9 @@ def markdown(summary: dict, result: dict, args) -> list[str]:
         report.generated(
             "p2p_transfer.py",
             f"Two processes on loopback; {LAYERS} layers x {PAGE // KIB} KiB pages, "
-            "every other block of the cache; PUT from `start_send`, GET from the "
+            "every other block of the cache; PUT from `start_send`, "
+            f"PUT-after-pass from saving every layer {FORWARD_PASS_S * 1e3:.0f} ms "
+            "after `start_send` (the worker's early offer), GET from the "
             "decode's `expect`, to the decode's `poll()` returning the complete "
             f"slot; raw: one `sendall` into one `recv_into`. {args.rounds} rounds; "
             "in each, every engine sample runs between two raw samples and the "

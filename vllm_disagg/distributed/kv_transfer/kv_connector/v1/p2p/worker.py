@@ -101,6 +101,7 @@ class P2pWorkerConnector:
             str, tuple[LoadSpec, float]
         ] = {}  # request id -> (spec, deadline)
         self._streaming: list[SendTransfer] = []  # PUT_ASYNC sends of this step
+        self._offered: list[SendTransfer] = []  # PUT sends of this step
         self._sends: dict[
             str, SendTransfer
         ] = {}  # request id -> its send, until reported
@@ -164,10 +165,16 @@ class P2pWorkerConnector:
 
     def bind(self, meta: P2pConnectorMetadata) -> None:
         self._meta = meta
-        # PUT_ASYNC sends start here, before the forward pass (vLLM calls
-        # start_load_kv after it when a step has no synchronous loads), so
-        # save_kv_layer can hand each layer over as soon as it is computed.
-        if self.engine is not None and self.config.send_type is SendType.PUT_ASYNC:
+        # PUT and PUT_ASYNC sends start here, before the forward pass (vLLM
+        # calls start_load_kv after it when a step has no synchronous loads):
+        # the Offer's round trip runs during the pass, and PUT_ASYNC's
+        # save_kv_layer hands each layer over as soon as it is computed.
+        # PUT's layers all go once wait_for_save says the pass is done.
+        send_type = self.config.send_type
+        if self.engine is not None and send_type is not SendType.GET:
+            started = (
+                self._streaming if send_type is SendType.PUT_ASYNC else self._offered
+            )
             for save in meta.saves:
                 xfer = self.engine.start_send(
                     save.key,
@@ -177,7 +184,7 @@ class P2pWorkerConnector:
                     all_saved=False,
                     prompt_digest=save.prompt_digest,
                 )
-                self._streaming.append(xfer)
+                started.append(xfer)
                 self._sends[save.request_id] = xfer
 
     def clear(self) -> None:
@@ -227,25 +234,15 @@ class P2pWorkerConnector:
         for xfer in self._streaming:
             xfer.all_saved()  # layers whose hook did not run (none expected) go now
         self._streaming.clear()
+        # PUT: every layer is computed now; the model thread waits for the sends.
+        offered, self._offered = self._offered, []
+        for xfer in offered:
+            xfer.all_saved()
+        for xfer in offered:
+            xfer.done.wait(max(0.0, xfer.deadline - time.monotonic()))
         if meta is None or engine is None or not meta.saves:
             return
-        send_type = self.config.send_type
-        if send_type is SendType.PUT:
-            started = [
-                engine.start_send(
-                    s.key,
-                    s.request_id,
-                    shift_port(s.decode_addr, self.rank_offset),
-                    s.block_ids,
-                    all_saved=True,
-                    prompt_digest=s.prompt_digest,
-                )
-                for s in meta.saves
-            ]
-            for xfer in started:
-                self._sends[xfer.request_id] = xfer
-                xfer.done.wait(max(0.0, xfer.deadline - time.monotonic()))
-        elif send_type is SendType.GET:
+        if self.config.send_type is SendType.GET:
             for s in meta.saves:
                 self._sends[s.request_id] = engine.hold(
                     s.key,

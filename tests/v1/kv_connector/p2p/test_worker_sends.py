@@ -1,0 +1,106 @@
+"""The worker's side of PUT and PUT_ASYNC: when the offer goes, and what the
+model thread waits for. Two real engines in one process (``make_engine``),
+driven through the worker's own ``bind`` / ``save_kv_layer`` /
+``wait_for_save`` calls as vLLM makes them around a forward pass."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import SendType
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
+    P2pConnectorMetadata,
+    SaveSpec,
+)
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.worker import (
+    P2pWorkerConnector,
+)
+
+from .test_engine import (
+    DIGEST,
+    LAYERS,
+    PAGE,
+    assert_blocks_equal,
+    assert_nothing_held,
+    deadline,
+    receive,
+    wait_for,
+)
+
+
+def _worker(node, send_type: SendType) -> P2pWorkerConnector:
+    """The worker connector around ``node``'s engine, without vLLM's
+    distributed state (only the per-step calls run here)."""
+    worker = P2pWorkerConnector.__new__(P2pWorkerConnector)
+    worker.config = SimpleNamespace(send_type=send_type)
+    worker.engine = node.engine
+    worker.rank_offset = 0
+    worker.layer_index = {name: i for i, name in enumerate(node.kv)}
+    worker._meta = None
+    worker._loads = {}
+    worker._streaming, worker._offered = [], []
+    worker._sends, worker._finished_requests = {}, set()
+    return worker
+
+
+@pytest.mark.parametrize("send_type", [SendType.PUT, SendType.PUT_ASYNC])
+def test_the_offer_goes_before_the_forward_pass_and_the_kv_after_it(
+    make_engine, send_type
+):
+    # The Offer's round trip (room on the decode) overlaps the forward pass
+    # in both PUT modes; PUT's model thread then waits in wait_for_save
+    # until the send ended, PUT_ASYNC's does not.
+    prefill = make_engine("tcp", send_type.value, seed=1)
+    decode = make_engine("tcp", send_type.value, seed=2)
+    worker = _worker(prefill, send_type)
+    src, dst = [3, 5, 7], [30, 31, 32]
+    decode.expect("k", 0, deadline(), get_from=None, prompt_digest=DIGEST)
+    worker.bind(
+        P2pConnectorMetadata(saves=[SaveSpec("req-k", "k", decode.addr, src, DIGEST)])
+    )
+    # "The forward pass": the decode has reserved room, nothing has arrived.
+    wait_for(
+        lambda: decode.occupancy() == (LAYERS * len(src) * PAGE, 0),
+        "the offer to reserve room on the decode",
+    )
+    assert decode.poll("k") is None
+    if send_type is SendType.PUT_ASYNC:
+        for name in prefill.kv:
+            worker.save_kv_layer(name)
+    waited = threading.Event()
+    saver = threading.Thread(target=lambda: (worker.wait_for_save(), waited.set()))
+    saver.start()
+    saver.join(10)
+    assert waited.is_set()
+    xfer = worker._sends["req-k"]
+    if send_type is SendType.PUT:
+        assert xfer.done.is_set() and xfer.ok, xfer.reason  # waited for it
+    receive(decode, "k", dst, 0)
+    assert xfer.done.wait(10) and xfer.ok, xfer.reason
+    assert_blocks_equal(decode, dst, prefill, src)
+    assert_nothing_held(decode)
+    worker.clear()
+    assert not worker._offered and not worker._streaming
+
+
+def test_put_waits_for_layers_until_wait_for_save(make_engine):
+    # PUT offers early but sends nothing before the pass is done.
+    prefill = make_engine("tcp", "PUT", seed=1)
+    decode = make_engine("tcp", "PUT", seed=2)
+    worker = _worker(prefill, SendType.PUT)
+    decode.expect("k", 0, deadline(), get_from=None, prompt_digest=DIGEST)
+    worker.bind(
+        P2pConnectorMetadata(saves=[SaveSpec("req-k", "k", decode.addr, [1], DIGEST)])
+    )
+    for name in prefill.kv:  # PUT ignores the per-layer hook
+        worker.save_kv_layer(name)
+    time.sleep(0.2)
+    assert decode.poll("k") is None
+    assert not worker._sends["req-k"].done.is_set()
+    worker.wait_for_save()
+    receive(decode, "k", [40], 0)
+    assert_blocks_equal(decode, [40], prefill, [1])

@@ -66,7 +66,7 @@ def test_config_fields_default_to_wave_and_are_documented():
         if isinstance(n, ast.ClassDef) and n.name == "ParallelConfig"
     ]
     body = cls.body
-    for name in (ss.FIELD, ss.LOOKAHEAD_FIELD, ss.TIMEOUT_FIELD):
+    for name in (ss.FIELD, ss.LOOKAHEAD_FIELD, ss.TIMEOUT_FIELD, ss.COORDINATOR_FIELD):
         (i,) = [
             i
             for i, n in enumerate(body)
@@ -203,6 +203,7 @@ def test_project_text_is_rewritten_before_relocation(relocated):
     engine = files["vllm/v1/engine/step_sync/engine_core.py"]
     assert "from_additional_config" not in engine
     assert f"parallel_config.{ss.LOOKAHEAD_FIELD}" in engine
+    assert f"coordinator=parallel_config.{ss.COORDINATOR_FIELD}" in engine
     assert "StepSyncStatsReporter" in engine
     assert "maybe_write" not in engine and "self._metrics.maybe_report(" in engine
     assert "load_patch_set" not in files["vllm/v1/engine/step_sync/actor.py"]

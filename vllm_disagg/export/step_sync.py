@@ -34,6 +34,7 @@ from vllm_disagg.export.cst import insert_after, insert_field, select_subclass
 from vllm_disagg.export.step_sync_edits import (
     ACTOR,
     CLIENTS,
+    COORDINATOR_FIELD,
     CREDENTIALS,
     EDITS,
     ENGINE_CORE,
@@ -195,6 +196,7 @@ DROPPED_TESTS: dict[str, str] = {
 __all__ = [
     "ACTOR",
     "CLIENTS",
+    "COORDINATOR_FIELD",
     "CREDENTIALS",
     "DROPPED",
     "DROPPED_TESTS",

@@ -31,10 +31,14 @@ SLICE = "step-sync"
 FIELD = "data_parallel_sync"
 LOOKAHEAD_FIELD = "data_parallel_sync_lookahead"
 TIMEOUT_FIELD = "data_parallel_sync_peer_timeout_seconds"
+COORDINATOR_FIELD = "data_parallel_sync_coordinator"
+# The options after data_parallel_sync, in the order of their fields and flags.
+OPTION_NAMES = (LOOKAHEAD_FIELD, TIMEOUT_FIELD, COORDINATOR_FIELD)
 # The plugin's --additional-config keys and what they become.
 OPTION_FIELDS = {
     "step_sync_lookahead": LOOKAHEAD_FIELD,
     "step_sync_peer_timeout_s": TIMEOUT_FIELD,
+    "step_sync_coordinator": COORDINATOR_FIELD,
 }
 
 ENGINE_CORE = "vllm.v1.engine.step_sync.engine_core"
@@ -51,10 +55,10 @@ UPSTREAM_SRC = Path(__file__).parent / "upstream_src"
 
 
 def _fields(carrier: str) -> list[cst.BaseStatement]:
-    """The carrier's fields, which must be the three this slice names."""
+    """The carrier's fields, which must be the four this slice names."""
     fields = fragment(carrier, body=True)
     names = set().union(*(anchors._defined_names(s) for s in fields))
-    if names != {FIELD, LOOKAHEAD_FIELD, TIMEOUT_FIELD}:
+    if names != {FIELD, *OPTION_NAMES}:
         raise ExportError(f"step_sync_fragments.{carrier} defines {sorted(names)}")
     return fields
 
@@ -65,11 +69,18 @@ def _refuse_defined(module: cst.Module, name: str, where: str) -> None:
 
 
 def _parallel_config(module: cst.Module, where: str) -> cst.Module:
-    _refuse_defined(module, "DataParallelSync", where)
+    for name in ("DataParallelSync", "DataParallelSyncCoordinator"):
+        _refuse_defined(module, name, where)
     module = anchors.insert_after_top_level(
         module,
         "DataParallelBackend",
-        fragment("DataParallelSync"),
+        [
+            *fragment("DataParallelSync"),
+            *(
+                s.with_changes(leading_lines=[cst.EmptyLine(indent=False)])
+                for s in fragment("DataParallelSyncCoordinator")
+            ),
+        ],
         where,
     )
     module = anchors.insert_field(
@@ -96,16 +107,17 @@ def _parallel_config(module: cst.Module, where: str) -> cst.Module:
 
 
 def _engine_args(module: cst.Module, where: str) -> cst.Module:
-    module = anchors.add_import_name(
-        module, "vllm.config.parallel", "DataParallelSync", where
-    )
+    for name in ("DataParallelSync", "DataParallelSyncCoordinator"):
+        module = anchors.add_import_name(module, "vllm.config.parallel", name, where)
     module = anchors.class_body_insert(
         module,
         "EngineArgs",
         anchors.statements(
             f"{FIELD}: DataParallelSync = ParallelConfig.{FIELD}\n"
-            f"{LOOKAHEAD_FIELD}: int = ParallelConfig.{LOOKAHEAD_FIELD}\n"
+            f"{LOOKAHEAD_FIELD}: int | None = ParallelConfig.{LOOKAHEAD_FIELD}\n"
             f"{TIMEOUT_FIELD}: float = ParallelConfig.{TIMEOUT_FIELD}\n"
+            f"{COORDINATOR_FIELD}: DataParallelSyncCoordinator = "
+            f"ParallelConfig.{COORDINATOR_FIELD}\n"
         ),
         where,
         after="dp_sync_interval",
@@ -128,7 +140,7 @@ def _engine_args(module: cst.Module, where: str) -> cst.Module:
         "".join(
             f'parallel_group.add_argument("--{name.replace("_", "-")}", '
             f'**parallel_kwargs["{name}"])\n'
-            for name in (FIELD, LOOKAHEAD_FIELD, TIMEOUT_FIELD)
+            for name in (FIELD, *OPTION_NAMES)
         )
     )
     module = anchors.insert_after(
@@ -167,7 +179,7 @@ def _engine_args(module: cst.Module, where: str) -> cst.Module:
                 equal=args[index].equal,
                 comma=args[index].comma,
             )
-            for name in (FIELD, LOOKAHEAD_FIELD, TIMEOUT_FIELD)
+            for name in (FIELD, *OPTION_NAMES)
         ]
         args[index + 1 : index + 1] = new
         return node.with_changes(args=args)
@@ -373,13 +385,14 @@ EDITS: tuple[Edit, ...] = (
         "step-sync-options",
         "vllm/config/parallel.py",
         f"ParallelConfig.{FIELD} ('wave' or 'step'), {LOOKAHEAD_FIELD}, "
-        f"{TIMEOUT_FIELD}, and what 'step' does not support",
+        f"{TIMEOUT_FIELD}, {COORDINATOR_FIELD}, and what 'step' does not support",
         _parallel_config,
     ),
     Edit(
         "step-sync-options",
         "vllm/engine/arg_utils.py",
-        "EngineArgs fields and --data-parallel-sync[-lookahead|-peer-timeout-seconds]; "
+        "EngineArgs fields and "
+        "--data-parallel-sync[-lookahead|-peer-timeout-seconds|-coordinator]; "
         "create_engine_config prepares the step-sync group's secret",
         _engine_args,
     ),

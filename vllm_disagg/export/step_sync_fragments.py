@@ -24,6 +24,8 @@ from vllm_disagg.export.source import ExportError
 
 DataParallelSync = Literal["wave", "step"]
 
+DataParallelSyncCoordinator = Literal["auto", "thread", "process"]
+
 
 class ParallelConfig:
     """Carrier: its fields go after ``ParallelConfig.dp_sync_interval``, the
@@ -36,15 +38,23 @@ class ParallelConfig:
     common step count among themselves (a coordinator thread in DP rank 0's
     engine core) and a rank without work runs dummy steps up to it: no waves,
     no all-reduce in the busy loop, and clients carry no DP state."""
-    data_parallel_sync_lookahead: int = Field(default=2, ge=1, le=1024)
+    data_parallel_sync_lookahead: int | None = Field(default=None, ge=1, le=1024)
     """With `data_parallel_sync="step"`: how many steps beyond its own a rank
-    with work asks for (renewed when half of them are left)."""
+    with work asks for (renewed when half of them are left). None: 2 below
+    `data_parallel_size` 32 and 8 from it, where the coordinator's messages
+    grow with the group."""
     data_parallel_sync_peer_timeout_seconds: float = Field(
         default=30.0, ge=0.1, le=3600
     )
     """With `data_parallel_sync="step"`: seconds after which a silent or
     stalled DP rank ends the group with an error instead of leaving its peers
     waiting."""
+    data_parallel_sync_coordinator: DataParallelSyncCoordinator = "auto"
+    """With `data_parallel_sync="step"`: where DP rank 0 runs the step-sync
+    coordinator. "thread": in its engine core process; "process": in a child
+    process with an interpreter of its own, so rank 0's forward passes and
+    the coordinator do not share one interpreter lock; "auto": "process"
+    from `data_parallel_size` 32."""
 
     def _validate_parallel_config(self):
         """Carrier."""

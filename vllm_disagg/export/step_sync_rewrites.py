@@ -16,6 +16,7 @@ import libcst.matchers as m
 from vllm_disagg.export import cst as anchors
 from vllm_disagg.export.source import ExportError
 from vllm_disagg.export.step_sync_edits import (
+    COORDINATOR_FIELD,
     FIELD,
     LOOKAHEAD_FIELD,
     METRICS,
@@ -96,8 +97,9 @@ def _engine_core(module: cst.Module, where: str) -> cst.Module:
         lambda node: cst.parse_expression(
             "StepSyncConfig(\n"
             "    parallel_config.data_parallel_size,\n"
-            f"    lookahead=parallel_config.{LOOKAHEAD_FIELD},\n"
+            f'    lookahead=parallel_config.{LOOKAHEAD_FIELD} or "auto",\n'
             f"    peer_timeout_s=parallel_config.{TIMEOUT_FIELD},\n"
+            f"    coordinator=parallel_config.{COORDINATOR_FIELD},\n"
             ")"
         ),
         "StepSyncConfig.from_additional_config(...)",

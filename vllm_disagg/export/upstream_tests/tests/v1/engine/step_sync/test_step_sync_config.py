@@ -27,8 +27,9 @@ pytestmark = pytest.mark.cpu_test
 def test_defaults_keep_dp_waves():
     config = ParallelConfig()
     assert config.data_parallel_sync == "wave"
-    assert config.data_parallel_sync_lookahead == 2
+    assert config.data_parallel_sync_lookahead is None  # by the group's size
     assert config.data_parallel_sync_peer_timeout_seconds == 30.0
+    assert config.data_parallel_sync_coordinator == "auto"
 
 
 def test_flags_set_the_fields():
@@ -41,23 +42,32 @@ def test_flags_set_the_fields():
             "4",
             "--data-parallel-sync-peer-timeout-seconds",
             "2.5",
+            "--data-parallel-sync-coordinator",
+            "process",
         ]
     )
     engine_args = EngineArgs.from_cli_args(args)
     assert engine_args.data_parallel_sync == "step"
     assert engine_args.data_parallel_sync_lookahead == 4
     assert engine_args.data_parallel_sync_peer_timeout_seconds == 2.5
+    assert engine_args.data_parallel_sync_coordinator == "process"
 
 
 def test_bad_values_are_refused():
-    with pytest.raises(SystemExit):
-        EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
-            ["--data-parallel-sync", "steps"]
-        )
+    for flag, value in (
+        ("--data-parallel-sync", "steps"),
+        ("--data-parallel-sync-coordinator", "threads"),
+    ):
+        with pytest.raises(SystemExit):
+            EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+                [flag, value]
+            )
     with pytest.raises(ValueError, match="data_parallel_sync_lookahead"):
         ParallelConfig(data_parallel_sync_lookahead=0)
     with pytest.raises(ValueError, match="data_parallel_sync_peer_timeout_seconds"):
         ParallelConfig(data_parallel_sync_peer_timeout_seconds=0)
+    with pytest.raises(ValueError, match="data_parallel_sync_coordinator"):
+        ParallelConfig(data_parallel_sync_coordinator="threads")
 
 
 def test_step_refuses_fault_tolerance():

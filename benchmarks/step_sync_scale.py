@@ -274,13 +274,29 @@ def points(which: str, quick: bool) -> list[stepsim.Scenario]:
                 stepsim.Scenario("step_sync", dp, 20, 1.0, 8, coordinator="process")
             )
     if which in ("delay", "all"):
+        # Step sync as its defaults run a group of 32 (`auto`: the coordinator's
+        # own process, look-ahead 8).
+        auto = auto_settings(32)
         for pass_ms in (5, 20, 50):
             load = max(40, int(2000 / pass_ms))
             out.append(stepsim.Scenario("none", 32, pass_ms, 0.0, load_passes=load))
             for d in (0.0, 0.1, 1.0, 5.0):
-                for m in ("step_sync", "waves"):
-                    out.append(stepsim.Scenario(m, 32, pass_ms, d, load_passes=load))
+                out.append(
+                    stepsim.Scenario(
+                        "step_sync", 32, pass_ms, d, load_passes=load, **auto
+                    )
+                )
+                out.append(stepsim.Scenario("waves", 32, pass_ms, d, load_passes=load))
     return out
+
+
+def auto_settings(dp: int) -> dict:
+    """The look-ahead and coordinator host `auto` picks for a group of ``dp``."""
+    from vllm_disagg.v1.engine.step_sync.config import StepSyncConfig
+
+    config = StepSyncConfig(dp)
+    host = "process" if config.coordinator_in_process else "thread"
+    return {"lookahead": config.lookahead, "coordinator": host}
 
 
 def baseline_ratios(results: list[dict]) -> None:

@@ -164,7 +164,7 @@ TESTS: tuple[tuple[str, str, str], ...] = (
         "tests/v1/engine/step_sync/test_launch_modes.py",
         "core_patches / PATCHES / load_patch_set: the selection in run_engine_core and "
         "CoreEngineActorManager by data_parallel_sync; SimpleNamespace configs gain "
-        "the three fields",
+        "the step-sync fields",
     ),
     (
         "tests/v1/distributed/test_step_sync_dp.py",

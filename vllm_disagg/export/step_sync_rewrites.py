@@ -392,6 +392,7 @@ _LAUNCH_MODES = _replace_text(
             "        data_parallel_rank=0,\n"
             f"        {LOOKAHEAD_FIELD}=2,\n"
             f"        {TIMEOUT_FIELD}=30.0,\n"
+            f'        {COORDINATOR_FIELD}="auto",\n'
             "    )\n",
         ),
     )

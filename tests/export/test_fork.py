@@ -71,7 +71,8 @@ def test_exported_tests_pass_on_the_wheel_without_the_plugin(fork, tmp_path, req
     )
     # Bounded (CI): every test the series writes, what each commit's CI job
     # runs but the P2P and router end-to-end tests (the step-sync DP=2 one:
-    # about 3 min on 2 cores), and the step-sync unit tests; the relocated P2P
+    # about 3 min on 2 cores), and the step-sync unit tests (but four of the
+    # coordinator-process cases, series.OVERLAY_DESELECTED); the relocated P2P
     # and router unit tests and the P2P end-to-end tests are collected only.
     # `--full-overlay` runs the unit tests and the get/put end-to-end test too.
     full = request.config.getoption("--full-overlay") or request.config.getoption(
@@ -103,7 +104,7 @@ def test_exported_tests_pass_on_the_wheel_without_the_plugin(fork, tmp_path, req
             "-m",
             "cpu_test",
             f"--junitxml={junit}",
-            *tests.run,
+            *tests.run_args(),
             timeout=1500,
         )
     except subprocess.TimeoutExpired as exc:

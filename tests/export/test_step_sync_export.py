@@ -263,3 +263,42 @@ def test_the_written_tests_exist_for_the_tree():
         text = (UPSTREAM_TESTS / rel).read_text(encoding="utf-8")
         assert "vllm_disagg" not in text
         assert "pytestmark = pytest.mark.cpu_test" in text
+
+
+def test_the_overlay_leaves_out_only_existing_coordinator_process_cases():
+    """``--deselect`` of a node id that does not exist is silently nothing:
+    each id the bounded overlay check leaves out names a test of the relocated
+    file, parametrized by host, that keeps its thread case; one
+    coordinator-process case still runs."""
+    from vllm_disagg.export.series import OVERLAY_DESELECTED, overlay_tests
+
+    source = PROJECT / "tests" / "v1" / "engine" / "test_step_sync.py"
+    assert "test_step_sync.py" in L.STEP_SYNC_UNIT_FILES
+    tree = ast.parse(source.read_text())
+    hosts = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "HOSTS" for t in node.targets)
+    )
+    assert hosts == ["thread", "process"]
+    by_host = {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and any("HOSTS" in ast.unparse(d) for d in node.decorator_list)
+    }
+    relocated = f"{L.STEP_SYNC_UNIT}/test_step_sync.py::"
+    assert OVERLAY_DESELECTED
+    for node_id in OVERLAY_DESELECTED:
+        assert node_id.startswith(relocated) and node_id.endswith("[process]")
+        assert node_id[len(relocated) : -len("[process]")] in by_host, node_id
+    kept = "test_every_rank_runs_the_same_number_of_passes"
+    assert not any(kept in d for d in OVERLAY_DESELECTED)
+    assert '(2, "process")' in source.read_text()
+    assert overlay_tests().deselect == OVERLAY_DESELECTED
+    assert overlay_tests(full=True).deselect == ()
+    args = overlay_tests().run_args()
+    assert args[: 2 * len(OVERLAY_DESELECTED) : 2] == ["--deselect"] * len(
+        OVERLAY_DESELECTED
+    )

@@ -18,7 +18,11 @@ complete slot:
   request waits for after its forward pass;
 * GET: from the decode's ``expect`` with ``get_from`` (the prefill holds the
   KV already): its ``Get``, the prefill's ``Offer``, the data;
-* raw: from the sender's ``sendall`` to the receiver's last byte.
+* raw: from the sender's ``sendall`` to the receiver's last byte;
+* channel: the engine's data messages (its runs of layers, read from the
+  KV cache as the engine reads them) over a bare tcp channel, from the
+  first read to the last byte: the wire format without the engine's
+  threads, control messages and state.
 
 Both processes read one clock (``CLOCK_MONOTONIC`` is system-wide). Within
 every round each engine sample runs between two raw samples (the order
@@ -39,6 +43,10 @@ faults are counted for every sample.
 messages carry runs of layers up to that many bytes
 (``protocol.LAYER_MESSAGE_BYTES``; 0: one layer per message).
 
+``--timeline`` cuts each engine sample of the first pair into the phases of
+its critical path (``benchmarks/common/p2p_timeline.py``): thread hand-offs,
+control round trips, the first layers' reads, the data, the poll.
+
 ``--breakdown`` also times the engine's pieces in both processes (wrapped
 from here, the engine is unchanged): the control round trips, the receive
 room's allocation, the per-layer reads of the KV cache and the socket calls.
@@ -55,6 +63,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import inspect
 import multiprocessing as mp
 import os
 import resource
@@ -65,7 +74,7 @@ import time
 
 import torch
 from _deps import require  # benchmarks/_deps.py: sys.path[0] as a script
-from common import report
+from common import p2p_timeline, report
 
 KIB, MIB = 1 << 10, 1 << 20
 HOST = "127.0.0.1"
@@ -81,17 +90,24 @@ MODES = ("PUT", "GET", "PUT-after-pass")
 FORWARD_PASS_S = 0.02
 OP_TIMEOUT_S = 60.0
 POLL_SLEEP_S = 20e-6
+# The engine's data messages over a bare tcp channel (first pair only): the
+# wire format and the KV cache reads, without the engine's threads and state.
+CHANNEL = "channel"
 BEFORE = "_before"  # --compare: the engine as before it kept buffers
 
 
 # --- time breakdown (--breakdown): wrappers installed in each process ---------
 
 TIMERS: dict[str, list[float]] = collections.defaultdict(list)
+# Off during a channel sample: it calls some of the wrapped pieces too.
+TIMING = {"on": True}
 
 
 def _timed(name: str, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if not TIMING["on"]:
+            return fn(*args, **kwargs)
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -187,13 +203,48 @@ def _raw_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.numpy())
 
 
+class _BareChannel:
+    """The tcp channel's own send and recv, not the wrappers --breakdown and
+    --timeline put on the class (the channel sample is not the engine's)."""
+
+    def __init__(self, sock: socket.socket):
+        from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.transport import (
+            tcp,
+        )
+
+        self.channel = tcp.TcpChannel(sock)
+        self._send = inspect.unwrap(tcp.TcpChannel.send)
+        self._recv = inspect.unwrap(tcp.TcpChannel.recv)
+
+    def send(self, parts, deadline: float) -> None:
+        self._send(self.channel, parts, deadline)
+
+    def recv(self, parts, deadline: float) -> None:
+        self._recv(self.channel, parts, deadline)
+
+
+def _bare_channel(sock: socket.socket) -> _BareChannel:
+    return _BareChannel(sock)
+
+
+def _layer_groups(layer_bytes: int) -> list[range]:
+    """The runs of layers the engine sends as one data message each."""
+    from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol
+
+    return list(protocol.layer_groups(LAYERS, layer_bytes))
+
+
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def receiver(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
+def receiver(
+    ctrl, breakdown: bool, before: bool, message_bytes=None, timeline=False
+) -> None:
     if breakdown:
         install_timers()
+    if timeline:
+        p2p_timeline.install()
     engines = _engines(receiver=True, before=before, message_bytes=message_bytes)
     with socket.create_server((HOST, 0)) as server:
         ctrl.send(
@@ -204,11 +255,15 @@ def receiver(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
         )
         server.settimeout(OP_TIMEOUT_S)
         raw, _ = server.accept()
+        chan = _bare_channel(server.accept()[0])
     raw.settimeout(OP_TIMEOUT_S)
     staging = torch.ones(max(SIZES), dtype=torch.uint8)  # touched once
     while (job := ctrl.recv()) is not None:
         if job[0] == "timers":
             ctrl.send(take_timers())
+            continue
+        if job[0] == "timeline":
+            ctrl.send(p2p_timeline.take())
             continue
         kind, key, size, prefill = job
         faults = _minor_faults()
@@ -223,6 +278,18 @@ def receiver(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
                     raise ConnectionError("peer closed")
                 got += n
             ctrl.send((time.monotonic(), "", _minor_faults() - faults))
+            continue
+        if kind == CHANNEL:
+            per_layer = size // LAYERS
+            TIMING["on"] = False
+            ctrl.send("ready")
+            for group in _layer_groups(per_layer):
+                chan.recv(
+                    [staging[i * per_layer : (i + 1) * per_layer] for i in group],
+                    time.monotonic() + OP_TIMEOUT_S,
+                )
+            ctrl.send((time.monotonic(), "", _minor_faults() - faults))
+            TIMING["on"] = True
             continue
         engine = engines["GET" if kind == "GET" else "PUT"]
         deadline = time.monotonic() + OP_TIMEOUT_S
@@ -249,12 +316,20 @@ def receiver(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
         engine.close()
 
 
-def sender(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
+def sender(
+    ctrl, breakdown: bool, before: bool, message_bytes=None, timeline=False
+) -> None:
     if breakdown:
         install_timers()
+    if timeline:
+        p2p_timeline.install()
     engines = _engines(receiver=False, before=before, message_bytes=message_bytes)
     peers = ctrl.recv()
     raw = socket.create_connection((HOST, peers["raw"]), timeout=OP_TIMEOUT_S)
+    chan = _bare_channel(
+        socket.create_connection((HOST, peers["raw"]), timeout=OP_TIMEOUT_S)
+    )
+    layout = engines["PUT"].local.layout
     payload = torch.randint(0, 256, (max(SIZES),), dtype=torch.uint8)
     ctrl.send({m: e.addr for m, e in engines.items()})
     seq = 0
@@ -262,11 +337,26 @@ def sender(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
         if job[0] == "timers":
             ctrl.send(take_timers())
             continue
+        if job[0] == "timeline":
+            ctrl.send(p2p_timeline.take())
+            continue
         kind, key, size = job
         seq += 1
         if kind in ("raw", "raw_fresh"):
             start = time.monotonic()
             raw.sendall(_raw_view(payload[:size]))
+            ctrl.send((start, ""))
+            continue
+        if kind == CHANNEL:  # what the engine puts on the wire, without it
+            blocks = _block_ids(size)
+            TIMING["on"] = False
+            start = time.monotonic()
+            for group in _layer_groups(len(blocks) * PAGE):
+                parts = []
+                for layer in group:
+                    parts += layout.read_block_bytes(layer, blocks)
+                chan.send(parts, start + OP_TIMEOUT_S)
+            TIMING["on"] = True
             ctrl.send((start, ""))
             continue
         engine = engines["GET" if kind == "GET" else "PUT"]
@@ -301,11 +391,17 @@ def sender(ctrl, breakdown: bool, before: bool, message_bytes=None) -> None:
 class Pair:
     """The two processes and the parent's side of their pipes."""
 
-    def __init__(self, breakdown: bool, before: bool = False, message_bytes=None):
+    def __init__(
+        self,
+        breakdown: bool,
+        before: bool = False,
+        message_bytes=None,
+        timeline: bool = False,
+    ):
         ctx = mp.get_context("spawn")
         self.to_send, send_end = ctx.Pipe()
         self.to_recv, recv_end = ctx.Pipe()
-        how = (breakdown, before, message_bytes)
+        how = (breakdown, before, message_bytes, timeline)
         self.procs = [
             ctx.Process(target=sender, args=(send_end, *how), name="sender"),
             ctx.Process(target=receiver, args=(recv_end, *how), name="receiver"),
@@ -341,9 +437,18 @@ class Pair:
             start, send_failed = self._get(self.to_send)
         end, recv_failed, faults = self._get(self.to_recv)
         self.faults.append(faults)
+        self.span = (start, end)
         if send_failed or recv_failed:
             raise RuntimeError(f"{kind} {size}: failed: {send_failed} {recv_failed}")
         return end - start
+
+    def stamps(self) -> list[tuple[str, float, float]]:
+        """Both processes' timeline stamps since the last call (--timeline)."""
+        out = []
+        for side, conn in (("prefill", self.to_send), ("decode", self.to_recv)):
+            conn.send(("timeline",))
+            out += [(f"{side} {name}", s, e) for name, s, e in self._get(conn)]
+        return out
 
     def timers(self) -> dict[str, dict[str, list[float]]]:
         out = {}
@@ -364,40 +469,55 @@ class Pair:
 
 def measure(args) -> dict:
     # column -> (pair, kind): the engine columns of each pair, and the raw ones
-    pairs = {"": Pair(args.breakdown)}
+    pairs = {"": Pair(args.breakdown, timeline=args.timeline)}
     if args.compare:
         pairs[BEFORE] = Pair(False, before=True)
     for n in args.message_bytes:  # side by side: other LAYER_MESSAGE_BYTES
         pairs[f"_mb{n}"] = Pair(False, message_bytes=n)
-    columns = ["raw", *(("raw_fresh",) if args.compare else ())]
+    columns = ["raw", CHANNEL, *(("raw_fresh",) if args.compare else ())]
     columns += [m + suffix for suffix in pairs for m in MODES]
     seconds = {c: {s: [] for s in SIZES} for c in columns}
     faults = {c: {s: [] for s in SIZES} for c in columns}
-    ratios = {c: {s: [] for s in SIZES} for c in columns if c.split("_")[0] in MODES}
+    ratios = {
+        c: {s: [] for s in SIZES}
+        for c in columns
+        if c.split("_")[0] in MODES or c == CHANNEL
+    }
+
+    timeline: dict[str, dict[int, list[list[float]]]] = {}
 
     def sample(pair: Pair, column: str, kind: str, size: int) -> float:
         value = pair.sample(kind, size)
         seconds[column][size].append(value)
         faults[column][size].append(pair.faults[-1])
+        if args.timeline and pair is pairs[""]:
+            stamps = pair.stamps()
+            if kind in p2p_timeline.PHASES:
+                cut = p2p_timeline.phases(kind, stamps, *pair.span)
+                if cut is not None:
+                    timeline.setdefault(kind, {}).setdefault(size, []).append(cut)
         return value
 
     try:
-        for pair in pairs.values():
+        for suffix, pair in pairs.items():
+            kinds = (*MODES, CHANNEL) if suffix == "" else MODES
             for size in SIZES:  # warm-up: channels, TCP windows, allocator
-                for kind in ("raw", *MODES, "raw", *MODES):
+                for kind in ("raw", *kinds, "raw", *kinds):
                     pair.sample(kind, size)
             pair.timers()  # the warm-up's are not counted
+            if args.timeline and pair is pairs[""]:
+                pair.stamps()
         for r in range(args.rounds):
             for size in SIZES:
                 order = list(pairs.items())
                 for suffix, pair in order if r % 2 == 0 else order[::-1]:
                     raw = [sample(pair, "raw", "raw", size)]
-                    for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                        value = sample(pair, mode + suffix, mode, size)
+                    kinds = (*MODES, CHANNEL) if suffix == "" else MODES
+                    for mode in kinds if r % 2 == 0 else kinds[::-1]:
+                        column = CHANNEL if mode == CHANNEL else mode + suffix
+                        value = sample(pair, column, mode, size)
                         raw.append(sample(pair, "raw", "raw", size))
-                        ratios[mode + suffix][size].append(
-                            statistics.fmean(raw[-2:]) / value
-                        )
+                        ratios[column][size].append(statistics.fmean(raw[-2:]) / value)
                     if suffix == BEFORE:
                         sample(pair, "raw_fresh", "raw_fresh", size)
             print(f"round {r + 1}/{args.rounds} done", flush=True)
@@ -405,7 +525,13 @@ def measure(args) -> dict:
     finally:
         for pair in pairs.values():
             pair.close()
-    return {"seconds": seconds, "ratios": ratios, "faults": faults, "timers": timers}
+    return {
+        "seconds": seconds,
+        "ratios": ratios,
+        "faults": faults,
+        "timers": timers,
+        "timeline": timeline,
+    }
 
 
 def summarize(result: dict) -> dict:
@@ -464,7 +590,10 @@ def markdown(summary: dict, result: dict, args) -> list[str]:
             f"PUT-after-pass from saving every layer {FORWARD_PASS_S * 1e3:.0f} ms "
             "after `start_send` (the worker's early offer), GET from the "
             "decode's `expect`, to the decode's `poll()` returning the complete "
-            f"slot; raw: one `sendall` into one `recv_into`. {args.rounds} rounds; "
+            "slot; raw: one `sendall` into one `recv_into`; channel: the "
+            "engine's data messages (runs of layers, the KV cache read as it "
+            "reads it) over a bare tcp channel, without the engine's threads, "
+            f"control messages and state. {args.rounds} rounds; "
             "in each, every engine sample runs between two raw samples and the "
             "ratio is their mean time over its time (1.0: as fast as the raw "
             "socket; the goal is >= 0.8). Times are medians; the ratio is the "
@@ -517,6 +646,21 @@ def markdown(summary: dict, result: dict, args) -> list[str]:
                 breakdown_rows(result["timers"], transfers),
             ),
         ]
+    if result.get("timeline"):
+        lines += [
+            "",
+            "## One transfer's critical path",
+            "",
+            "`--timeline`: each engine sample of the first pair cut into phases "
+            "at milestones stamped in both processes (one clock; "
+            "`benchmarks/common/p2p_timeline.py` says which); median ms of each phase, "
+            "so a column adds up to about the sample's median time.",
+            "",
+            *report.table(
+                ["mode", "phase", *(f"{size // MIB} MiB" for size in SIZES)],
+                p2p_timeline.rows(result["timeline"], SIZES),
+            ),
+        ]
     return lines
 
 
@@ -530,6 +674,12 @@ def main() -> int:
         help="also a pair working as before (fresh buffers, views per block)",
     )
     parser.add_argument("--tag", default="", help="suffix of the result files")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="cut each engine sample of the first pair into phases at stamped "
+        "milestones (benchmarks/common/p2p_timeline.py)",
+    )
     parser.add_argument(
         "--message-bytes",
         type=lambda text: [int(n) for n in text.split(",") if n],

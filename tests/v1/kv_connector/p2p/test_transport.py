@@ -239,6 +239,54 @@ def test_close_wakes_blocked_calls_on_both_sides(pair):
         b.send([torch.empty(4)], _in(1))
 
 
+# More than loopback's socket buffers hold: a sender waits for room in them.
+BEYOND_SOCKET_BUFFERS = 64 << 20
+
+
+@pytest.fixture
+def tcp_pair():
+    initiator, acceptor, transports = _pair("tcp")
+    yield initiator, acceptor
+    for obj in (initiator, acceptor, *transports):
+        obj.close()
+
+
+def test_tcp_send_beyond_the_socket_buffers_reaches_a_slow_reader_whole(tcp_pair):
+    """The sender's calls return when the buffer is full and it waits for
+    room (MSG_DONTWAIT, then poll): every byte arrives, in order, however the
+    reader paces itself."""
+    a, b = tcp_pair
+    data = torch.randint(0, 256, (BEYOND_SOCKET_BUFFERS,), dtype=torch.uint8)
+    halves = list(data.chunk(2))
+    join = _in_thread(a.send, halves, _in(30))
+    time.sleep(0.3)  # the sender has filled the buffers and waits
+    got = torch.zeros_like(data)
+    b.recv(list(got.chunk(2)), _in(30))
+    join()
+    assert torch.equal(got, data)
+
+
+def test_tcp_send_to_a_peer_that_never_reads_fails_at_its_deadline(tcp_pair):
+    a, _ = tcp_pair
+    data = torch.zeros(BEYOND_SOCKET_BUFFERS, dtype=torch.uint8)
+    deadline = _in(0.5)
+    _raises_by(lambda: a.send([data], deadline), deadline, match="deadline")
+    with pytest.raises(TransportError):  # broken for good
+        a.send([torch.zeros(1)], _in(1))
+
+
+def test_tcp_close_wakes_a_send_waiting_for_room(tcp_pair):
+    a, _ = tcp_pair
+    data = torch.zeros(BEYOND_SOCKET_BUFFERS, dtype=torch.uint8)
+    blocked = _in_thread(a.send, [data], _in(20))
+    time.sleep(0.3)
+    start = time.monotonic()
+    a.close()
+    with pytest.raises(TransportError):
+        blocked(timeout=5)
+    assert time.monotonic() - start < 5
+
+
 def test_bad_tensors_are_refused(pair):
     a, _ = pair
     with pytest.raises(TransportError, match="contiguous"):

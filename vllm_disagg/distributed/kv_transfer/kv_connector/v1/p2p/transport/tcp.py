@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -105,10 +106,16 @@ def _advance(bufs: list[memoryview], i: int, n: int) -> int:
 class TcpChannel(Channel):
     """Both directions over one blocking connection.
 
-    The kernel's per-direction timeouts (SO_SNDTIMEO, SO_RCVTIMEO), set from
-    the deadline before every system call, bound each call; the sending and
-    the receiving thread never share one. Blocking calls with MSG_WAITALL
-    take one system call per message where a poll loop would take several.
+    Receiving: a blocking ``recvmsg_into`` with MSG_WAITALL, one system call
+    per message, bounded by the kernel's receive timeout (SO_RCVTIMEO) set
+    from the deadline before every call. Sending: ``sendmsg`` with
+    MSG_DONTWAIT, and ``poll`` for room (bounded by the deadline) when the
+    socket's buffer is full. A blocking ``sendmsg`` of megabytes stays in
+    the kernel for the whole copy; calls that return when the buffer is full
+    moved 64 MiB over loopback in 21 ms where one blocking ``sendall`` took
+    27, and the channel's own messages about 5 % faster at 16-64 MiB
+    (docs/p2p_connector.md, "One transfer end to end vs the raw socket").
+    The sending and the receiving thread never share a direction.
 
     Socket buffers are left to Linux's autotuning: setting SO_SNDBUF or
     SO_RCVBUF turns it off and caps the buffer at net.core.[rw]mem_max
@@ -121,6 +128,8 @@ class TcpChannel(Channel):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(True)
         self._sock = sock
+        self._writable = select.poll()
+        self._writable.register(sock.fileno(), select.POLLOUT)
         self._send_header = bytearray(_HEADER.size)
         self._recv_header = bytearray(_HEADER.size)
         self._error: str | None = None
@@ -135,10 +144,13 @@ class TcpChannel(Channel):
         i = 0
         try:
             while i < len(bufs):
-                self._arm(socket.SO_SNDTIMEO, deadline, "send")
                 try:
-                    n = self._sock.sendmsg(bufs[i : i + _IOV_MAX])
-                except BlockingIOError:  # timed out; the deadline is checked above
+                    n = self._sock.sendmsg(
+                        bufs[i : i + _IOV_MAX], (), socket.MSG_DONTWAIT
+                    )
+                except BlockingIOError:  # the buffer is full: wait for room
+                    left = remaining(deadline, "send")
+                    self._writable.poll(max(1, int(left * 1000)))
                     continue
                 i = _advance(bufs, i, n)
         except (OSError, TransportError) as e:

@@ -719,6 +719,38 @@ def test_layout_mismatch_refuses_the_hello(
     assert not decode.engine.receiver.inbound
 
 
+def test_a_hello_cutting_layers_into_other_messages_is_refused(make_engine, caplog):
+    # Both ends compute where a transfer's data messages end from
+    # LAYER_MESSAGE_BYTES; a peer built with another value would fail every
+    # slot on a length check (and believe its sends went well): refused at
+    # the Hello instead, both values in the decode's log (review F2).
+    prefill = make_engine("tcp", "PUT", seed=1)
+    decode = make_engine("tcp", "PUT", seed=2)
+    local = prefill.engine.local
+    own_hello = local.hello
+    other = proto.LAYER_MESSAGE_BYTES // 2
+    local.hello = lambda *a: msgspec.structs.replace(own_hello(*a), message_bytes=other)
+    with caplog.at_level(logging.WARNING):
+        xfer = send(prefill, decode, "k", [1, 2], mode="PUT")
+        assert not wait_done(xfer).ok
+    assert "refused the channel (layout;" in xfer.reason, xfer.reason
+    assert any(
+        f"data messages of up to {other} bytes, this worker "
+        f"{proto.LAYER_MESSAGE_BYTES}" in r.getMessage()
+        for r in caplog.records
+    )
+    assert decode.totals()["rejected_messages"] == 1
+    assert not decode.engine.receiver.inbound
+    # A Hello of this version without the field is from a 2 MiB build.
+    hello = own_hello(1, "c", b"")
+    fields = msgspec.msgpack.decode(msgspec.msgpack.encode(hello))
+    assert fields[-1] == proto.LAYER_MESSAGE_BYTES == 2 << 20
+    old = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(fields[:-1]), type=proto.Message
+    )
+    assert old.message_bytes == 2 << 20
+
+
 @pytest.mark.parametrize(
     "prefill_kw, decode_kw, words",
     [

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.config import SendType
+from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.engine import SlotState
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     P2pConnectorMetadata,
     SaveSpec,
@@ -104,3 +105,39 @@ def test_put_waits_for_layers_until_wait_for_save(make_engine):
     worker.wait_for_save()
     receive(decode, "k", [40], 0)
     assert_blocks_equal(decode, [40], prefill, [1])
+
+
+@pytest.mark.parametrize("send_type", [SendType.PUT, SendType.PUT_ASYNC])
+@pytest.mark.parametrize("expected", [True, False], ids=["expected", "not-yet"])
+def test_an_engine_closed_between_bind_and_wait_for_save_tells_the_decode_at_once(
+    make_engine, send_type, expected
+):
+    # The offer went in bind and reserved room on the decode; then the
+    # prefill shuts down before any layer is saved. Its close must not wait
+    # for the send's deadline (kv_hold_timeout_s) and the decode must learn
+    # now, not at its kv_load_timeout_s (adversarial review, finding F1).
+    hold_s = 20.0
+    prefill = make_engine("tcp", send_type.value, seed=1, hold=hold_s)
+    decode = make_engine("tcp", send_type.value, seed=2, hold=30.0)
+    worker = _worker(prefill, send_type)
+    if expected:
+        decode.expect("k", 0, deadline(30), get_from=None, prompt_digest=DIGEST)
+    worker.bind(
+        P2pConnectorMetadata(
+            saves=[SaveSpec("req-k", "k", decode.addr, [1, 2], DIGEST)]
+        )
+    )
+    wait_for(lambda: decode.occupancy()[0] > 0, "the offer's room", 10)
+    start = time.monotonic()
+    prefill.engine.close()
+    closed_in = time.monotonic() - start
+    slot = wait_for(lambda: decode.poll("k"), "the failed slot", 10)
+    learned_in = time.monotonic() - start
+    # Bounds for a loaded 2-core host; the deadline they guard is 20 s.
+    assert closed_in < 5.0, closed_in
+    assert learned_in < 5.0, learned_in
+    assert slot.state is SlotState.FAILED
+    xfer = worker._sends["req-k"]
+    assert xfer.done.is_set() and not xfer.ok and "closing" in xfer.reason
+    decode.release(slot)
+    assert decode.occupancy() == (0, 0)

@@ -11,9 +11,10 @@ The protocol version is checked on the first contact (``Hello``); a peer with
 another version is refused with the reason.
 
 Data itself never travels here: after an ``Offer`` is accepted, the sender
-writes ``num_layers`` messages (one per layer, the blocks from
-``skip_blocks`` on, then their checksums when the Hello named an algorithm:
-checksum.py) to the data channel named in the offer.
+writes one data message per run of layers (``layer_groups``: consecutive
+layers up to the ``message_bytes`` both Hellos agreed on; each layer's
+blocks from ``skip_blocks`` on, then their checksums when the Hello named an
+algorithm: checksum.py) to the data channel named in the offer.
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ class Hello(_Msg, tag="hello"):
     # What the sender appends to every layer message on this channel:
     # checksum.py's algorithm name, or "none" (nothing appended).
     checksum: str = "none"
+    # Where the data messages end: both sides compute layer_groups() with
+    # it, so a channel opens only where they agree (LAYER_MESSAGE_BYTES; a
+    # Hello without it is from a build of this version that used 2 MiB).
+    message_bytes: int = 2 << 20
 
 
 class Offer(_Msg, tag="offer", kw_only=True):

@@ -137,6 +137,9 @@ class P2pEngine:
             self.stats.record_rejected
         )  # its data port counts here too
         self.stopped = threading.Event()
+        # Set first by close(): sends end and their receivers are told, then
+        # ``stopped`` ends the threads.
+        self.closing = threading.Event()
         self.zmq_ctx = zmq.Context()
 
         self._lock = threading.Lock()  # both sides' and the peer table's
@@ -158,6 +161,7 @@ class P2pEngine:
             stats=self.stats,
             rejects=self._rejects,
             submit=self._submit,
+            closing=self.closing,
         )
         # The worker's API is the two sides' (see their docstrings).
         receiver, sender = self.receiver, self.sender
@@ -201,6 +205,18 @@ class P2pEngine:
         self.local.model_fingerprint = value
 
     def close(self) -> None:
+        # Sends still under way (PUT offers before the forward pass, so one may
+        # wait for layers that will never be saved) end now, and each peer
+        # thread tells its receiver (an Abort, and a dropped data channel for
+        # one mid-transfer) before the threads stop, at most CLOSE_FLUSH_S: a
+        # decode must not wait out its kv_load_timeout_s for a prefill that
+        # is going away.
+        self.closing.set()
+        until = time.monotonic() + limits.CLOSE_FLUSH_S
+        while time.monotonic() < until and any(
+            p.busy() for p in list(self._peers.values())
+        ):
+            time.sleep(0.01)
         self.stopped.set()
         self._listener.join(timeout=2)
         for peer in list(self._peers.values()):

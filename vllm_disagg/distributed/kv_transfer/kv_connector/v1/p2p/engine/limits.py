@@ -48,3 +48,6 @@ MAX_EARLY_ABORTS = 4096
 # this long for the answer and asks again after PEER_RETRY_AFTER_S, until
 # the transfer's own deadline.
 ABORT_REPLY_TIMEOUT_S = 2.0
+# How long close() lets the peer threads end their sends and tell the
+# receivers (Aborts) before it stops them.
+CLOSE_FLUSH_S = 1.0

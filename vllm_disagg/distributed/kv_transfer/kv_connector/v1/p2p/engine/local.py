@@ -61,6 +61,7 @@ class Local:
             sent_at=time.time(),
             model=self.model_fingerprint,
             checksum=self.checksum_name,
+            message_bytes=proto.LAYER_MESSAGE_BYTES,
         )
 
 
@@ -97,6 +98,12 @@ def hello_mismatch(local: Local, msg: Hello) -> tuple[Refusal, str] | None:
         return Refusal.CHECKSUM, (
             f"peer attaches kv_checksum {msg.checksum}, this worker checks "
             f"{local.checksum_name}"
+        )
+    if msg.message_bytes != proto.LAYER_MESSAGE_BYTES:
+        # Both ends cut a transfer's layers into the same data messages.
+        return Refusal.LAYOUT, (
+            f"peer groups layers into data messages of up to {msg.message_bytes} "
+            f"bytes, this worker {proto.LAYER_MESSAGE_BYTES}"
         )
     skew = time.time() - msg.sent_at
     if abs(skew) > limits.MAX_HELLO_AGE_S:

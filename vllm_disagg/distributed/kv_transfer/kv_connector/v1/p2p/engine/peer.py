@@ -81,6 +81,7 @@ class Peer:
         # (the transfer's deadline, why); re-sent until answered or past it.
         self._aborts: dict[str, tuple[float, str]] = {}
         self._abort_retry_at = 0.0
+        self._in_job = False
         self.thread = threading.Thread(
             target=self._run, name=f"p2p-peer-{addr}", daemon=True
         )
@@ -170,7 +171,26 @@ class Peer:
         if self.channel is not None:
             self.channel.close()
 
+    def busy(self) -> bool:
+        """A job under way or queued, or an Abort not yet answered (read by
+        the engine's close from another thread: a hint, not a lock)."""
+        return self._in_job or not self.jobs.empty() or bool(self._aborts)
+
     def _do(self, job: SendTransfer | GetJob) -> None:
+        self._in_job = True
+        try:
+            self._do_job(job)
+        finally:
+            self._in_job = False
+
+    def _do_job(self, job: SendTransfer | GetJob) -> None:
+        if self.owner.closing.is_set():
+            reason = "the engine is closing"
+            if isinstance(job, GetJob):
+                job.on_failure(reason)
+            else:
+                self._give_up(job, reason)
+            return
         left = self.silent_until - time.monotonic()
         if left > 0:
             reason = (

@@ -44,6 +44,7 @@ class PeerOwner(Protocol):
     secret: bytes | None
     zmq_ctx: zmq.Context
     stopped: threading.Event
+    closing: threading.Event  # set before ``stopped``: end sends, tell receivers
     stats: P2pStatsRecorder
 
     def finish_send(self, xfer: SendTransfer, *, ok: bool, reason: str = "") -> None:

@@ -62,8 +62,10 @@ class Sender:
         stats: P2pStatsRecorder,
         rejects: Rejects,
         submit: Callable[[str, SendTransfer], None],
+        closing: threading.Event | None = None,
     ):
         self.local = local
+        self.closing = closing  # the engine's: every transfer made here watches it
         self.lock = lock  # the engine's: one lock for both sides and the sweep
         self.stats = stats
         self.rejects = rejects
@@ -81,6 +83,7 @@ class Sender:
             block_ids=list(block_ids),
             num_layers=self.local.layout.num_layers,
             deadline=time.monotonic() + self.local.hold_timeout_s,
+            closing=self.closing,
             **kw,
         )
 

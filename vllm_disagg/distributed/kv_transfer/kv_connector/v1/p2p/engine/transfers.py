@@ -51,6 +51,9 @@ class SendTransfer:
     layers_ready: int = 0
     events: dict[int, torch.cuda.Event] = field(default_factory=dict)
     cond: threading.Condition = field(default_factory=threading.Condition)
+    # The engine's: set when it closes, so a send waiting for layers that
+    # will never be saved ends then, not at its deadline.
+    closing: threading.Event | None = None
 
     @property
     def ok(self) -> bool:
@@ -69,6 +72,10 @@ class SendTransfer:
     def wait_layer(self, layer: int) -> None:
         with self.cond:
             while self.layers_ready <= layer:
+                if self.closing is not None and self.closing.is_set():
+                    raise TransportError(
+                        f"the engine is closing; layer {layer} was not saved"
+                    )
                 left = self.deadline - time.monotonic()
                 if left <= 0:
                     raise TransportError(f"layer {layer} was never saved")

@@ -223,10 +223,6 @@ class _BareChannel:
         self._recv(self.channel, parts, deadline)
 
 
-def _bare_channel(sock: socket.socket) -> _BareChannel:
-    return _BareChannel(sock)
-
-
 def _layer_groups(layer_bytes: int) -> list[range]:
     """The runs of layers the engine sends as one data message each."""
     from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p import protocol
@@ -255,7 +251,7 @@ def receiver(
         )
         server.settimeout(OP_TIMEOUT_S)
         raw, _ = server.accept()
-        chan = _bare_channel(server.accept()[0])
+        chan = _BareChannel(server.accept()[0])
     raw.settimeout(OP_TIMEOUT_S)
     staging = torch.ones(max(SIZES), dtype=torch.uint8)  # touched once
     while (job := ctrl.recv()) is not None:
@@ -326,7 +322,7 @@ def sender(
     engines = _engines(receiver=False, before=before, message_bytes=message_bytes)
     peers = ctrl.recv()
     raw = socket.create_connection((HOST, peers["raw"]), timeout=OP_TIMEOUT_S)
-    chan = _bare_channel(
+    chan = _BareChannel(
         socket.create_connection((HOST, peers["raw"]), timeout=OP_TIMEOUT_S)
     )
     layout = engines["PUT"].local.layout

@@ -27,55 +27,44 @@ import time
 
 STAMPS: list[tuple[str, float, float]] = []
 
-# mode -> its milestones after the start, each (side and stamp name, "start"
-# or "end", which: "first" at or after the previous milestone, or "last" of
-# the sample).
+# From the prefill's peer thread taking a send to the decode's last byte:
+# the milestones PUT and GET share, each (side and stamp name, "start" or
+# "end", which: "first" at or after the previous milestone, or "last" of the
+# sample), and the phases they end.
+_SEND = [
+    ("prefill peer job", "start", "first"),
+    ("prefill control request", "start", "first"),
+    ("prefill control request", "end", "first"),
+    ("prefill channel.send", "start", "first"),
+    ("decode channel.recv", "end", "last"),
+]
+_SEND_PHASES = [
+    "the peer thread to the Offer",
+    "Offer round trip",
+    "reading the first layers",
+    "data on the wire",
+]
+# mode -> its milestones after the start.
 MILESTONES = {
-    "PUT": [
-        ("prefill peer job", "start", "first"),
-        ("prefill control request", "start", "first"),
-        ("prefill control request", "end", "first"),
-        ("prefill channel.send", "start", "first"),
-        ("decode channel.recv", "end", "last"),
-    ],
-    "PUT-after-pass": [
-        ("prefill channel.send", "start", "first"),
-        ("decode channel.recv", "end", "last"),
-    ],
+    "PUT": _SEND,
+    "PUT-after-pass": _SEND[-2:],
     "GET": [
         ("decode get job", "start", "first"),
         ("prefill on_get", "start", "first"),
-        ("prefill peer job", "start", "first"),
-        ("prefill control request", "start", "first"),
-        ("prefill control request", "end", "first"),
-        ("prefill channel.send", "start", "first"),
-        ("decode channel.recv", "end", "last"),
+        *_SEND,
     ],
 }
 # The phase that ends at each milestone (the last: at the sample's end).
+_TO_POLL = "last byte to poll()"
 PHASES = {
-    "PUT": [
-        "start_send to the peer thread",
-        "the peer thread to the Offer",
-        "Offer round trip",
-        "reading the first layers",
-        "data on the wire",
-        "last byte to poll()",
-    ],
-    "PUT-after-pass": [
-        "saved to the first byte out",
-        "data on the wire",
-        "last byte to poll()",
-    ],
+    "PUT": ["start_send to the peer thread", *_SEND_PHASES, _TO_POLL],
+    "PUT-after-pass": ["saved to the first byte out", _SEND_PHASES[-1], _TO_POLL],
     "GET": [
         "expect to the decode's peer thread",
         "Get, one way",
         "Get handled to the prefill's peer thread",
-        "the peer thread to the Offer",
-        "Offer round trip",
-        "reading the first layers",
-        "data on the wire",
-        "last byte to poll()",
+        *_SEND_PHASES,
+        _TO_POLL,
     ],
 }
 

@@ -114,7 +114,7 @@ class TcpChannel(Channel):
     the kernel for the whole copy; calls that return when the buffer is full
     moved 64 MiB over loopback in 21 ms where one blocking ``sendall`` took
     27, and the channel's own messages about 5 % faster at 16-64 MiB
-    (docs/p2p_connector.md, "One transfer end to end vs the raw socket").
+    (docs/p2p_connector.md, "Where the rest goes, phase by phase").
     The sending and the receiving thread never share a direction.
 
     Socket buffers are left to Linux's autotuning: setting SO_SNDBUF or

@@ -6,11 +6,16 @@ chunks arrived, then read what each client got in the end.
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import requests
+
+from vllm_disagg.testing.fleet import engine_cores
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -61,6 +66,19 @@ class InFlight(threading.Thread):
             self.error = repr(e)[:300]
         finally:
             self.finished.set()
+
+    def describe(self) -> str:
+        """One line for a failure message: where this client stands."""
+        waited = (
+            None
+            if self.first_event_at is None or self.started_at is None
+            else round(self.first_event_at - self.started_at, 2)
+        )
+        return (
+            f"{'done' if self.finished.is_set() else 'open'} status={self.status} "
+            f"chunks={len(self.chunks())} first_event_s={waited} "
+            f"errors={self.errors()[-1:]} error={self.error}"
+        )
 
     def chunks(self) -> list[dict[str, Any]]:
         return [e for e in self.events if isinstance(e, dict) and "error" not in e]
@@ -114,6 +132,24 @@ class InFlight(threading.Thread):
         return {(c.get("id"), c.get("created"), c.get("model")) for c in source}
 
 
+@contextmanager
+def engine_steps_held(server_pid: int) -> Iterator[None]:
+    """Stop the engine core of the ``vllm serve`` process ``server_pid``
+    (SIGSTOP) for the block, and let it go on after (SIGCONT). Its API server
+    keeps taking requests and its worker keeps receiving KV; no step runs, so
+    requests that arrive meanwhile all start together when it goes on. Its
+    heartbeats stop too: a router with the default heartbeat timeout removes
+    it after 10 s."""
+    cores = engine_cores(server_pid)
+    if len(cores) != 1:
+        raise AssertionError(f"expected one engine core under {server_pid}: {cores}")
+    cores[0].send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        cores[0].send_signal(signal.SIGCONT)
+
+
 def decode_load(router, http_addr: str) -> int:
     """Requests holding a lease on ``http_addr`` through ``router``."""
     for found in router.instances():
@@ -122,11 +158,17 @@ def decode_load(router, http_addr: str) -> int:
     return 0
 
 
-def wait_until(predicate, timeout_s: float, what: str, pace_s: float = 0.05) -> None:
+def wait_until(
+    predicate, timeout_s: float, what: str, pace_s: float = 0.05, state=None
+) -> None:
+    """Poll ``predicate`` until true; past ``timeout_s`` fail with ``what``
+    and, when given, ``state()``: what the system looked like then, so that a
+    failure on a CI host says why, not only that."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout_s:g}s: {what}")
+            found = "" if state is None else f"; state: {state()}"
+            raise AssertionError(f"not within {timeout_s:g}s: {what}{found}")
         time.sleep(pace_s)
 
 

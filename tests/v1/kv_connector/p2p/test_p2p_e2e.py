@@ -40,6 +40,7 @@ from vllm_disagg.testing import compare, openai_client
 from vllm_disagg.testing.migration import (
     InFlight,
     decode_load,
+    engine_steps_held,
     router_metric,
     wait_until,
 )
@@ -84,6 +85,15 @@ REGISTERS_WITH = {
     "d_pool": ("1p2d",),
 }
 
+# The migration test holds its victim's engine, heartbeats included, while its
+# requests are routed: a few seconds, on a loaded host near the default 10 s.
+# Its two routers serve that test only.
+HELD_ENGINE_HEARTBEAT_TIMEOUT = ["--heartbeat-timeout-s", "60"]
+ROUTER_ARGS = {
+    "migrate": HELD_ENGINE_HEARTBEAT_TIMEOUT,
+    "solo": HELD_ENGINE_HEARTBEAT_TIMEOUT,
+}
+
 
 def _chat_key(messages: list[dict]) -> str:
     return repr(messages)
@@ -107,7 +117,10 @@ def reference(put_async_set) -> dict:
 def routers(tiny_models, start_router):
     model = str(tiny_models["tiny-llama"])
     started = {
-        name: start_router(name=f"router-{name}", model=model) for name in ROUTER_NAMES
+        name: start_router(
+            name=f"router-{name}", model=model, args=ROUTER_ARGS.get(name, ())
+        )
+        for name in ROUTER_NAMES
     }
     yield started
     for router in started.values():
@@ -450,8 +463,9 @@ def test_a_decode_joining_then_dying_while_traffic_flows(
 
 # Long enough that nothing finishes before the kill: a greedy answer that ends
 # by EOS after 885 tokens of the tiny Llama (MANY_PROMPTS[2]'s 423 ran out on
-# CI's two cores before the kill; the victim's streams have had at most ~180
-# tokens when it comes). The chat stops by length; 68 + 950 <= max_model_len.
+# CI's two cores before the kill). The victim's four requests start together
+# (its engine is held while they are routed) and have a few dozen tokens each
+# when it comes. The chat stops by length; 68 + 950 <= max_model_len.
 MIGRATION_MAX_TOKENS = 950
 MIGRATION_PROMPT = MANY_PROMPTS[14]  # 68 token ids
 # The kill comes once each request on the victim got this many tokens.
@@ -481,8 +495,9 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
     """A third decode joins the "migrate" router (p1, d1) and the "solo"
     router (p1 alone); a streamed completion, a streamed chat and a whole
     completion land on it (each kind sent as two requests at once: round-robin
-    puts one on either decode), and a stream through "solo". Once every stream
-    got some chunks, the decode is SIGKILLed. Through "migrate" every client
+    puts one on either decode), and a stream through "solo", all while its
+    engine is held, so that the four start together. Once each got some
+    tokens, the decode is SIGKILLed. Through "migrate" every client
     gets the colocated greedy output whole, one [DONE], the usage of its
     prompt, one id; through "solo" (no pair left) an error event and [DONE]."""
     migrate, solo = routers["migrate"], routers["solo"]
@@ -533,31 +548,77 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
     def mark(what: str) -> None:
         timeline.append(f"{time.monotonic() - started:.2f}s {what}")
 
+    def state() -> dict:
+        """The victim's scheduler and connector, the routers' leases and
+        every client, for a failure message."""
+        return {
+            "victim": {
+                name: metric(victim, f"vllm:{name}")
+                for name in (
+                    "num_requests_running",
+                    "num_requests_waiting",
+                    "generation_tokens",
+                    "p2p_failed_loads",
+                    "external_prefix_cache_hits",
+                )
+            },
+            "leases": {
+                "migrate": [decode_load(migrate, addr) for addr in decodes],
+                "solo": decode_load(solo, victim_addr),
+            },
+            "clients": [f"{kind}: {c.describe()}" for kind, c in clients]
+            + [f"orphan: {orphan.describe()}"],
+        }
+
     orphan = InFlight(
         solo.url, *_migration_body("stream", solo.model), MIGRATION_TIMEOUT_S
     )
+    prefill = put_async_set["p1"]  # the only prefill of "migrate" and "solo"
+    prefills = metric(prefill, "vllm:request_success")
     try:
-        orphan.start()  # the victim's stream through "solo", routed meanwhile
-        # Each kind as two requests at once, each pair routed before the
-        # next: consecutive round-robin picks go one to either decode, so
-        # the victim gets one of every kind, and its first request has only
-        # two more routings to wait for (sent one by one, four: on CI's two
-        # cores a victim's stream ended by EOS before the kill).
-        for kind in ("stream", "chat_stream", "plain"):
-            before = picks()
-            pair = [
-                InFlight(
-                    migrate.url,
-                    *_migration_body(kind, migrate.model),
-                    MIGRATION_TIMEOUT_S,
+        # The victim's engine is held while its four requests are routed to
+        # it, so that they start decoding together: routed to a running
+        # victim, its first request had a head start of every later routing,
+        # prefill and transfer, and on a loaded two-core CI host a stream of
+        # 885 tokens ran to its end before the last one was decoded. Held,
+        # the victim takes the requests and receives their KV (PUT_ASYNC's
+        # early arrival); only its steps wait.
+        with engine_steps_held(victim.server.proc.pid):
+            # Each kind as two requests at once, each pair routed before the
+            # next: consecutive round-robin picks go one to either decode,
+            # so the victim gets one of every kind.
+            for kind in ("stream", "chat_stream", "plain"):
+                before = picks()
+                pair = [
+                    InFlight(
+                        migrate.url,
+                        *_migration_body(kind, migrate.model),
+                        MIGRATION_TIMEOUT_S,
+                    )
+                    for _ in range(2)
+                ]
+                for client in pair:
+                    client.start()
+                    clients.append((kind, client))
+                wait_until(
+                    lambda b=before: picks() >= b + 2,
+                    30,
+                    f"{kind} pair routed",
+                    state=state,
                 )
-                for _ in range(2)
-            ]
-            for client in pair:
-                client.start()
-                clients.append((kind, client))
-            wait_until(lambda b=before: picks() >= b + 2, 30, f"{kind} pair routed")
-            mark(f"{kind} pair routed")
+                mark(f"{kind} pair routed")
+            orphan.start()  # the victim's stream through "solo"
+            # Every prefill answered (six through "migrate", the orphan's),
+            # so every decode leg is on its way to its decode.
+            wait_until(
+                lambda: metric(prefill, "vllm:request_success") >= prefills + 7,
+                60,
+                f"seven prefills; {timeline}",
+                pace_s=0.1,
+                state=state,
+            )
+            mark("prefills answered")
+        mark("the victim's engine goes on")
         # Kill once the victim decodes its four requests (one of each kind
         # and the orphan) and each got KILL_AFTER_CHUNKS tokens: all in one
         # batch, one token each a step. The victim's own counters, not the
@@ -568,6 +629,7 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
             60,
             f"the victim decoding 4 requests; {timeline}",
             pace_s=0.1,
+            state=state,
         )
         generated = metric(victim, "vllm:generation_tokens")
         wait_until(
@@ -576,6 +638,7 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
             60,
             f"{KILL_AFTER_CHUNKS} more tokens each on the victim; {timeline}",
             pace_s=0.1,
+            state=state,
         )
         streams = [c for _, c in clients if c.stream] + [orphan]
         mark(f"chunks {[len(c.chunks()) for c in streams]}")
@@ -584,6 +647,10 @@ def test_a_decode_killed_mid_generation_hands_its_requests_to_another_pair(
             for c in streams
         ]
         mark(f"first events {waits}")
+        # Their KV came over the connector while the engine was held.
+        victim_state = state()["victim"]
+        assert victim_state["p2p_failed_loads"] == 0, (victim_state, timeline)
+        assert victim_state["external_prefix_cache_hits"] > 0, (victim_state, timeline)
         # Hold the victim still, then check that it serves all it should: one
         # of each kind through "migrate", the orphan through "solo", none of
         # them finished (a lease ends only with its request).

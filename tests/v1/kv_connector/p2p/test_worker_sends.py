@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -141,3 +143,71 @@ def test_an_engine_closed_between_bind_and_wait_for_save_tells_the_decode_at_onc
     assert xfer.done.is_set() and not xfer.ok and "closing" in xfer.reason
     decode.release(slot)
     assert decode.occupancy() == (0, 0)
+
+
+@contextmanager
+def _forward_pass(worker: P2pWorkerConnector) -> Iterator[None]:
+    """As vLLM's model runner wraps a pass: wait_for_save in a `finally`."""
+    try:
+        yield
+    finally:
+        worker.wait_for_save()
+
+
+@pytest.mark.parametrize("send_type", [SendType.PUT, SendType.PUT_ASYNC])
+def test_kv_of_a_forward_pass_that_raised_is_not_sent(make_engine, send_type):
+    # The pass computed (saved) the first layer, then raised. wait_for_save
+    # still runs, in vLLM's `finally`: it must not mark the other layers
+    # saved and send what the cache held before; the send fails and the
+    # decode learns at once (adversarial review, finding F3).
+    hold_s = 20.0
+    prefill = make_engine("tcp", send_type.value, seed=1, hold=hold_s)
+    decode = make_engine("tcp", send_type.value, seed=2, hold=30.0)
+    worker = _worker(prefill, send_type)
+    decode.expect(
+        "k",
+        0,
+        deadline(30),
+        get_from=None,
+        prompt_digest=DIGEST,
+        prefill_addr=prefill.addr,  # as the decode's worker names it
+    )
+    worker.bind(
+        P2pConnectorMetadata(
+            saves=[SaveSpec("req-k", "k", decode.addr, [1, 2], DIGEST)]
+        )
+    )
+    start = time.monotonic()
+    with pytest.raises(RuntimeError), _forward_pass(worker):
+        worker.save_kv_layer(next(iter(prefill.kv)))
+        raise RuntimeError("the forward pass")
+    returned_in = time.monotonic() - start
+    slot = wait_for(lambda: decode.poll("k"), "the failed slot", 10)
+    learned_in = time.monotonic() - start
+    # Bounds for a loaded 2-core host; the deadline they guard is 20 s.
+    assert returned_in < 2.0, returned_in
+    assert learned_in < 5.0, learned_in
+    assert slot.state is SlotState.FAILED
+    xfer = worker._sends["req-k"]
+    assert xfer.done.wait(5) and not xfer.ok
+    assert "forward pass raised RuntimeError" in xfer.reason, xfer.reason
+    assert not worker._offered and not worker._streaming
+    decode.release(slot)
+    assert decode.occupancy() == (0, 0)
+
+
+def test_get_holds_nothing_of_a_forward_pass_that_raised(make_engine):
+    prefill = make_engine("tcp", "GET", seed=1)
+    worker = _worker(prefill, SendType.GET)
+    worker.bind(
+        P2pConnectorMetadata(
+            saves=[SaveSpec("req-k", "k", "127.0.0.1:1", [1, 2], DIGEST)]
+        )
+    )
+    with pytest.raises(RuntimeError), _forward_pass(worker):
+        raise RuntimeError("the forward pass")
+    assert worker._sends == {}
+    # The same pass without the error holds the KV for the decode's Get.
+    with _forward_pass(worker):
+        pass
+    assert set(worker._sends) == {"req-k"}

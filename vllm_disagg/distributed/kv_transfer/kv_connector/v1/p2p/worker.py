@@ -20,6 +20,7 @@ Per step (see ``kv_connector_model_runner_mixin.py``):
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -230,6 +231,12 @@ class P2pWorkerConnector:
             xfer.layer_saved(layer, event)
 
     def wait_for_save(self) -> None:
+        # vLLM calls this in a `finally` around the forward pass: when the
+        # pass raised, the layers it did not compute must not be sent as KV.
+        raised = sys.exc_info()[1]
+        if raised is not None:
+            self._abandon_step(f"the forward pass raised {type(raised).__name__}")
+            return
         meta, engine = self._meta, self.engine
         for xfer in self._streaming:
             xfer.all_saved()  # layers whose hook did not run (none expected) go now
@@ -251,6 +258,21 @@ class P2pWorkerConnector:
                     prompt_digest=s.prompt_digest,
                     decode_addr=s.decode_addr,
                 )
+
+    def _abandon_step(self, reason: str) -> None:
+        """Fail this step's sends (each tells its decode, which recomputes)
+        and hold nothing for GET: the KV in the cache is not what the pass
+        would have written. The model thread does not wait."""
+        for xfer in [*self._streaming, *self._offered]:
+            xfer.abandon(reason)
+        self._streaming.clear()
+        self._offered.clear()
+        if self._meta is not None and self._meta.saves:
+            logger.warning(
+                "P2P: %d KV send(s) of this step failed: %s",
+                len(self._meta.saves),
+                reason,
+            )
 
     def get_transfer_results(
         self, finished_req_ids: set[str]

@@ -191,6 +191,9 @@ class Peer:
             else:
                 self._give_up(job, reason)
             return
+        if isinstance(job, SendTransfer) and job.abandoned:
+            self._give_up(job, job.abandoned)  # no Offer for KV that will not come
+            return
         left = self.silent_until - time.monotonic()
         if left > 0:
             reason = (

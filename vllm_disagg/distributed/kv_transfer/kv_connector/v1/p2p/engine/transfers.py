@@ -54,10 +54,18 @@ class SendTransfer:
     # The engine's: set when it closes, so a send waiting for layers that
     # will never be saved ends then, not at its deadline.
     closing: threading.Event | None = None
+    # Set by the worker when the forward pass computing this KV raised: the
+    # layers it never saved must not go, so the send fails (and says so).
+    abandoned: str = ""
 
     @property
     def ok(self) -> bool:
         return self.state is SendState.SENT
+
+    def abandon(self, reason: str) -> None:
+        with self.cond:
+            self.abandoned = reason
+            self.cond.notify_all()
 
     def layer_saved(self, layer: int, event: torch.cuda.Event | None) -> None:
         with self.cond:
@@ -71,7 +79,9 @@ class SendTransfer:
 
     def wait_layer(self, layer: int) -> None:
         with self.cond:
-            while self.layers_ready <= layer:
+            while self.abandoned or self.layers_ready <= layer:
+                if self.abandoned:
+                    raise TransportError(self.abandoned)
                 if self.closing is not None and self.closing.is_set():
                     raise TransportError(
                         f"the engine is closing; layer {layer} was not saved"

@@ -47,6 +47,7 @@ def _worker(node, send_type: SendType) -> P2pWorkerConnector:
     worker._loads = {}
     worker._streaming, worker._offered = [], []
     worker._sends, worker._finished_requests = {}, set()
+    worker._handled_at_bind = None
     return worker
 
 
@@ -211,3 +212,26 @@ def test_get_holds_nothing_of_a_forward_pass_that_raised(make_engine):
     with _forward_pass(worker):
         pass
     assert set(worker._sends) == {"req-k"}
+
+
+def test_a_step_run_inside_a_callers_except_block_still_sends(make_engine):
+    # sys.exc_info() sees an exception a caller up the stack is handling;
+    # a pass that raised nothing must not be taken for one that did.
+    prefill = make_engine("tcp", "PUT", seed=1)
+    decode = make_engine("tcp", "PUT", seed=2)
+    worker = _worker(prefill, SendType.PUT)
+    decode.expect("k", 0, deadline(), get_from=None, prompt_digest=DIGEST)
+    try:
+        raise KeyError("handled by the caller")
+    except KeyError:
+        worker.bind(
+            P2pConnectorMetadata(
+                saves=[SaveSpec("req-k", "k", decode.addr, [1], DIGEST)]
+            )
+        )
+        with _forward_pass(worker):
+            pass
+    receive(decode, "k", [40], 0)
+    xfer = worker._sends["req-k"]
+    assert xfer.done.wait(10) and xfer.ok, xfer.reason
+    assert_blocks_equal(decode, [40], prefill, [1])

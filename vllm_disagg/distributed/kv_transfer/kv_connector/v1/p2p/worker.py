@@ -102,6 +102,7 @@ class P2pWorkerConnector:
             str, tuple[LoadSpec, float]
         ] = {}  # request id -> (spec, deadline)
         self._streaming: list[SendTransfer] = []  # PUT_ASYNC sends of this step
+        self._handled_at_bind: BaseException | None = None
         self._offered: list[SendTransfer] = []  # PUT sends of this step
         self._sends: dict[
             str, SendTransfer
@@ -166,6 +167,10 @@ class P2pWorkerConnector:
 
     def bind(self, meta: P2pConnectorMetadata) -> None:
         self._meta = meta
+        # sys.exc_info() walks up the stack: a step run from inside some
+        # caller's `except` block sees that exception all along. Only one
+        # that appears after bind was raised by this step's forward pass.
+        self._handled_at_bind = sys.exc_info()[1]
         # PUT and PUT_ASYNC sends start here, before the forward pass (vLLM
         # calls start_load_kv after it when a step has no synchronous loads):
         # the Offer's round trip runs during the pass, and PUT_ASYNC's
@@ -234,7 +239,7 @@ class P2pWorkerConnector:
         # vLLM calls this in a `finally` around the forward pass: when the
         # pass raised, the layers it did not compute must not be sent as KV.
         raised = sys.exc_info()[1]
-        if raised is not None:
+        if raised is not None and raised is not self._handled_at_bind:
             self._abandon_step(f"the forward pass raised {type(raised).__name__}")
             return
         meta, engine = self._meta, self.engine

@@ -197,21 +197,51 @@ def test_kv_of_a_forward_pass_that_raised_is_not_sent(make_engine, send_type):
     assert decode.occupancy() == (0, 0)
 
 
-def test_get_holds_nothing_of_a_forward_pass_that_raised(make_engine):
-    prefill = make_engine("tcp", "GET", seed=1)
+def test_get_answers_gone_for_a_forward_pass_that_raised(make_engine):
+    # GET holds the KV for a pull: of a pass that raised it is filed failed,
+    # so the decode's Get is answered `gone` and its load fails at once (not
+    # at kv_load_timeout_s), and vLLM is told the blocks are free.
+    prefill = make_engine("tcp", "GET", seed=1, hold=20.0)
+    decode = make_engine("tcp", "GET", seed=2, hold=30.0)
     worker = _worker(prefill, SendType.GET)
     worker.bind(
         P2pConnectorMetadata(
-            saves=[SaveSpec("req-k", "k", "127.0.0.1:1", [1, 2], DIGEST)]
+            saves=[SaveSpec("req-k", "k", decode.addr, [1, 2], DIGEST)]
         )
     )
     with pytest.raises(RuntimeError), _forward_pass(worker):
         raise RuntimeError("the forward pass")
-    assert worker._sends == {}
-    # The same pass without the error holds the KV for the decode's Get.
-    with _forward_pass(worker):
-        pass
-    assert set(worker._sends) == {"req-k"}
+    xfer = worker._sends["req-k"]
+    assert xfer.done.is_set() and not xfer.ok, xfer.reason
+    assert "forward pass raised" in xfer.reason
+    start = time.monotonic()
+    decode.expect("k", 0, deadline(30), get_from=prefill.addr, prompt_digest=DIGEST)
+    slot = wait_for(lambda: decode.poll("k"), "the failed slot", 10)
+    assert time.monotonic() - start < 5.0  # a loaded host; the timeout is 30 s
+    assert slot.state is SlotState.FAILED
+    decode.release(slot)
+    results = worker.get_transfer_results({"req-k"})
+    assert results.finished_sending == {"req-k"}
+
+
+def test_a_pass_raising_inside_a_callers_except_block_fails_its_sends(
+    make_engine,
+):
+    prefill = make_engine("tcp", "PUT", seed=1)
+    worker = _worker(prefill, SendType.PUT)
+    try:
+        raise KeyError("handled by the caller")
+    except KeyError:
+        worker.bind(
+            P2pConnectorMetadata(
+                saves=[SaveSpec("req-k", "k", "127.0.0.1:1", [1], DIGEST)]
+            )
+        )
+        with pytest.raises(RuntimeError), _forward_pass(worker):
+            raise RuntimeError("the forward pass") from None
+    xfer = worker._sends["req-k"]
+    assert xfer.done.wait(10) and not xfer.ok
+    assert "forward pass raised RuntimeError" in xfer.reason, xfer.reason
 
 
 def test_a_step_run_inside_a_callers_except_block_still_sends(make_engine):

@@ -48,6 +48,7 @@ from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.fingerprint import 
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.metadata import (
     LoadSpec,
     P2pConnectorMetadata,
+    SaveSpec,
 )
 from vllm_disagg.distributed.kv_transfer.kv_connector.v1.p2p.stats import (
     P2pKVConnectorStats,
@@ -195,6 +196,7 @@ class P2pWorkerConnector:
 
     def clear(self) -> None:
         self._meta = None
+        self._handled_at_bind = None
 
     def start_load_kv(self) -> None:
         meta, engine = self._meta, self.engine
@@ -236,10 +238,13 @@ class P2pWorkerConnector:
             xfer.layer_saved(layer, event)
 
     def wait_for_save(self) -> None:
-        # vLLM calls this in a `finally` around the forward pass: when the
-        # pass raised, the layers it did not compute must not be sent as KV.
-        raised = sys.exc_info()[1]
-        if raised is not None and raised is not self._handled_at_bind:
+        # vLLM's V1 model runner calls this in a `finally` around the forward
+        # pass: when the pass raised, the layers it did not compute must not
+        # go as KV. (The V2 runner skips the call when the pass raises; the
+        # engine then dies and close() ends the sends.)
+        raised, handled = sys.exc_info()[1], self._handled_at_bind
+        self._handled_at_bind = None  # no caller's traceback kept past the step
+        if raised is not None and raised is not handled:
             self._abandon_step(f"the forward pass raised {type(raised).__name__}")
             return
         meta, engine = self._meta, self.engine
@@ -256,28 +261,37 @@ class P2pWorkerConnector:
             return
         if self.config.send_type is SendType.GET:
             for s in meta.saves:
-                self._sends[s.request_id] = engine.hold(
-                    s.key,
-                    s.request_id,
-                    s.block_ids,
-                    prompt_digest=s.prompt_digest,
-                    decode_addr=s.decode_addr,
-                )
+                self._hold_for_get(s)
+
+    def _hold_for_get(self, save: SaveSpec) -> SendTransfer:
+        xfer = self._sends[save.request_id] = self.engine.hold(
+            save.key,
+            save.request_id,
+            save.block_ids,
+            prompt_digest=save.prompt_digest,
+            decode_addr=save.decode_addr,
+        )
+        return xfer
 
     def _abandon_step(self, reason: str) -> None:
-        """Fail this step's sends (each tells its decode, which recomputes)
-        and hold nothing for GET: the KV in the cache is not what the pass
-        would have written. The model thread does not wait."""
+        """Fail this step's sends: the KV in the cache is not what the pass
+        would have written. PUT's tell their decodes (an Abort); GET's are
+        filed failed, so the decode's Get is answered `gone`. Either way the
+        decode recomputes at once, and the blocks are reported, so vLLM
+        frees them. The model thread does not wait."""
         for xfer in [*self._streaming, *self._offered]:
             xfer.abandon(reason)
         self._streaming.clear()
         self._offered.clear()
-        if self._meta is not None and self._meta.saves:
-            logger.warning(
-                "P2P: %d KV send(s) of this step failed: %s",
-                len(self._meta.saves),
-                reason,
-            )
+        meta, engine = self._meta, self.engine
+        if meta is None or engine is None or not meta.saves:
+            return
+        if self.config.send_type is SendType.GET:
+            for s in meta.saves:
+                engine.finish_send(self._hold_for_get(s), ok=False, reason=reason)
+        logger.warning(
+            "P2P: %d KV send(s) of this step failed: %s", len(meta.saves), reason
+        )
 
     def get_transfer_results(
         self, finished_req_ids: set[str]

@@ -217,11 +217,6 @@ def _is_engine_core(proc: psutil.Process) -> bool:
         return False
 
 
-def engine_cores(pid: int) -> list[psutil.Process]:
-    """The engine-core processes under the ``vllm serve`` process ``pid``."""
-    return _find_children(pid, _is_engine_core)
-
-
 # --- the fleet ---------------------------------------------------------------
 
 
@@ -515,7 +510,7 @@ class Fleet:
         """SIGKILL only the engine-core child of member ``name`` (one DP rank's
         engine)."""
         pid = self.members[name].pid
-        cores = engine_cores(pid) if pid else []
+        cores = _find_children(pid, _is_engine_core) if pid else []
         if len(cores) != 1:
             raise FleetError(f"{name}: expected one engine-core child, found {cores}")
         cores[0].kill()

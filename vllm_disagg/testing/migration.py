@@ -13,9 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import psutil
 import requests
-
-from vllm_disagg.testing.fleet import engine_cores
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -140,7 +139,12 @@ def engine_steps_held(server_pid: int) -> Iterator[None]:
     requests that arrive meanwhile all start together when it goes on. Its
     heartbeats stop too: a router with the default heartbeat timeout removes
     it after 10 s."""
-    cores = engine_cores(server_pid)
+    cores = [
+        child
+        for child in psutil.Process(server_pid).children(recursive=True)
+        # vLLM retitles the process "VLLM::EngineCore" (setproctitle)
+        if "EngineCore" in "".join(child.cmdline()[:1])
+    ]
     if len(cores) != 1:
         raise AssertionError(f"expected one engine core under {server_pid}: {cores}")
     cores[0].send_signal(signal.SIGSTOP)

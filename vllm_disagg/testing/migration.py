@@ -73,9 +73,13 @@ class InFlight(threading.Thread):
             if self.first_event_at is None or self.started_at is None
             else round(self.first_event_at - self.started_at, 2)
         )
+        try:
+            ended = f"finish={self.finish_reason()} tokens={len(self.token_ids())} "
+        except (KeyError, IndexError, TypeError):  # a body of another shape
+            ended = ""
         return (
             f"{'done' if self.finished.is_set() else 'open'} status={self.status} "
-            f"chunks={len(self.chunks())} first_event_s={waited} "
+            f"chunks={len(self.chunks())} {ended}first_event_s={waited} "
             f"errors={self.errors()[-1:]} error={self.error}"
         )
 

@@ -28,7 +28,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,7 @@ import psutil
 import requests
 
 from vllm_disagg import envs
+from vllm_disagg.testing.migration import engine_cores
 from vllm_disagg.testing.p2p import free_kv_port, kv_transfer_config
 from vllm_disagg.testing.router import RouterProcess
 from vllm_disagg.testing.server import VllmServer, cpu_test_env, get_free_port
@@ -199,22 +200,6 @@ def probe_tree(pid: int) -> list[ProcStat]:
         except (psutil.Error, OSError):
             continue
     return stats
-
-
-def _find_children(
-    pid: int, predicate: Callable[[psutil.Process], bool]
-) -> list[psutil.Process]:
-    try:
-        return [c for c in psutil.Process(pid).children(recursive=True) if predicate(c)]
-    except psutil.Error:
-        return []
-
-
-def _is_engine_core(proc: psutil.Process) -> bool:
-    try:
-        return any("EngineCore" in part for part in proc.cmdline()[:1])
-    except psutil.Error:
-        return False
 
 
 # --- the fleet ---------------------------------------------------------------
@@ -510,7 +495,7 @@ class Fleet:
         """SIGKILL only the engine-core child of member ``name`` (one DP rank's
         engine)."""
         pid = self.members[name].pid
-        cores = _find_children(pid, _is_engine_core) if pid else []
+        cores = engine_cores(pid) if pid else []
         if len(cores) != 1:
             raise FleetError(f"{name}: expected one engine-core child, found {cores}")
         cores[0].kill()

@@ -135,6 +135,24 @@ class InFlight(threading.Thread):
         return {(c.get("id"), c.get("created"), c.get("model")) for c in source}
 
 
+def engine_cores(server_pid: int) -> list[psutil.Process]:
+    """The engine-core processes under the ``vllm serve`` process
+    ``server_pid`` (none once it is gone)."""
+
+    def is_core(proc: psutil.Process) -> bool:
+        try:
+            # vLLM retitles the process "VLLM::EngineCore[_DPn]" (setproctitle)
+            return any("EngineCore" in part for part in proc.cmdline()[:1])
+        except psutil.Error:
+            return False
+
+    try:
+        children = psutil.Process(server_pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [c for c in children if is_core(c)]
+
+
 @contextmanager
 def engine_steps_held(server_pid: int) -> Iterator[None]:
     """Stop the engine core of the ``vllm serve`` process ``server_pid``
@@ -143,12 +161,7 @@ def engine_steps_held(server_pid: int) -> Iterator[None]:
     requests that arrive meanwhile all start together when it goes on. Its
     heartbeats stop too: a router with the default heartbeat timeout removes
     it after 10 s."""
-    cores = [
-        child
-        for child in psutil.Process(server_pid).children(recursive=True)
-        # vLLM retitles the process "VLLM::EngineCore" (setproctitle)
-        if "EngineCore" in "".join(child.cmdline()[:1])
-    ]
+    cores = engine_cores(server_pid)
     if len(cores) != 1:
         raise AssertionError(f"expected one engine core under {server_pid}: {cores}")
     cores[0].send_signal(signal.SIGSTOP)

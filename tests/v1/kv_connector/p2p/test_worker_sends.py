@@ -51,6 +51,31 @@ def _worker(node, send_type: SendType) -> P2pWorkerConnector:
     return worker
 
 
+def _send_of_k_started(make_engine, send_type: SendType, *, expect: bool):
+    """A prefill whose worker started, in bind, the send of key "k" (blocks
+    1 and 2) to a decode; the decode expects "k" from that prefill when
+    ``expect``. Holds of 20 s (prefill) and 30 s (decode): what the tests
+    below must beat by far. Returns (prefill, decode, worker)."""
+    prefill = make_engine("tcp", send_type.value, seed=1, hold=20.0)
+    decode = make_engine("tcp", send_type.value, seed=2, hold=30.0)
+    worker = _worker(prefill, send_type)
+    if expect:
+        decode.expect(
+            "k",
+            0,
+            deadline(30),
+            get_from=None,
+            prompt_digest=DIGEST,
+            prefill_addr=prefill.addr,  # as the decode's worker names it
+        )
+    worker.bind(
+        P2pConnectorMetadata(
+            saves=[SaveSpec("req-k", "k", decode.addr, [1, 2], DIGEST)]
+        )
+    )
+    return prefill, decode, worker
+
+
 @pytest.mark.parametrize("send_type", [SendType.PUT, SendType.PUT_ASYNC])
 def test_the_offer_goes_before_the_forward_pass_and_the_kv_after_it(
     make_engine, send_type
@@ -119,16 +144,8 @@ def test_an_engine_closed_between_bind_and_wait_for_save_tells_the_decode_at_onc
     # prefill shuts down before any layer is saved. Its close must not wait
     # for the send's deadline (kv_hold_timeout_s) and the decode must learn
     # now, not at its kv_load_timeout_s (adversarial review, finding F1).
-    hold_s = 20.0
-    prefill = make_engine("tcp", send_type.value, seed=1, hold=hold_s)
-    decode = make_engine("tcp", send_type.value, seed=2, hold=30.0)
-    worker = _worker(prefill, send_type)
-    if expected:
-        decode.expect("k", 0, deadline(30), get_from=None, prompt_digest=DIGEST)
-    worker.bind(
-        P2pConnectorMetadata(
-            saves=[SaveSpec("req-k", "k", decode.addr, [1, 2], DIGEST)]
-        )
+    prefill, decode, worker = _send_of_k_started(
+        make_engine, send_type, expect=expected
     )
     wait_for(lambda: decode.occupancy()[0] > 0, "the offer's room", 10)
     start = time.monotonic()
@@ -161,23 +178,7 @@ def test_kv_of_a_forward_pass_that_raised_is_not_sent(make_engine, send_type):
     # still runs, in vLLM's `finally`: it must not mark the other layers
     # saved and send what the cache held before; the send fails and the
     # decode learns at once (adversarial review, finding F3).
-    hold_s = 20.0
-    prefill = make_engine("tcp", send_type.value, seed=1, hold=hold_s)
-    decode = make_engine("tcp", send_type.value, seed=2, hold=30.0)
-    worker = _worker(prefill, send_type)
-    decode.expect(
-        "k",
-        0,
-        deadline(30),
-        get_from=None,
-        prompt_digest=DIGEST,
-        prefill_addr=prefill.addr,  # as the decode's worker names it
-    )
-    worker.bind(
-        P2pConnectorMetadata(
-            saves=[SaveSpec("req-k", "k", decode.addr, [1, 2], DIGEST)]
-        )
-    )
+    prefill, decode, worker = _send_of_k_started(make_engine, send_type, expect=True)
     start = time.monotonic()
     with pytest.raises(RuntimeError), _forward_pass(worker):
         worker.save_kv_layer(next(iter(prefill.kv)))
